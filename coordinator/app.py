@@ -1,0 +1,144 @@
+"""The coordinator's HTTP API (starlette): OpenAI endpoints over the E/P/D pipeline.
+
+Routes only parse, call the pipeline and map errors (services.protocol.errors)
+to HTTP; the pipeline holds the logic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from services.config import EpdConfig
+from services.observability import request_id_var
+from services.protocol.errors import EpdError, InvalidRequest, as_epd_error
+
+from .cluster import Cluster
+from .context import RequestContext
+from .openai_api import collect, stream_events
+from .pipeline import Pipeline
+
+log = logging.getLogger(__name__)
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+def error_response(err: EpdError) -> JSONResponse:
+    headers = {"Retry-After": str(max(1, round(err.retry_after_s)))} if err.retry_after_s else None
+    return JSONResponse(err.to_body(), status_code=err.status, headers=headers)
+
+
+async def read_json(request: Request) -> tuple[bytes, dict[str, Any]]:
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise InvalidRequest(f"request body over {MAX_BODY_BYTES} bytes", code="body_too_large")
+    raw = bytearray()
+    async for piece in request.stream():
+        raw += piece
+        if len(raw) > MAX_BODY_BYTES:
+            raise InvalidRequest(f"request body over {MAX_BODY_BYTES} bytes", code="body_too_large")
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise InvalidRequest(f"malformed JSON body: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object", code="invalid_json")
+    return bytes(raw), body
+
+
+def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool) and stream is not None:
+        raise InvalidRequest("stream: must be a boolean", code="invalid_type")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise InvalidRequest("stream_options: must be an object", code="invalid_type")
+    return bool(stream), bool(options.get("include_usage"))
+
+
+class CoordinatorApp:
+    def __init__(self, config: EpdConfig) -> None:
+        self.config = config
+        self.cluster = Cluster(config)
+        self.pipeline = Pipeline(self.cluster)
+
+    def new_context(self, request: Request, kind: str, raw: bytes, body: dict[str, Any]) -> RequestContext:
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        stream, include_usage = _stream_flags(body)
+        return RequestContext(request_id=request_id, kind=kind, body=raw, stream=stream,
+                              include_usage=include_usage,
+                              deadline=time.monotonic() + self.config.request_timeout_s)
+
+    async def openai(self, request: Request, kind: str) -> Response:
+        endpoint = request.url.path
+        try:
+            raw, body = await read_json(request)
+            ctx = self.new_context(request, kind, raw, body)
+            request_id_var.set(ctx.request_id)
+            await self.pipeline.prepare(ctx)
+            chunks = self.pipeline.stream(ctx)
+            if ctx.stream:
+                self.cluster.metrics.requests.labels(endpoint, "200").inc()
+                return StreamingResponse(stream_events(ctx, chunks), media_type="text/event-stream",
+                                         headers={"X-Request-Id": ctx.request_id})
+            answer = await collect(ctx, chunks)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        except Exception as exc:  # noqa: BLE001 - mapped to one error taxonomy
+            err = as_epd_error(exc)
+            if err.status >= 500:
+                log.exception("request failed")
+            self.cluster.metrics.requests.labels(endpoint, str(err.status)).inc()
+            return error_response(err)
+        self.cluster.metrics.requests.labels(endpoint, "200").inc()
+        return JSONResponse(answer, headers={"X-Request-Id": ctx.request_id})
+
+    async def chat(self, request: Request) -> Response:
+        return await self.openai(request, "chat")
+
+    async def completions(self, request: Request) -> Response:
+        return await self.openai(request, "completion")
+
+    async def models(self, _: Request) -> Response:
+        card = {"id": self.config.served_model_id(), "object": "model", "created": 0, "owned_by": "epd",
+                "max_model_len": self.config.max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(self, _: Request) -> Response:
+        roles = {pool.role: len(pool.healthy()) for pool in self.cluster.pools}
+        ok = all(roles.values())
+        return JSONResponse({"status": "ok" if ok else "degraded", "healthy_instances": roles},
+                            status_code=200 if ok else 503)
+
+    async def metrics(self, _: Request) -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+        ]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, _: Starlette) -> AsyncIterator[None]:
+        self.cluster.start()
+        try:
+            yield
+        finally:
+            await self.cluster.close()
+
+    def build(self) -> Starlette:
+        return Starlette(routes=self.routes(), lifespan=self.lifespan)

@@ -1,0 +1,62 @@
+"""The coordinator's view of the cluster: one pool per role, the EC handle cache, metrics."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from services.config import EpdConfig
+from services.rpc.v1 import epd_pb2_grpc as rpc
+
+from .metrics import CoordinatorMetrics
+from .routing.pool import InstancePool
+
+
+class HandleCache:
+    """Bounded LRU of mm_hash -> EC handle (JSON bytes) the encoders returned."""
+
+    def __init__(self, max_entries: int = 4096) -> None:
+        self.max_entries = max_entries
+        self._entries: OrderedDict[str, bytes] = OrderedDict()
+
+    def get(self, mm_hash: str) -> bytes | None:
+        handle = self._entries.get(mm_hash)
+        if handle is not None:
+            self._entries.move_to_end(mm_hash)
+        return handle
+
+    def put(self, mm_hash: str, handle: bytes) -> None:
+        self._entries[mm_hash] = handle
+        self._entries.move_to_end(mm_hash)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+    def pop(self, mm_hash: str) -> None:
+        self._entries.pop(mm_hash, None)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class Cluster:
+    def __init__(self, config: EpdConfig) -> None:
+        self.config = config
+        self.ec_handles = HandleCache()
+        self.metrics = CoordinatorMetrics()
+
+    @property
+    def pools(self) -> list[InstancePool]:
+        return [self.render, self.encode, self.prefill, self.decode]
+
+    def start(self) -> None:
+        """Connect the pools; must run inside the serving event loop (grpc.aio channels bind to it)."""
+        config = self.config
+        self.render = InstancePool("render", config.urls("render"), rpc.RenderServiceStub)
+        self.encode = InstancePool("encode", config.urls("encode"), rpc.EncodeServiceStub, policy="affinity")
+        self.prefill = InstancePool("prefill", config.urls("prefill"), rpc.PrefillServiceStub)
+        self.decode = InstancePool("decode", config.urls("decode"), rpc.DecodeServiceStub)
+        for pool in self.pools:
+            pool.start_probing()
+
+    async def close(self) -> None:
+        for pool in self.pools:
+            await pool.close()

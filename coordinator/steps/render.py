@@ -1,0 +1,35 @@
+"""Render: OpenAI request -> token ids, items (kwargs_data + mm_metadata), sampling params."""
+
+from __future__ import annotations
+
+import time
+
+from services.rpc.convert import loads, sampling_to_pb
+from services.rpc.v1 import epd_pb2 as pb
+
+from ..clients import call_unary
+from ..cluster import Cluster
+from ..context import RequestContext
+from .base import Step
+
+
+class RenderStep(Step):
+    name = "render"
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+
+    async def execute(self, ctx: RequestContext) -> None:
+        if ctx.rendered is not None:
+            return
+        started = time.perf_counter()
+        if ctx.kind == "chat":
+            request = pb.RenderChatRequest(request_id=ctx.request_id, chat_request_json=ctx.body)
+            reply, instance = await call_unary(self.cluster.render, ctx, "RenderChat", request)
+        else:
+            request = pb.RenderCompletionRequest(request_id=ctx.request_id, completion_request_json=ctx.body)
+            reply, instance = await call_unary(self.cluster.render, ctx, "RenderCompletion", request)
+        ctx.rendered = reply
+        ctx.extra["sampling"] = sampling_to_pb(loads(reply.sampling_params_json) or {})
+        ctx.instances["render"] = instance.address
+        ctx.timings["render"] = time.perf_counter() - started

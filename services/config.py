@@ -1,0 +1,170 @@
+"""One configuration schema for every epd process.
+
+Each setting is a field of the frozen `EpdConfig` dataclass; the command-line
+flag (`--ec-connector`) and the environment variable (`EPD_EC_CONNECTOR`) are
+derived from the field name, so the names are the same everywhere and the
+configuration reference in docs/ is generated from this file.  Precedence:
+flag > environment > default.  `__post_init__` validates the whole config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import uuid
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from typing import Any
+
+CONNECTORS = ("shm", "redis")
+DEVICES_PREFIXES = ("cpu", "cuda")
+DTYPES = ("float32", "bfloat16", "float16")
+DEMO_ALIASES = {"demo": "epd-demo-qwen2-vl", "epd-demo-qwen2-vl": "epd-demo-qwen2-vl",
+                "demo-medium": "epd-demo-qwen2-vl-medium"}
+ROLES = ("coordinator", "render", "encode", "prefill", "decode")
+
+
+def _f(default: Any, help: str, roles: str = "all", **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, "roles": roles, **kw})
+
+
+@dataclass(frozen=True)
+class EpdConfig:
+    model: str = _f("demo", "Hugging Face id or local checkpoint folder; 'demo' is the built-in tiny Qwen2-VL")
+    served_model_name: str = _f("", "model id clients send (default: the model's folder name or 'epd-demo-qwen2-vl')")
+    host: str = _f("127.0.0.1", "address the HTTP and gRPC servers bind")
+    port: int = _f(8000, "coordinator HTTP port")
+    grpc_port: int = _f(0, "this role's gRPC port (role processes; 0 = pick a free one)", roles="roles")
+    http_port: int = _f(0, "this role's HTTP port (role processes; 0 = pick a free one)", roles="roles")
+    instance_id: str = _f("", "unique id of this process; part of every shm and Redis name (default: random)")
+    ec_connector: str = _f("shm", "where image embeddings travel from encode to prefill: shm | redis")
+    kv_connector: str = _f("shm", "where KV caches travel from prefill to decode: shm | redis")
+    redis_url: str = _f("redis://127.0.0.1:6379/0", "Redis for the redis connectors")
+    ec_capacity_mb: int = _f(256, "bytes (MiB) the EC store of one encode instance may hold")
+    kv_capacity_mb: int = _f(256, "bytes (MiB) the KV store of one prefill instance may hold")
+    ec_ttl_s: float = _f(600.0, "seconds an embedding stays in the EC store")
+    kv_ttl_s: float = _f(120.0, "seconds a KV entry waits for its decode")
+    encode_instances: int = _f(1, "encode processes `epd serve` starts", roles="serve")
+    prefill_instances: int = _f(1, "prefill processes `epd serve` starts", roles="serve")
+    decode_instances: int = _f(1, "decode processes `epd serve` starts", roles="serve")
+    render_urls: str = _f("", "comma-separated gRPC addresses (host:port) of render instances", roles="coordinator")
+    encode_urls: str = _f("", "comma-separated gRPC addresses of encode instances", roles="coordinator")
+    prefill_urls: str = _f("", "comma-separated gRPC addresses of prefill instances", roles="coordinator")
+    decode_urls: str = _f("", "comma-separated gRPC addresses of decode instances", roles="coordinator")
+    device: str = _f("cpu", "torch device of model roles: cpu, cuda, cuda:N")
+    dtype: str = _f("float32", "model dtype: float32 | bfloat16 | float16")
+    max_model_len: int = _f(8192, "context length (prompt + output tokens)")
+    decode_slots: int = _f(16, "concurrent sequences one decode instance runs (continuous batching)")
+    decode_queue: int = _f(64, "requests waiting for a decode slot before new ones are refused")
+    encode_max_batch_tokens: int = _f(16384, "patches one vision-tower forward may take")
+    max_images_per_request: int = _f(8, "images one request may carry")
+    max_image_pixels: int = _f(16_777_216, "largest accepted image, width x height")
+    max_image_bytes: int = _f(20 * 1024 * 1024, "largest accepted encoded image, bytes")
+    allowed_media_domains: str = _f("", "comma-separated hosts image URLs may point to (empty: any public host)")
+    allow_private_media_urls: bool = _f(False, "allow image URLs on loopback/private networks (tests, in-cluster)")
+    media_timeout_s: float = _f(10.0, "deadline to fetch one image URL")
+    request_timeout_s: float = _f(30.0, "deadline of one request through the whole pipeline")
+    log_level: str = _f("info", "debug | info | warning | error")
+
+    def __post_init__(self) -> None:
+        _check(self.ec_connector in CONNECTORS, f"ec_connector must be one of {', '.join(CONNECTORS)}")
+        _check(self.kv_connector in CONNECTORS, f"kv_connector must be one of {', '.join(CONNECTORS)}")
+        _check(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}")
+        _check(self.device.split(":")[0] in DEVICES_PREFIXES, "device must be cpu, cuda or cuda:N")
+        for name in ("encode_instances", "prefill_instances", "decode_instances", "decode_slots",
+                     "max_model_len", "ec_capacity_mb", "kv_capacity_mb", "max_images_per_request",
+                     "max_image_pixels", "max_image_bytes", "encode_max_batch_tokens"):
+            _check(getattr(self, name) >= 1, f"{name} must be >= 1")
+        _check(0 <= self.port < 65536 and 0 <= self.grpc_port < 65536 and 0 <= self.http_port < 65536,
+               "ports must be in 0..65535")
+        _check(self.request_timeout_s > 0 and self.media_timeout_s > 0, "timeouts must be > 0")
+        if not self.instance_id:
+            object.__setattr__(self, "instance_id", uuid.uuid4().hex[:8])
+
+    def served_model_id(self) -> str:
+        """The model id clients send and responses carry."""
+        if self.served_model_name:
+            return self.served_model_name
+        if self.model in DEMO_ALIASES:
+            return DEMO_ALIASES[self.model]
+        return os.path.basename(os.path.normpath(self.model)) if os.path.isdir(self.model) else self.model
+
+    def urls(self, role: str) -> list[str]:
+        raw = getattr(self, f"{role}_urls")
+        return [u.strip().removeprefix("grpc://") for u in raw.split(",") if u.strip()]
+
+    def media_domains(self) -> tuple[str, ...]:
+        return tuple(d.strip().lower() for d in self.allowed_media_domains.split(",") if d.strip())
+
+    def with_(self, **changes: Any) -> EpdConfig:
+        return replace(self, **changes)
+
+    def to_env(self) -> dict[str, str]:
+        """The environment that reproduces this config in a child process."""
+        return {env_name(k): _render(v) for k, v in asdict(self).items()}
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def env_name(field_name: str) -> str:
+    return "EPD_" + field_name.upper()
+
+
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def _render(value: Any) -> str:
+    return ("1" if value else "0") if isinstance(value, bool) else str(value)
+
+
+def _parse_bool(raw: str) -> bool:
+    lowered = raw.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ConfigError(f"not a boolean: {raw!r}")
+
+
+def _convert(kind: type, raw: str) -> Any:
+    return _parse_bool(raw) if kind is bool else kind(raw)
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per field; defaults are None so we can tell 'not given' from 'given'."""
+    for f in fields(EpdConfig):
+        kind = type(f.default)
+        if kind is bool:
+            parser.add_argument(flag_name(f.name), dest=f.name, nargs="?", const="1", default=None,
+                                type=str, help=f"{f.metadata['help']} (env {env_name(f.name)})")
+        else:
+            parser.add_argument(flag_name(f.name), dest=f.name, default=None, type=str,
+                                help=f"{f.metadata['help']} (default {f.default!r}; env {env_name(f.name)})")
+
+
+def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> EpdConfig:
+    environ = dict(os.environ) if environ is None else environ
+    values: dict[str, Any] = {}
+    for f in fields(EpdConfig):
+        raw = getattr(ns, f.name, None)
+        raw = environ.get(env_name(f.name)) if raw is None else raw
+        if raw is not None:
+            try:
+                values[f.name] = _convert(type(f.default), raw)
+            except ValueError as exc:
+                raise ConfigError(f"{flag_name(f.name)}: {exc}") from None
+    return EpdConfig(**values)
+
+
+def schema() -> list[dict[str, Any]]:
+    """The settings table, for docs and `epd config`."""
+    return [{"flag": flag_name(f.name), "env": env_name(f.name), "type": type(f.default).__name__,
+             "default": f.default if f.default is not MISSING else None, "roles": f.metadata["roles"],
+             "help": f.metadata["help"]} for f in fields(EpdConfig)]

@@ -1,0 +1,194 @@
+"""The redis backend: one Redis string per entry (format in redis_format), reachable from any host.
+
+Key `<namespace>:<purpose>:<key>`.  put() streams the value from tensor memory
+without joining it (one SET ... PX, plus APPENDs beyond 64 MiB) inside
+MULTI/EXEC, so a reader never sees half a value and every write carries the
+TTL; get() reads pipelined 4 MiB GETRANGEs plus
+STRLEN in one MULTI/EXEC straight into the output buffer (redis_resp) and
+verifies prefix, nonce, header, length and crc32.  This producer remembers
+what it wrote (LRU) to stay under capacity_bytes and to delete it on close().
+Connection problems surface as BackendUnavailable within the socket timeouts
+(connect 2 s, operation 10 s); the pool re-dials after a server restart.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+import redis
+import torch
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from services.connectors.base import ConnectorError, StoreConfig, StoreStats, TensorStore, check_key
+from services.connectors.codec import byte_view, crc_of, plan, tensor_at
+from services.connectors.redis_errors import backend_errors
+from services.connectors.redis_format import (
+    READ_CHUNK,
+    RedisRef,
+    encode_head,
+    handle_from_head,
+    head_length_of,
+    make_handle,
+    value_pieces,
+)
+from services.connectors.redis_resp import Arg, RespError, RespSession, borrowed
+
+_LOOKUP_BYTES = 4096
+_RELEASE_LUA = ("if redis.call('GETRANGE', KEYS[1], 8, 15) == ARGV[1] then "
+                "return redis.call('DEL', KEYS[1]) end return 0")
+
+
+class RedisTensorStore(TensorStore):
+    backend = "redis"
+
+    def __init__(self, config: StoreConfig) -> None:
+        assert config.redis_url is not None  # StoreConfig checks it
+        self.config = config
+        self._verify = config.verify_checksum is not False
+        # One immediate retry re-dials a pooled connection that a server restart broke; no backoff sleeps.
+        self._client = redis.Redis.from_url(config.redis_url, socket_connect_timeout=2.0, socket_timeout=10.0,
+                                            retry=Retry(NoBackoff(), 1))
+        self._where = config.redis_url.rsplit("@", 1)[-1]  # never put a password in a message
+        self._written: OrderedDict[str, tuple[int, float]] = OrderedDict()  # redis key -> (bytes, expiry)
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self._hits = self._misses = self._puts = self._evictions = 0
+        self._closed = False
+
+    def redis_key(self, key: str) -> str:
+        return f"{self.config.namespace}:{self.config.purpose}:{check_key(key)}"
+
+    def put(self, key: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+        rkey = self.redis_key(key)
+        cpu = {n: t.detach().cpu() for n, t in tensors.items()}
+        specs, length = plan(cpu)
+        views = [byte_view(t) for t in cpu.values()]
+        crc = crc_of(views) if self._verify else None
+        nonce = os.urandom(8)
+        head = encode_head(key, nonce, specs, length, crc)
+        if len(head) + length > self.config.capacity_bytes:
+            raise ConnectorError(f"entry {key!r} needs {len(head) + length} bytes, more than the store "
+                                 f"capacity {self.config.capacity_bytes}; raise capacity_bytes")
+        first, *rest = value_pieces(head, specs, views, length)
+        ttl_ms = max(1, int(self.config.ttl_s * 1000))
+        commands: list[list[Arg]] = [["MULTI"], ["SET", rkey, first, "PX", ttl_ms]]
+        commands += [["APPEND", rkey, piece] for piece in rest]
+        commands.append(["EXEC"])
+        with backend_errors(self._where, f"put {key!r}"), borrowed(self._client) as resp:
+            resp.send(commands)
+            _transaction_result(resp, len(commands) - 2)
+        self._remember(rkey, len(head) + length)
+        return make_handle(key, rkey, nonce, len(head), length, crc, specs)
+
+    def _remember(self, rkey: str, nbytes: int) -> None:
+        with self._lock:
+            self._puts += 1
+            self._forget(rkey)
+            self._written[rkey] = (nbytes, time.monotonic() + self.config.ttl_s)
+            self._bytes += nbytes
+            self._drop_expired()
+            victims = []
+            while self._bytes > self.config.capacity_bytes and len(self._written) > 1:
+                victims.append(next(iter(self._written)))
+                self._forget(victims[-1])
+            self._evictions += len(victims)
+        if victims:
+            with backend_errors(self._where, "evict"):
+                self._client.delete(*victims)
+
+    def _forget(self, rkey: str) -> None:
+        self._bytes -= self._written.pop(rkey, (0, 0.0))[0]
+
+    def _drop_expired(self) -> None:
+        now = time.monotonic()
+        for rkey in [k for k, (_, expiry) in self._written.items() if expiry <= now]:
+            self._forget(rkey)
+
+    def lookup(self, key: str) -> dict[str, Any] | None:
+        rkey = self.redis_key(key)
+        with backend_errors(self._where, f"lookup {key!r}"):
+            pipe = self._client.pipeline(transaction=True)
+            pipe.getrange(rkey, 0, _LOOKUP_BYTES - 1)
+            pipe.strlen(rkey)
+            head, total = pipe.execute()
+            if head_length_of(head) > len(head):  # many tensors: the header is longer than the first read
+                head = self._client.getrange(rkey, 0, head_length_of(head) - 1)
+        handle = handle_from_head(key, rkey, head, total)
+        with self._lock:
+            if handle is None:
+                self._misses += 1
+            else:
+                self._hits += 1
+                if rkey in self._written:
+                    self._written.move_to_end(rkey)
+        return handle
+
+    def get(self, handle: dict[str, Any]) -> dict[str, torch.Tensor]:
+        ref = RedisRef.from_handle(handle)
+        out = torch.empty(ref.total, dtype=torch.uint8)  # one owned buffer; tensors are views into it
+        buf = out.numpy()
+        ranges = [(a, min(a + READ_CHUNK, ref.total)) for a in range(0, ref.total, READ_CHUNK)]
+        commands: list[list[Arg]] = [["MULTI"]]
+        commands += [["GETRANGE", ref.rkey, a, b - 1] for a, b in ranges]
+        commands += [["STRLEN", ref.rkey], ["EXEC"]]
+        with backend_errors(self._where, f"get {ref.key!r}"), borrowed(self._client) as resp:
+            resp.send(commands)
+            *lengths, stored = _transaction_result(resp, len(ranges) + 1,
+                                                   [buf.data[a:b] for a, b in ranges])
+        if sum(lengths) != min(stored, ref.total):
+            raise ConnectorError(f"redis returned a short read for {ref.key!r}")
+        ref.verify(buf, stored, self._verify)
+        return {s.name: tensor_at(buf, s, ref.head_length) for s in ref.specs}
+
+    def delete(self, key: str) -> bool:
+        rkey = self.redis_key(key)
+        with self._lock:
+            self._forget(rkey)
+        with backend_errors(self._where, f"delete {key!r}"):
+            return bool(self._client.delete(rkey))
+
+    def release(self, handle: dict[str, Any]) -> None:
+        """Delete the entry if it is still the write the handle names (one-shot KV)."""
+        ref = RedisRef.from_handle(handle)
+        with backend_errors(self._where, f"release {ref.key!r}"):
+            deleted = self._client.eval(_RELEASE_LUA, 1, ref.rkey, ref.nonce)
+        if deleted:
+            with self._lock:
+                self._forget(ref.rkey)
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            self._drop_expired()
+            return StoreStats(self._bytes, len(self._written), self.config.capacity_bytes, self._hits,
+                              self._misses, self._evictions, self._puts)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            keys, self._written, self._bytes = list(self._written), OrderedDict(), 0
+        try:
+            for i in range(0, len(keys), 512):
+                self._client.delete(*keys[i:i + 512])
+        except (redis.RedisError, OSError):
+            pass  # best effort: Redis is down; the TTL removes the keys
+        finally:
+            self._client.close()
+
+
+def _transaction_result(resp: RespSession, queued: int, targets: list[memoryview] | None = None) -> list[Any]:
+    """Read the replies of MULTI, `queued` commands and EXEC; raise the first error reply."""
+    replies = [resp.reply() for _ in range(queued + 1)]
+    result = resp.reply(targets=targets)
+    for r in [*replies, *(result if isinstance(result, list) else [result])]:
+        if isinstance(r, RespError):
+            raise r
+    if not isinstance(result, list):
+        raise RespError(f"EXEC returned {result!r}")
+    return result

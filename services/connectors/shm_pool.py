@@ -1,0 +1,164 @@
+"""The producer side of the shm backend: one pre-faulted segment, entries allocated inside it.
+
+Only the owning process writes entries (consumers write nothing but the
+consumed mark).  Entries are kept in LRU order; room for a new entry is made by
+first reclaiming expired and consumed entries, then evicting the least recently
+used ones.  `bytes_used` (aligned payload bytes plus any extra charge, e.g.
+CUDA tensors kept alive for IPC) never exceeds the capacity.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from services.connectors.base import ConnectorError
+from services.connectors.codec import TensorSpec, align_up, crc_of, key_hash, plan, tensor_at
+from services.connectors.shm_alloc import ExtentAllocator, SlotAllocator
+from services.connectors.shm_layout import HAS_CRC, SLOT_MAGIC, Layout, SlotHeader
+from services.connectors.shm_segment import Segment, create_segment, unlink_segment
+
+
+@dataclass
+class PoolEntry:
+    key: str
+    slot: int
+    offset: int  # absolute byte offset of the payload in the segment
+    size: int  # bytes reserved in the data region
+    gen: int
+    expires_at: float
+    charge: int  # bytes counted against the capacity
+    specs: list[TensorSpec]
+    length: int
+    crc: int | None = None
+    keep: list[Any] = field(default_factory=list)  # CUDA tensors kept alive for IPC consumers
+    cuda: list[dict[str, Any]] = field(default_factory=list)  # their IPC descriptions, for lookup()
+
+
+class ShmPool:
+    def __init__(self, name: str, capacity: int, ttl_s: float, use_crc: bool) -> None:
+        self.layout = Layout.for_capacity(capacity)
+        self.segment: Segment = create_segment(name, self.layout.total_size)
+        self.layout.write_header(self.segment.mm)
+        self._extents = ExtentAllocator(capacity)
+        self._slots = SlotAllocator(self.layout.num_slots)
+        self._entries: OrderedDict[str, PoolEntry] = OrderedDict()
+        self._ttl_s, self._use_crc = ttl_s, use_crc
+        self._next_gen = 1
+        self._owner_pid = os.getpid()
+        self.bytes_used = 0
+        self.evictions = 0
+
+    @property
+    def name(self) -> str:
+        return self.segment.name
+
+    @property
+    def num_entries(self) -> int:
+        return len(self._entries)
+
+    def put(self, key: str, tensors: dict[str, torch.Tensor], extra_charge: int = 0,
+            keep: list[Any] | None = None) -> PoolEntry:
+        """Copy CPU `tensors` into a new entry for `key`, replacing any previous one."""
+        self.free(key)
+        specs, length = plan(tensors)
+        size = align_up(length)
+        charge = size + extra_charge
+        if charge > self.layout.capacity:
+            raise ConnectorError(f"entry {key!r} needs {charge} bytes, more than the store capacity "
+                                 f"{self.layout.capacity}; raise capacity_bytes")
+        slot, offset = self._make_room(size, charge)
+        entry = PoolEntry(key, slot, self.layout.data_start + offset, size, self._next_gen,
+                          time.monotonic() + self._ttl_s, charge, specs, length, keep=keep or [])
+        self._next_gen += 1
+        self._write(entry, tensors)
+        self._entries[key] = entry
+        self.bytes_used += charge
+        return entry
+
+    def _write(self, entry: PoolEntry, tensors: dict[str, torch.Tensor]) -> None:
+        mm, buf = self.segment.mm, self.segment.buf
+        header = SlotHeader(SLOT_MAGIC, 0, entry.gen, key_hash(entry.key), entry.offset, entry.length,
+                            0, 0, 0, entry.expires_at)
+        self.layout.begin_write(mm, entry.slot, header)
+        for spec, t in zip(entry.specs, tensors.values(), strict=True):
+            tensor_at(buf, spec, entry.offset).copy_(t.detach())
+        if self._use_crc:
+            entry.crc = crc_of(buf[entry.offset + s.offset: entry.offset + s.offset + s.nbytes]
+                               for s in entry.specs)
+        self.layout.publish(mm, entry.slot, entry.crc or 0, HAS_CRC if self._use_crc else 0)
+
+    def find(self, key: str) -> PoolEntry | None:
+        """The live entry for `key` (now most recently used), or None; drops it if expired or consumed."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        if self._is_stale(entry, time.monotonic()):
+            self.free(key)
+            return None
+        self._entries.move_to_end(key)
+        return entry
+
+    def entry_for(self, slot: int, gen: int) -> PoolEntry | None:
+        return next((e for e in self._entries.values() if e.slot == slot and e.gen == gen), None)
+
+    def free(self, key: str) -> bool:
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return False
+        self.layout.mark_free(self.segment.mm, entry.slot)  # before the extent can be reused
+        self._extents.release(entry.offset - self.layout.data_start, entry.size)
+        self._slots.release(entry.slot)
+        self.bytes_used -= entry.charge
+        entry.keep.clear()
+        return True
+
+    def reclaim(self) -> None:
+        """Free every expired entry and every entry a consumer marked consumed."""
+        now = time.monotonic()
+        for key in [k for k, e in self._entries.items() if self._is_stale(e, now)]:
+            self.free(key)
+
+    def _is_stale(self, entry: PoolEntry, now: float) -> bool:
+        if entry.expires_at <= now:
+            return True
+        return self.layout.read_slot(self.segment.mm, entry.slot).consumed_gen == entry.gen
+
+    def _make_room(self, size: int, charge: int) -> tuple[int, int]:
+        reclaimed = False
+        while True:
+            found = self._try_allocate(size, charge)
+            if found is not None:
+                return found
+            if not reclaimed:
+                self.reclaim()
+                reclaimed = True
+            elif self._entries:
+                self.free(next(iter(self._entries)))
+                self.evictions += 1
+            else:  # cannot happen while charge <= capacity; guards against a bookkeeping bug looping
+                raise ConnectorError(f"shm pool {self.name} cannot place {size} bytes")
+
+    def _try_allocate(self, size: int, charge: int) -> tuple[int, int] | None:
+        if self.bytes_used + charge > self.layout.capacity:
+            return None
+        slot = self._slots.allocate()
+        if slot is None:
+            return None
+        offset = self._extents.allocate(size)
+        if offset is None:
+            self._slots.release(slot)
+            return None
+        return slot, offset
+
+    def close(self) -> None:
+        """Unlink the segment (attached consumers get EntryMissing) and unmap it."""
+        self._entries.clear()
+        if os.getpid() == self._owner_pid:  # a forked child exiting must not unlink its parent's pool
+            unlink_segment(self.name)
+        self.segment.close()

@@ -1,0 +1,33 @@
+"""Connector stores built from the process config, and connector errors as epd errors."""
+
+from __future__ import annotations
+
+from services.config import EpdConfig
+from services.protocol.errors import EpdError, NotFound, Unavailable
+
+from .base import BackendUnavailable, ConnectorError, EntryCorrupt, EntryMissing, StoreConfig, TensorStore
+from .registry import create_store
+
+
+def store_config(config: EpdConfig, purpose: str, producer: bool = True) -> StoreConfig:
+    backend = config.ec_connector if purpose == "ec" else config.kv_connector
+    capacity_mb = config.ec_capacity_mb if purpose == "ec" else config.kv_capacity_mb
+    ttl = config.ec_ttl_s if purpose == "ec" else config.kv_ttl_s
+    return StoreConfig(backend=backend, purpose=purpose, instance_id=config.instance_id,
+                       capacity_bytes=capacity_mb * 1024 * 1024, ttl_s=ttl,
+                       redis_url=config.redis_url if backend == "redis" else None,
+                       preallocate=producer)
+
+
+def open_store(config: EpdConfig, purpose: str, producer: bool = True) -> TensorStore:
+    """A producer owns a preallocated pool; a consumer only reads others' entries by handle."""
+    return create_store(store_config(config, purpose, producer))
+
+
+def as_epd_error(exc: ConnectorError, purpose: str) -> EpdError:
+    """Missing or corrupt entries are 'not found' (the coordinator re-encodes); a down backend is a 503."""
+    if isinstance(exc, BackendUnavailable):
+        return Unavailable(f"{purpose} store unavailable: {exc}", code=f"{purpose}_store_unavailable")
+    if isinstance(exc, (EntryMissing, EntryCorrupt)):
+        return NotFound(f"{purpose} entry unusable: {exc}", code=f"{purpose}_entry_missing")
+    return Unavailable(f"{purpose} store error: {exc}", code=f"{purpose}_store_error")

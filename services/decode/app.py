@@ -1,0 +1,36 @@
+"""Wiring of a decode process: language model + continuous-batching engine + KV reader behind gRPC."""
+
+from __future__ import annotations
+
+import grpc
+
+from services.config import EpdConfig
+from services.server import RoleServer
+
+
+async def build(config: EpdConfig) -> RoleServer:
+    from services.connectors.wiring import open_store
+    from services.models.processing import load_tokenizer
+    from services.models.registry import adapter_for, resolve_model
+    from services.rpc.v1 import epd_pb2_grpc as rpc
+
+    from .engine import DecodeEngine
+    from .servicer import DecodeServicer
+    from .serving import DecodeService
+
+    path = resolve_model(config.model)
+    lm = adapter_for(path).load_language(path, config.device, config.dtype, config.max_model_len)
+    engine = DecodeEngine(lm, load_tokenizer(path), config.decode_slots, config.max_model_len,
+                          max_queued=config.decode_queue, stream_timeout=config.request_timeout_s)
+    kv_store = open_store(config, "kv", producer=False)
+    service = DecodeService(engine, kv_store)
+    servicer = DecodeServicer(service)
+
+    def register(server: grpc.aio.Server) -> None:
+        rpc.add_DecodeServiceServicer_to_server(servicer, server)
+
+    def cleanup() -> None:
+        engine.close()
+        kv_store.close()
+
+    return RoleServer(name="decode", register_grpc=register, cleanup=cleanup)

@@ -1,0 +1,81 @@
+"""One decode request inside the engine: its output so far and how each new token is judged.
+
+Created by `DecodeEngine.submit`; from then on touched only by the engine's
+worker thread.  `accept(token)` runs the same path for the first token (from
+prefill) and for every sampled one: record, token-level stop, detokenize,
+stop strings; it returns the event to emit.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from services.decode.detokenizer import IncrementalDetokenizer
+from services.decode.params import DecodeParams
+from services.decode.sampler import RowSampling
+from services.decode.stop import FINISH_STOP, StopChecker
+from services.decode.stream import DecodeEvent, DecodeStream
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeRequest:
+    def __init__(self, request_id: str, kv: Any, prompt_len: int, rope_delta: int, first_token: int,
+                 params: DecodeParams, max_tokens: int, eos_token_ids: Sequence[int],
+                 detokenizer: IncrementalDetokenizer, stream: DecodeStream,
+                 on_event: Callable[[DecodeEvent], None] | None = None,
+                 prompt_token_ids: Sequence[int] | None = None) -> None:
+        self.request_id = request_id
+        self.kv = kv                  # dropped once copied into a slot
+        self.prompt_len = prompt_len
+        self.rope_delta = rope_delta
+        self.first_token = first_token
+        self.params = params
+        self.sampling = RowSampling(params, eos_token_ids, prompt_token_ids)
+        self.stop = StopChecker(params, eos_token_ids, max_tokens)
+        self.detokenizer = detokenizer
+        self.stream = stream
+        self.on_event = on_event
+        self.output_ids: list[int] = []
+        self.last_token = first_token
+        self.finished = False
+
+    @property
+    def num_output(self) -> int:
+        return len(self.output_ids)
+
+    def accept(self, token_id: int) -> DecodeEvent:
+        """Take the next output token; the returned event says whether the request ends here."""
+        self.output_ids.append(token_id)
+        self.sampling.record(token_id)
+        self.last_token = token_id
+        count = len(self.output_ids)
+        finish, stop_reason = self.stop.check_token(token_id, count)
+        # A stop/EOS token's own text is not part of the output (vLLM), unless asked for.
+        skip_text = finish == FINISH_STOP and not self.params.include_stop_str_in_output
+        text, matched = self.stop.check_text("" if skip_text else self.detokenizer.push(token_id), count)
+        if matched is None and finish is not None:
+            tail, matched = self.stop.flush(self.detokenizer.flush(), count)
+            text += tail
+        if matched is not None:
+            finish, stop_reason = FINISH_STOP, matched
+        return self._event([token_id], text, finish, stop_reason)
+
+    def end(self, finish_reason: str, error: str | None = None) -> DecodeEvent:
+        """The final event of a request that ends from outside (abort, error, shutdown)."""
+        return self._event([], "", finish_reason, None, error)
+
+    def emit(self, event: DecodeEvent) -> None:
+        self.finished = self.finished or event.finished
+        self.stream.put(event)
+        if self.on_event is not None:
+            try:
+                self.on_event(event)
+            except Exception:  # a consumer's bug must not stop the engine
+                logger.exception("on_event callback failed for request %s", self.request_id)
+
+    def _event(self, token_ids: list[int], text: str, finish: str | None, stop_reason: int | str | None,
+               error: str | None = None) -> DecodeEvent:
+        return DecodeEvent(self.request_id, token_ids, text, finish, stop_reason, len(self.output_ids), error)

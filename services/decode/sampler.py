@@ -1,0 +1,198 @@
+"""Token sampling for a batch of requests, each with its own `DecodeParams`.
+
+Order per row (as vLLM): penalties, min_tokens suppression, then greedy
+argmax, or temperature -> min_p / top_k -> top_p -> one draw.
+
+A draw is inverse-CDF with one uniform number.  For a seeded request the
+uniform for output index i is a pure function of (seed, i) (splitmix64), so a
+seeded request gets the same tokens whatever else shares its batch, on any
+device; an unseeded one draws from the sampler's own RNG.  The first output
+token (sampled by prefill) is index 0: prefill calls `sample_first` with the
+same rules, and decode continues at index 1.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Sequence
+
+import torch
+
+from services.decode.params import DecodeParams
+from services.decode.penalties import PenaltyState
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def seeded_uniform(seed: int, index: int) -> float:
+    """A uniform in [0, 1) that depends only on (seed, index)."""
+    z = _splitmix64(_splitmix64(seed & _MASK64) ^ (index & _MASK64))
+    return (z >> 11) * (1.0 / (1 << 53))
+
+
+class RowSampling:
+    """Per-request sampling state: params, next output index, penalties, min_tokens suppression."""
+
+    def __init__(self, params: DecodeParams, eos_token_ids: Sequence[int] = (),
+                 prompt_token_ids: Sequence[int] | None = None, index: int = 0) -> None:
+        self.params = params
+        self.index = index
+        self.penalties = PenaltyState(params, prompt_token_ids) if params.has_penalties else None
+        eos = () if params.ignore_eos else tuple(eos_token_ids)
+        # While fewer than min_tokens are out, neither EOS nor a stop token may be drawn.
+        self.suppressed = sorted(set(eos) | set(params.stop_token_ids)) if params.min_tokens else []
+
+    @property
+    def needs_adjust(self) -> bool:
+        return self.penalties is not None or (bool(self.suppressed) and self.index < self.params.min_tokens)
+
+    def adjust(self, row: torch.Tensor) -> None:
+        """Penalties and min_tokens suppression on one row of logits [vocab], in place."""
+        if self.penalties is not None:
+            self.penalties.apply(row)
+        if self.suppressed and self.index < self.params.min_tokens:
+            ids = [t for t in self.suppressed if t < row.shape[0]]
+            row[ids] = float("-inf")
+
+    def uniform(self, rng: random.Random) -> float:
+        seed = self.params.seed
+        return seeded_uniform(seed, self.index) if seed is not None else rng.random()
+
+    def record(self, token_id: int) -> None:
+        """Account for the token just emitted at `index`."""
+        if self.penalties is not None:
+            self.penalties.record(token_id)
+        self.index += 1
+
+
+class Sampler:
+    """Samples one token per row of a [B, vocab] logits batch."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed if seed is not None else int.from_bytes(os.urandom(8), "little"))
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[RowSampling], inplace: bool = False) -> list[int]:
+        """Token ids for every row; does not call `record` (the caller does, once it keeps the token).
+
+        `inplace=True` lets penalties and suppression write into `logits` (the engine's own tensor).
+        """
+        if logits.shape[0] != len(rows):
+            raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} requests")
+        adjusted = [i for i, row in enumerate(rows) if row.needs_adjust]
+        if adjusted and not inplace and logits.dtype == torch.float32:
+            logits = logits.clone()
+        logits = logits.float()
+        for i in adjusted:
+            rows[i].adjust(logits[i])
+        greedy = [i for i, row in enumerate(rows) if row.params.is_greedy]
+        if len(greedy) == len(rows):
+            return _argmax(logits).tolist()
+        tokens = [0] * len(rows)
+        if greedy:
+            picked = _argmax(logits[greedy]).tolist()
+            for i, token in zip(greedy, picked, strict=True):
+                tokens[i] = token
+        drawn = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+        picked = self._draw(logits[drawn], [rows[i] for i in drawn])
+        for i, token in zip(drawn, picked, strict=True):
+            tokens[i] = token
+        return tokens
+
+    def _draw(self, logits: torch.Tensor, rows: Sequence[RowSampling]) -> list[int]:
+        # Rows are grouped by how their candidates are laid out, which depends only on their own
+        # params: a row's draw must not change with what else shares the batch.
+        tokens = [0] * len(rows)
+        groups: dict[str, list[int]] = {}
+        for i, row in enumerate(rows):
+            groups.setdefault(_layout(row.params), []).append(i)
+        for layout, members in groups.items():
+            picked = self._draw_group(logits[members], [rows[i] for i in members], layout)
+            for i, token in zip(members, picked, strict=True):
+                tokens[i] = token
+        return tokens
+
+    def _draw_group(self, logits: torch.Tensor, rows: Sequence[RowSampling], layout: str) -> list[int]:
+        params = [row.params for row in rows]
+        temps = torch.tensor([p.temperature for p in params], device=logits.device).unsqueeze(1)
+        values, ids = _candidates(logits / temps, params, layout)
+        probs = _filtered_probs(values, params, is_sorted=ids is not None)
+        uniforms = torch.tensor([row.uniform(self._rng) for row in rows], dtype=probs.dtype,
+                                device=probs.device).unsqueeze(1)
+        positions = _inverse_cdf(probs, uniforms)
+        tokens = ids.gather(1, positions) if ids is not None else positions
+        return tokens.squeeze(1).tolist()
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    # max(dim).indices is argmax (first index among ties, as documented) and ~1.5x faster on CPU.
+    return logits.max(dim=-1).indices
+
+
+def _layout(params: DecodeParams) -> str:
+    """top_k: the top-k candidates, sorted; sorted: the whole vocab sorted (top-p without top-k);
+    plain: the whole vocab in id order (no sort needed)."""
+    if params.uses_top_k:
+        return "top_k"
+    return "sorted" if params.top_p < 1.0 else "plain"
+
+
+def _candidates(logits: torch.Tensor, params: Sequence[DecodeParams], layout: str
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The logits to draw from and their ids (None: column = id).
+
+    A full-vocab sort is the expensive part of sampling: with a top-k only the top max(k)
+    candidates are sorted, and without top-k or top-p nothing is.
+    """
+    if layout == "top_k":
+        k = min(max(p.top_k for p in params), logits.shape[1])
+        return logits.topk(k, dim=1)
+    if layout == "sorted":
+        return logits.sort(dim=1, descending=True)
+    return logits, None
+
+
+def _filtered_probs(values: torch.Tensor, params: Sequence[DecodeParams], is_sorted: bool) -> torch.Tensor:
+    """min_p and top-k masks on logits, softmax, then the top-p cut on the renormalised probabilities."""
+    width = values.shape[1]
+    if any(p.uses_top_k for p in params):
+        k = torch.tensor([p.top_k if p.uses_top_k else width for p in params], device=values.device)
+        columns = torch.arange(width, device=values.device).unsqueeze(0)
+        values = values.masked_fill(columns >= k.unsqueeze(1), float("-inf"))
+    if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=values.device).unsqueeze(1)
+        top = values[:, :1] if is_sorted else values.max(dim=1, keepdim=True).values
+        # p_i >= min_p * p_max  <=>  logit_i >= logit_max + log(min_p)
+        values = values.masked_fill(values < top + torch.log(min_p), float("-inf"))
+    probs = torch.softmax(values, dim=1)
+    if any(p.top_p < 1.0 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], device=values.device).unsqueeze(1)
+        before = probs.cumsum(dim=1) - probs
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        probs = probs.masked_fill(before >= top_p, 0.0)
+    return probs
+
+
+def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Column index per row: the first whose cumulative mass exceeds u * total."""
+    cdf = probs.cumsum(dim=1)
+    targets = uniforms * cdf[:, -1:]
+    positions = torch.searchsorted(cdf, targets, right=True).clamp_(max=probs.shape[1] - 1)
+    # Rounding can land on a zero-probability tail column; fall back to the most likely one.
+    fallback = probs.argmax(dim=1, keepdim=True)
+    return torch.where(probs.gather(1, positions) > 0, positions, fallback)
+
+
+def sample_first(logits: torch.Tensor, params: DecodeParams, index: int = 0,
+                 eos_token_ids: Sequence[int] = (), prompt_token_ids: Sequence[int] | None = None,
+                 sampler: Sampler | None = None) -> int:
+    """Sample one token from logits [vocab] with decode's rules (prefill's first output token)."""
+    row = RowSampling(params, eos_token_ids, prompt_token_ids, index=index)
+    return (sampler or Sampler()).sample(logits.reshape(1, -1), [row])[0]

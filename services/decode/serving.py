@@ -1,0 +1,82 @@
+"""Decode's core: kv_transfer_params + first token -> a stream of DecodeEvents.
+
+The KV entry is loaded from the KV store by handle (one copy into this
+process), released so its producer can free it, and handed to the
+continuous-batching engine.  Leaving the stream early (client gone, call
+cancelled) aborts the request, which frees its slot before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from prometheus_client import Counter, Gauge
+
+from services.connectors.base import ConnectorError, TensorStore
+from services.connectors.wiring import as_epd_error
+from services.protocol.errors import InvalidRequest
+
+from .engine import DecodeEngine
+from .params_from import decode_params
+from .stream import DecodeEvent
+
+FINISHED = Counter("epd_decode_requests_finished", "Decode requests by finish reason", ["reason"])
+TOKENS = Counter("epd_decode_tokens", "Output tokens produced")
+SLOTS_USED = Gauge("epd_decode_slots_used", "Decode slots in use")
+QUEUED = Gauge("epd_decode_queued", "Requests waiting for a decode slot")
+
+
+def _transfer_fields(kv_params: Any) -> tuple[dict, int, int, int]:
+    if not isinstance(kv_params, dict):
+        raise InvalidRequest("kv_transfer_params must be an object", code="invalid_kv_transfer_params")
+    try:
+        return (dict(kv_params["handle"]), int(kv_params["num_prompt_tokens"]), int(kv_params["rope_delta"]),
+                int(kv_params["first_token_id"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InvalidRequest(f"kv_transfer_params: missing or bad field {exc}",
+                             code="invalid_kv_transfer_params") from None
+
+
+class DecodeService:
+    def __init__(self, engine: DecodeEngine, kv_store: TensorStore) -> None:
+        self.engine, self.kv_store = engine, kv_store
+
+    async def decode(self, request_id: str, kv_params: Any, sampling: dict[str, Any]) -> AsyncIterator[DecodeEvent]:
+        params = decode_params(sampling)
+        handle, prompt_len, rope_delta, first_token = _transfer_fields(kv_params)
+        kv = await asyncio.to_thread(self._load, handle)
+        stream = self.engine.submit(request_id, kv, prompt_len, rope_delta, first_token, params)
+        finished = False
+        try:
+            async for event in stream.events():
+                TOKENS.inc(len(event.token_ids))
+                self.update_gauges()
+                if event.finished:
+                    finished = True
+                    FINISHED.labels(event.finish_reason or "unknown").inc()
+                yield event
+        finally:
+            if not finished:
+                self.engine.abort(request_id)
+                FINISHED.labels("abort").inc()
+            self.update_gauges()
+
+    def _load(self, handle: dict) -> Any:
+        try:
+            kv = self.kv_store.get(handle)["kv"]
+            self.kv_store.release(handle)
+            return kv
+        except ConnectorError as exc:
+            raise as_epd_error(exc, "kv") from None
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidRequest(f"bad KV handle: {exc}", code="invalid_kv_handle") from None
+
+    def abort(self, request_ids: list[str]) -> int:
+        return sum(self.engine.abort(r) for r in request_ids)
+
+    def update_gauges(self) -> None:
+        stats = self.engine.stats()
+        SLOTS_USED.set(stats.active)
+        QUEUED.set(stats.queued)

@@ -1,0 +1,112 @@
+"""What a decode request hands back: a stream of `DecodeEvent`s.
+
+The engine's worker thread `put`s events; one consumer reads them, either
+from a thread (`for event in stream`, blocking, `timeout` per event) or from
+asyncio (`async for event in stream.events()`: events hop onto the consumer's
+loop with call_soon_threadsafe).  The last event has a finish_reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class DecodeEvent:
+    """One step of one request: the new ids, the text they made safe to show, and maybe the end."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None       # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None   # the stop token id or stop string; None for EOS
+    completion_tokens: int = 0             # output tokens so far, this event's included
+    error: str | None = None               # set with finish_reason "error"
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class StreamTimeout(TimeoutError):
+    """No event arrived within the consumer's timeout."""
+
+
+class DecodeStream:
+    """Thread-safe, single-consumer event stream of one request."""
+
+    def __init__(self, request_id: str, timeout: float | None = 60.0) -> None:
+        self.request_id = request_id
+        self.timeout = timeout
+        self._events: deque[DecodeEvent] = deque()
+        self._cond = threading.Condition()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queue: asyncio.Queue[DecodeEvent] | None = None
+        self._finished = False
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    def put(self, event: DecodeEvent) -> None:
+        """Called by the engine thread."""
+        with self._cond:
+            if self._finished:
+                return  # nothing follows a final event
+            self._finished = event.finished
+            if self._loop is not None:
+                try:
+                    self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+                except RuntimeError:
+                    pass  # the consumer's loop is closed: nobody is listening any more
+            else:
+                self._events.append(event)
+                self._cond.notify_all()
+
+    def get(self, timeout: float | None = None) -> DecodeEvent:
+        """The next event; raises StreamTimeout after `timeout` (default: the stream's) seconds."""
+        timeout = self.timeout if timeout is None else timeout
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._events, timeout):
+                raise StreamTimeout(f"no decode event for {self.request_id} within {timeout}s")
+            return self._events.popleft()
+
+    def __iter__(self) -> Iterator[DecodeEvent]:
+        while True:
+            event = self.get()
+            yield event
+            if event.finished:
+                return
+
+    def collect(self, timeout: float | None = None) -> list[DecodeEvent]:
+        """All events until the final one (blocking)."""
+        events = []
+        while not events or not events[-1].finished:
+            events.append(self.get(timeout))
+        return events
+
+    async def events(self, timeout: float | None = None) -> AsyncIterator[DecodeEvent]:
+        """Async iteration on the running loop; raises StreamTimeout like `get`."""
+        queue = self._attach(asyncio.get_running_loop())
+        timeout = self.timeout if timeout is None else timeout
+        while True:
+            try:
+                event = await asyncio.wait_for(queue.get(), timeout)
+            except TimeoutError as exc:
+                raise StreamTimeout(f"no decode event for {self.request_id} within {timeout}s") from exc
+            yield event
+            if event.finished:
+                return
+
+    def _attach(self, loop: asyncio.AbstractEventLoop) -> asyncio.Queue[DecodeEvent]:
+        with self._cond:
+            if self._queue is None:
+                self._loop, self._queue = loop, asyncio.Queue()
+                # Events that arrived before the consumer attached keep their order.
+                while self._events:
+                    self._queue.put_nowait(self._events.popleft())
+            return self._queue

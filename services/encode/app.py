@@ -1,0 +1,34 @@
+"""Wiring of an encode process: vision tower + batching engine + EC store behind gRPC."""
+
+from __future__ import annotations
+
+import grpc
+
+from services.config import EpdConfig
+from services.server import RoleServer
+
+
+async def build(config: EpdConfig) -> RoleServer:
+    from services.connectors.wiring import open_store
+    from services.models.registry import adapter_for, resolve_model
+    from services.rpc.v1 import epd_pb2_grpc as rpc
+
+    from .engine import EncodeEngine
+    from .servicer import EncodeServicer
+    from .serving import EncodeService
+
+    path = resolve_model(config.model)
+    vision = adapter_for(path).load_vision(path, config.device, config.dtype)
+    engine = EncodeEngine(vision, config.encode_max_batch_tokens)
+    store = open_store(config, "ec")
+    service = EncodeService(engine, store, config.served_model_id(), config.request_timeout_s)
+    servicer = EncodeServicer(service)
+
+    def register(server: grpc.aio.Server) -> None:
+        rpc.add_EncodeServiceServicer_to_server(servicer, server)
+
+    def cleanup() -> None:
+        engine.close()
+        store.close()
+
+    return RoleServer(name="encode", register_grpc=register, cleanup=cleanup)

@@ -1,0 +1,90 @@
+"""Encode's core: kwargs items -> embeddings in the EC store -> handles.
+
+An item whose mm_hash is already stored is not encoded again (counted as a
+cache hit); concurrent requests for the same item share one encode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from prometheus_client import Counter, Gauge
+
+from services.connectors.base import ConnectorError, TensorStore
+from services.connectors.ec import ec_key
+from services.connectors.wiring import as_epd_error
+from services.protocol.errors import InvalidRequest
+from services.protocol.items import Item
+from services.protocol.tensors import to_torch
+
+from .engine import EncodeEngine
+
+log = logging.getLogger(__name__)
+ITEMS = Counter("epd_encode_items", "Items requested, by result (encoded | cache_hit)", ["result"])
+MM_BYTES = Counter("epd_encode_mm_bytes_received", "Multimodal bytes (kwargs_data + mm_metadata) received")
+EC_BYTES = Gauge("epd_ec_store_bytes", "Bytes held by this instance's EC store")
+EC_ENTRIES = Gauge("epd_ec_store_entries", "Entries held by this instance's EC store")
+FORWARDS = Gauge("epd_encode_forwards", "Vision-tower forwards run so far")
+
+
+@dataclass
+class EncodedResult:
+    mm_hash: str
+    handle: dict
+    cache_hit: bool
+
+
+class EncodeService:
+    def __init__(self, engine: EncodeEngine, store: TensorStore, model_id: str, timeout_s: float) -> None:
+        self.engine, self.store, self.model_id, self.timeout_s = engine, store, model_id, timeout_s
+        self._inflight: dict[str, asyncio.Future[EncodedResult]] = {}
+
+    async def encode(self, mm_hash: str, item: Item | None) -> EncodedResult:
+        key = ec_key(self.model_id, mm_hash)
+        handle = self._lookup(key)
+        if handle is not None:
+            ITEMS.labels("cache_hit").inc()
+            return EncodedResult(mm_hash, handle, True)
+        if item is None:
+            raise InvalidRequest(f"item {mm_hash}: no kwargs_data and not in the encoder cache",
+                                 code="missing_kwargs_data")
+        pending = self._inflight.get(key)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        future: asyncio.Future[EncodedResult] = asyncio.get_running_loop().create_future()
+        self._inflight[key] = future
+        try:
+            result = await self._encode(key, mm_hash, item)
+            future.set_result(result)
+            return result
+        except BaseException as exc:
+            future.set_exception(exc)
+            future.exception()  # mark retrieved: waiters (if any) re-raise it themselves
+            raise
+        finally:
+            del self._inflight[key]
+
+    def _lookup(self, key: str) -> dict | None:
+        try:
+            return self.store.lookup(key)
+        except ConnectorError as exc:
+            raise as_epd_error(exc, "ec") from None
+
+    async def _encode(self, key: str, mm_hash: str, item: Item) -> EncodedResult:
+        tensors = {name: to_torch(elem.data) for name, elem in item.items() if elem.data is not None}
+        [embedding] = await asyncio.to_thread(self.engine.encode, [tensors], self.timeout_s)
+        try:
+            handle = await asyncio.to_thread(self.store.put, key, {"embedding": embedding})
+        except ConnectorError as exc:
+            raise as_epd_error(exc, "ec") from None
+        ITEMS.labels("encoded").inc()
+        self.update_gauges()
+        return EncodedResult(mm_hash, handle, False)
+
+    def update_gauges(self) -> None:
+        stats = self.store.stats()
+        EC_BYTES.set(stats.bytes_used)
+        EC_ENTRIES.set(stats.entries)
+        FORWARDS.set(self.engine.num_forwards)

@@ -1,0 +1,131 @@
+"""The model-adapter contract: what a role needs from a model family.
+
+Roles never touch a family's internals; they call an adapter chosen by
+`services.models.registry.adapter_for` from the checkpoint's config.json.  The
+split of a VLM into parts:
+
+- encode holds a `VisionModel`: kwargs items (decoded PROTOCOL.md items as
+  torch tensors) -> one embedding tensor per item, in the model dtype;
+- prefill and decode hold a `LanguageModel`: token embeddings, the decoder
+  stack (a Hugging Face module that accepts inputs_embeds, position_ids,
+  attention_mask and a cache), the LM head, and the family's position rules.
+
+Per-request position state (Qwen-VL's rope_delta) is computed by prefill and
+carried to decode in kv_transfer_params; decode's position for a token is
+"index of the token in the sequence + rope_delta" (prompt tokens count; for the
+first token fed to decode that index is the prompt length).
+
+KV layout between prefill and decode: one tensor [num_layers, 2, num_kv_heads,
+L, head_dim] (index 0 = keys, 1 = values) in `KVLayout.dtype`, the model dtype.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape facts the decode engine needs to preallocate its KV buffers."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: Any  # torch.dtype
+    max_model_len: int
+
+
+@dataclass
+class PrefillInputs:
+    """Everything the decoder stack needs for one prompt (batch of one)."""
+
+    inputs_embeds: torch.Tensor   # [1, L, hidden], model dtype
+    position_ids: torch.Tensor    # family shaped, int64: [1, L] or [3, 1, L] (M-RoPE)
+    rope_delta: int               # carried to decode; 0 for text-only prompts
+
+
+@dataclass
+class MultiModalInput:
+    """One item as prefill sees it: where it sits, its metadata, its embedding."""
+
+    modality: str
+    offset: int
+    length: int
+    metadata: dict[str, torch.Tensor]
+    embedding: torch.Tensor  # [length, hidden]
+    mm_hash: str | None = None  # content hash (PROTOCOL.md); keys prefix-cache blocks holding the item
+
+
+class VisionModel(ABC):
+    """The vision tower of a family (encode role). Holds no language-model weights."""
+
+    hidden_size: int    # embedding width = the language model's hidden size
+    dtype: Any          # torch.dtype of the embeddings `encode` returns
+
+    @abstractmethod
+    def encode(self, items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """One forward for all items; returns one [num_tokens, hidden] tensor per item."""
+
+    @abstractmethod
+    def num_tokens(self, metadata: dict[str, torch.Tensor]) -> int:
+        """Placeholder tokens an item occupies, from its metadata (e.g. image_grid_thw)."""
+
+
+class LanguageModel(ABC):
+    """The language model of a family (prefill and decode roles). Holds no vision weights.
+
+    `model(inputs_embeds=, position_ids=, attention_mask=, cache=, use_cache=True)`
+    returns an object with `last_hidden_state`; `past_key_values=` is the old
+    spelling of `cache=` and still works (with a deprecation warning).  A 4-D
+    attention_mask ([B, 1, q, L], additive float) is used as is.
+    """
+
+    model: Any          # the HF decoder stack
+    lm_head: Any        # hidden -> logits
+    layout: KVLayout
+    eos_token_ids: tuple[int, ...]
+    vocab_size: int
+    hidden_size: int
+    device: Any         # torch.device of every parameter
+
+    @abstractmethod
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """[B, L] ids -> [B, L, hidden] embeddings."""
+
+    @abstractmethod
+    def prefill_inputs(self, token_ids: list[int], mm_items: list[MultiModalInput]) -> PrefillInputs:
+        """Embeddings with item embeddings scattered in, and positions, for one prompt.
+
+        Raises ValueError when an item's range does not hold its placeholder
+        tokens, its embedding has the wrong number of rows, or a placeholder
+        token is not covered by an item.
+        """
+
+    @abstractmethod
+    def decode_position_ids(self, positions: torch.Tensor) -> torch.Tensor:
+        """[B] (or [B, T]) absolute positions (token index + rope_delta) -> family-shaped
+        position_ids for one step: Qwen-VL gives [3, B, 1] (or [3, B, T])."""
+
+
+class ModelAdapter(ABC):
+    """One per family; chosen by `services.models.registry.adapter_for(model_path)`."""
+
+    family: str
+    architectures: tuple[str, ...]
+    metadata_keys: tuple[str, ...]   # processor fields prefill still needs (mm_metadata)
+
+    @abstractmethod
+    def load_vision(self, path: str | Path, device: str = "cpu", dtype: str = "float32") -> VisionModel: ...
+
+    @abstractmethod
+    def load_language(self, path: str | Path, device: str = "cpu", dtype: str = "float32",
+                      max_model_len: int | None = None) -> LanguageModel: ...
+
+    def has_vision(self) -> bool:
+        return True

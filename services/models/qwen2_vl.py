@@ -1,0 +1,184 @@
+"""Qwen2-VL and Qwen2.5-VL: vision tower for encode, language model for prefill/decode.
+
+Encode runs the tower exactly as `get_image_features` does, over all items'
+patches at once (attention inside the tower is per image, so batching does not
+mix items).  Prefill scatters each item's embedding at its placeholder range
+and takes M-RoPE positions from the model's own `get_rope_index`, which needs
+only image_grid_thw and which tokens are image tokens, never pixels.  The
+returned rope_delta makes decode positions plain integers: a decode token at
+sequence index n sits at n + rope_delta on all three M-RoPE axes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from services.models.base import (
+    KVLayout,
+    LanguageModel,
+    ModelAdapter,
+    MultiModalInput,
+    PrefillInputs,
+    VisionModel,
+)
+from services.models.loading import InvalidMultiModalInput, eos_token_ids, load_part
+
+if TYPE_CHECKING:
+    import torch
+
+
+def _grid(metadata: dict[str, torch.Tensor]) -> torch.Tensor:
+    if "image_grid_thw" not in metadata:
+        raise InvalidMultiModalInput(f"image item lacks image_grid_thw (has {sorted(metadata)})")
+    return metadata["image_grid_thw"].reshape(3).long()
+
+
+class QwenVLVision(VisionModel):
+    """The vision tower (patch embed, blocks, merger) of a Qwen-VL checkpoint."""
+
+    def __init__(self, hf_model: Any) -> None:
+        self._base = hf_model.model
+        self.merge_size = int(hf_model.config.vision_config.spatial_merge_size)
+        self.hidden_size = int(hf_model.config.text_config.hidden_size)
+        self.dtype = hf_model.dtype
+        self.device = hf_model.device
+
+    def num_tokens(self, metadata: dict[str, torch.Tensor]) -> int:
+        return int(_grid(metadata).prod()) // self.merge_size**2
+
+    def encode(self, items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        import torch
+
+        if not items:
+            return []
+        grids = torch.stack([_grid(item) for item in items])
+        pixels = torch.cat([self._pixels(item, grid) for item, grid in zip(items, grids, strict=True)])
+        with torch.no_grad():  # not inference_mode: callers may write into the results
+            out = self._base.get_image_features(pixels.to(self.device), grids.to(self.device))
+        return list(out.pooler_output)
+
+    @staticmethod
+    def _pixels(item: dict[str, torch.Tensor], grid: torch.Tensor) -> torch.Tensor:
+        pixels = item.get("pixel_values")
+        if pixels is None or pixels.dim() != 2 or pixels.shape[0] != int(grid.prod()):
+            shape = None if pixels is None else tuple(pixels.shape)
+            raise InvalidMultiModalInput(
+                f"pixel_values shape {shape} does not match image_grid_thw {grid.tolist()} "
+                f"(expected [{int(grid.prod())}, patch_dim])")
+        return pixels
+
+
+class QwenVLLanguage(LanguageModel):
+    """The text decoder stack and LM head of a Qwen-VL checkpoint, with M-RoPE position rules."""
+
+    def __init__(self, hf_model: Any, path: str | Path, max_model_len: int | None) -> None:
+        text = hf_model.config.text_config
+        self._base = hf_model.model  # owns get_rope_index
+        self.model = hf_model.model.language_model
+        self.lm_head = hf_model.lm_head
+        self.image_token_id = int(hf_model.config.image_token_id)
+        self.video_token_id = getattr(hf_model.config, "video_token_id", None)
+        self.vocab_size = int(text.vocab_size)
+        self.hidden_size = int(text.hidden_size)
+        self.device = hf_model.device
+        self.eos_token_ids = eos_token_ids(path, hf_model.config)
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self.layout = KVLayout(num_layers=text.num_hidden_layers, num_kv_heads=text.num_key_value_heads,
+                               head_dim=head_dim, dtype=hf_model.dtype,
+                               max_model_len=max_model_len or text.max_position_embeddings)
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(token_ids.to(self.device))
+
+    def decode_position_ids(self, positions: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        rows = positions.to(self.device, torch.long)
+        rows = rows[:, None] if rows.dim() == 1 else rows
+        return rows[None].expand(3, -1, -1)
+
+    def prefill_inputs(self, token_ids: list[int], mm_items: list[MultiModalInput]) -> PrefillInputs:
+        import torch
+
+        ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
+        items = sorted(mm_items, key=lambda item: item.offset)
+        self._check_items(token_ids, items)
+        with torch.no_grad():
+            embeds = self.embed(ids)
+            for item in items:
+                rows = slice(item.offset, item.offset + item.length)
+                embeds[0, rows] = item.embedding.to(self.device, embeds.dtype)
+        position_ids, rope_delta = self._positions(ids, items)
+        return PrefillInputs(inputs_embeds=embeds, position_ids=position_ids, rope_delta=rope_delta)
+
+    def _positions(self, ids: torch.Tensor, items: list[MultiModalInput]) -> tuple[torch.Tensor, int]:
+        import torch
+
+        if not items:
+            return self.decode_position_ids(torch.arange(ids.shape[1])[None]), 0
+        token_types = torch.zeros_like(ids)
+        for item in items:
+            token_types[0, item.offset:item.offset + item.length] = 1
+        grids = torch.stack([_grid(item.metadata) for item in items]).to(self.device)
+        position_ids, deltas = self._base.get_rope_index(ids, token_types, image_grid_thw=grids)
+        return position_ids, int(deltas.reshape(-1)[0])
+
+    def _check_items(self, token_ids: list[int], items: list[MultiModalInput]) -> None:
+        end = -1
+        for item in items:
+            self._check_item(token_ids, item)
+            if item.offset <= end:
+                # get_rope_index groups consecutive image tokens: touching items would merge into one image
+                raise InvalidMultiModalInput(f"multimodal item at offset {item.offset} overlaps or touches "
+                                             f"the previous one (ends at {end})")
+            end = item.offset + item.length
+        if self.video_token_id is not None and self.video_token_id in token_ids:
+            raise InvalidMultiModalInput("video placeholders are not supported by this server")
+        covered = sum(item.length for item in items)
+        placeholders = sum(1 for token in token_ids if token == self.image_token_id)
+        if placeholders != covered:
+            raise InvalidMultiModalInput(
+                f"prompt has {placeholders} image placeholder tokens but the items cover {covered}")
+
+    def _check_item(self, token_ids: list[int], item: MultiModalInput) -> None:
+        where = f"{item.modality} item [{item.offset}, {item.offset + item.length})"
+        if item.modality != "image":
+            raise InvalidMultiModalInput(f"{where}: only image items are supported, not {item.modality!r}")
+        if item.offset < 0 or item.length <= 0 or item.offset + item.length > len(token_ids):
+            raise InvalidMultiModalInput(f"{where}: outside the prompt of {len(token_ids)} tokens")
+        if any(token != self.image_token_id for token in token_ids[item.offset:item.offset + item.length]):
+            raise InvalidMultiModalInput(f"{where}: range holds tokens other than the image token "
+                                         f"{self.image_token_id}")
+        if item.embedding.dim() != 2 or item.embedding.shape != (item.length, self.hidden_size):
+            raise InvalidMultiModalInput(f"{where}: embedding shape {tuple(item.embedding.shape)} != "
+                                         f"({item.length}, {self.hidden_size})")
+        merge = self._base.config.vision_config.spatial_merge_size
+        if int(_grid(item.metadata).prod()) // merge**2 != item.length:
+            raise InvalidMultiModalInput(f"{where}: image_grid_thw {_grid(item.metadata).tolist()} "
+                                         f"does not give {item.length} tokens")
+
+
+class Qwen2VLAdapter(ModelAdapter):
+    family = "qwen2_vl"
+    architectures: tuple[str, ...] = ("Qwen2VLForConditionalGeneration",)
+    metadata_keys: tuple[str, ...] = ("image_grid_thw",)
+
+    def load_vision(self, path: str | Path, device: str = "cpu", dtype: str = "float32") -> VisionModel:
+        from services.models.hf_parts import part_classes
+
+        return QwenVLVision(load_part(part_classes(self.family)[0], path, device, dtype))
+
+    def load_language(self, path: str | Path, device: str = "cpu", dtype: str = "float32",
+                      max_model_len: int | None = None) -> LanguageModel:
+        from services.models.hf_parts import part_classes
+
+        hf_model = load_part(part_classes(self.family)[1], path, device, dtype)
+        return QwenVLLanguage(hf_model, path, max_model_len)
+
+
+class Qwen2_5_VLAdapter(Qwen2VLAdapter):
+    """Same split; the tower differs (window attention, `out_hidden_size` = LM width)."""
+
+    family = "qwen2_5_vl"
+    architectures = ("Qwen2_5_VLForConditionalGeneration",)

@@ -1,0 +1,36 @@
+"""Wiring of a prefill process: language model + engine + EC reader + KV store behind gRPC."""
+
+from __future__ import annotations
+
+import grpc
+
+from services.config import EpdConfig
+from services.server import RoleServer
+
+
+async def build(config: EpdConfig) -> RoleServer:
+    from services.connectors.wiring import open_store
+    from services.models.registry import adapter_for, resolve_model
+    from services.rpc.v1 import epd_pb2_grpc as rpc
+
+    from .engine import PrefillEngine
+    from .prefix_cache import PrefixCache
+    from .servicer import PrefillServicer
+    from .serving import PrefillService
+
+    path = resolve_model(config.model)
+    lm = adapter_for(path).load_language(path, config.device, config.dtype, config.max_model_len)
+    engine = PrefillEngine(lm, PrefixCache(max_blocks=1024))
+    ec_store = open_store(config, "ec", producer=False)
+    kv_store = open_store(config, "kv")
+    service = PrefillService(engine, lm, ec_store, kv_store, config.instance_id)
+    servicer = PrefillServicer(service)
+
+    def register(server: grpc.aio.Server) -> None:
+        rpc.add_PrefillServiceServicer_to_server(servicer, server)
+
+    def cleanup() -> None:
+        kv_store.close()
+        ec_store.close()
+
+    return RoleServer(name="prefill", register_grpc=register, cleanup=cleanup)

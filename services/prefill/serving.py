@@ -1,0 +1,99 @@
+"""Prefill's core: token ids + mm_metadata + EC handles -> first token + KV in the KV store.
+
+Prefill never receives pixels: each image's embedding is loaded from the EC
+store by the handle encode returned, and its positions come from the light
+metadata (image_grid_thw).  The KV cache goes to the KV store under the
+request id; the answer (kv_transfer_params) carries its handle and the
+per-request position state (rope_delta) decode needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import Counter, Gauge
+
+from services.connectors.base import ConnectorError, TensorStore
+from services.connectors.kv import kv_key
+from services.connectors.wiring import as_epd_error
+from services.decode.params_from import decode_params
+from services.decode.sampler import sample_first
+from services.models.base import LanguageModel, MultiModalInput
+from services.protocol.errors import InvalidRequest
+from services.protocol.items import Item
+from services.protocol.tensors import to_torch
+
+from .engine import PrefillEngine
+
+PROMPT_TOKENS = Counter("epd_prefill_prompt_tokens", "Prompt tokens prefilled")
+CACHED_TOKENS = Counter("epd_prefill_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache")
+MM_BYTES = Counter("epd_prefill_mm_bytes_received", "Multimodal bytes (kwargs_data + mm_metadata) received")
+KV_BYTES = Gauge("epd_kv_store_bytes", "Bytes held by this instance's KV store")
+KV_ENTRIES = Gauge("epd_kv_store_entries", "Entries held by this instance's KV store")
+
+
+@dataclass
+class PrefillItem:
+    modality: str
+    mm_hash: str
+    offset: int
+    length: int
+    metadata: Item
+
+
+@dataclass
+class PrefillOutcome:
+    first_token_id: int
+    kv_transfer_params: dict[str, Any]
+    prompt_tokens: int
+    cached_tokens: int
+
+
+class PrefillService:
+    def __init__(self, engine: PrefillEngine, lm: LanguageModel, ec_store: TensorStore, kv_store: TensorStore,
+                 instance_id: str) -> None:
+        self.engine, self.lm, self.instance_id = engine, lm, instance_id
+        self.ec_store, self.kv_store = ec_store, kv_store
+
+    async def prefill(self, request_id: str, token_ids: list[int], items: list[PrefillItem],
+                      ec_params: dict[str, Any], sampling: dict[str, Any], cache_salt: str | None) -> PrefillOutcome:
+        params = decode_params(sampling)
+        mm_inputs = await asyncio.to_thread(self._load_embeddings, items, ec_params)
+        result = await asyncio.to_thread(self.engine.prefill, token_ids, mm_inputs, cache_salt)
+        first = sample_first(result.first_logits, params, 0, self.lm.eos_token_ids, token_ids)
+        try:
+            handle = await asyncio.to_thread(self.kv_store.put, kv_key(request_id), {"kv": result.kv})
+        except ConnectorError as exc:
+            raise as_epd_error(exc, "kv") from None
+        PROMPT_TOKENS.inc(result.num_prompt_tokens)
+        CACHED_TOKENS.inc(result.num_cached_tokens)
+        self._update_gauges()
+        params_out = {"do_remote_prefill": True, "remote_engine_id": self.instance_id, "handle": handle,
+                      "rope_delta": result.rope_delta, "num_prompt_tokens": result.num_prompt_tokens,
+                      "first_token_id": first}
+        return PrefillOutcome(first, params_out, result.num_prompt_tokens, result.num_cached_tokens)
+
+    def _load_embeddings(self, items: list[PrefillItem], ec_params: dict[str, Any]) -> list[MultiModalInput]:
+        inputs = []
+        for item in items:
+            handle = ec_params.get(item.mm_hash)
+            if not isinstance(handle, dict):
+                raise InvalidRequest(f"ec_transfer_params has no handle for mm_hash {item.mm_hash}",
+                                     code="missing_ec_handle")
+            try:
+                embedding = self.ec_store.get(handle)["embedding"]
+            except ConnectorError as exc:
+                raise as_epd_error(exc, "ec") from None
+            except (KeyError, TypeError, ValueError) as exc:
+                raise InvalidRequest(f"bad EC handle for {item.mm_hash}: {exc}", code="invalid_ec_handle") from None
+            metadata = {k: to_torch(e.data) for k, e in item.metadata.items() if e.data is not None}
+            inputs.append(MultiModalInput(item.modality, item.offset, item.length, metadata, embedding,
+                                          mm_hash=item.mm_hash))
+        return inputs
+
+    def _update_gauges(self) -> None:
+        stats = self.kv_store.stats()
+        KV_BYTES.set(stats.bytes_used)
+        KV_ENTRIES.set(stats.entries)

@@ -1,0 +1,95 @@
+"""The one error taxonomy of epd, mapped once to HTTP status and gRPC code.
+
+Every layer raises these; transports translate them here and nowhere else.
+The OpenAI-style body is `{"error": {"message", "type", "code"}}`.  Across gRPC
+an error travels as the status code plus its message, with the epd code in the
+trailing metadata key `epd-error-code`, so the receiving side rebuilds the same
+error (see `from_grpc`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+ERROR_CODE_METADATA_KEY = "epd-error-code"
+
+
+class EpdError(Exception):
+    """Base of every error epd reports to a caller."""
+
+    status: int = 500
+    type: str = "internal_error"
+    grpc_code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    default_code: str = "internal_error"
+
+    def __init__(self, message: str, code: str | None = None, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code or self.default_code
+        self.retry_after_s = retry_after_s
+
+    def to_body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "code": self.code}}
+
+
+class InvalidRequest(EpdError):
+    status, type, grpc_code, default_code = (
+        400, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT, "invalid_request"
+    )
+
+
+class NotFound(EpdError):
+    status, type, grpc_code, default_code = (
+        404, "not_found_error", grpc.StatusCode.NOT_FOUND, "not_found"
+    )
+
+
+class Overloaded(EpdError):
+    status, type, grpc_code, default_code = (
+        429, "rate_limit_error", grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded"
+    )
+
+
+class Unavailable(EpdError):
+    status, type, grpc_code, default_code = (
+        503, "service_unavailable", grpc.StatusCode.UNAVAILABLE, "unavailable"
+    )
+
+
+class DeadlineExceeded(EpdError):
+    status, type, grpc_code, default_code = (
+        504, "timeout_error", grpc.StatusCode.DEADLINE_EXCEEDED, "deadline_exceeded"
+    )
+
+
+class Aborted(EpdError):
+    status, type, grpc_code, default_code = (
+        499, "aborted", grpc.StatusCode.CANCELLED, "aborted"
+    )
+
+
+class InternalError(EpdError):
+    pass
+
+
+_BY_GRPC = {
+    cls.grpc_code: cls
+    for cls in (InvalidRequest, NotFound, Overloaded, Unavailable, DeadlineExceeded, Aborted)
+}
+
+
+def from_grpc(code: grpc.StatusCode, details: str | None, epd_code: str | None) -> EpdError:
+    """Rebuild the error a peer raised from a gRPC status."""
+    cls = _BY_GRPC.get(code, InternalError)
+    if code == grpc.StatusCode.UNAVAILABLE and not epd_code:
+        return Unavailable(f"upstream unavailable: {details or 'no details'}", code="upstream_unavailable")
+    return cls(details or code.name.lower(), code=epd_code)
+
+
+def as_epd_error(exc: BaseException) -> EpdError:
+    """Any exception as an EpdError; unknown ones become a 500 without leaking internals."""
+    if isinstance(exc, EpdError):
+        return exc
+    return InternalError(f"internal error ({type(exc).__name__})")

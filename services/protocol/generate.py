@@ -1,0 +1,156 @@
+"""POST /inference/v1/generate and POST /abort_requests: requests, responses, stream chunks.
+
+Every role and the coordinator speak these.  A render answer posts here
+unchanged.  Older callers nest kv_transfer_params / ec_transfer_params in
+sampling_params.extra_args; after validation they are lifted to the top level
+(the top-level value wins), so `.kv_transfer_params` / `.ec_transfer_params`
+are always the effective ones and extra_args no longer carries them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from services.protocol.common import ProtocolModel, TokenId, TransferParams, Usage, fresh_id, now_s
+from services.protocol.features import ContentPart, FeatureItem, MultiModalFeatures
+from services.protocol.sampling import SamplingParams
+
+RESPONSE_ID_PREFIX = "generate-tokens-"
+MAX_CACHE_SALT_CHARS = 1024
+FinishReason = Literal["stop", "length", "abort", "error"]
+_TRANSFER_KEYS = ("kv_transfer_params", "ec_transfer_params")
+
+
+class StreamOptions(ProtocolModel):
+    """What a streamed answer reports besides tokens (OpenAI / vLLM semantics)."""
+
+    include_usage: bool = Field(default=True, description="Send a last event with empty choices and usage.")
+    continuous_usage_stats: bool = Field(default=False, description="Attach usage to every event.")
+
+
+class GenerateRequest(ProtocolModel):
+    """Tokens plus multimodal features (or raw content parts) plus sampling: one generation."""
+
+    request_id: str = Field(default_factory=fresh_id, min_length=1, description="Caller's id; default fresh.")
+    token_ids: list[TokenId] = Field(description="Prompt token ids, placeholder-expanded (one token per "
+                                     "embedding); at least one.")
+    features: MultiModalFeatures | None = Field(default=None, description="Rendered multimodal items.")
+    content_parts: list[ContentPart] | None = Field(
+        default=None, description="Raw media to fetch server-side; "
+        "mutually exclusive with features.")
+    sampling_params: SamplingParams = Field(default_factory=lambda: SamplingParams(),
+                                            description="vLLM sampling; null = defaults.")
+    model: str | None = Field(default=None, description="Model name; null passes the model check.")
+    stream: bool = Field(default=False, description="Answer as server-sent events.")
+    stream_options: StreamOptions | None = Field(default=None, description="Usage reporting when streaming.")
+    cache_salt: str | None = Field(default=None, description="1..1024 chars; part of every prefix-cache key.")
+    priority: int = Field(default=0, description="Scheduling priority (lower runs first, as in vLLM).")
+    kv_transfer_params: TransferParams | None = Field(default=None, description="KV connector handle (decode "
+                                                      "input, prefill output).")
+    ec_transfer_params: TransferParams | None = Field(default=None, description="{mm_hash: handle} of stored "
+                                                      "embeddings (prefill input, encode output).")
+
+    @field_validator("token_ids")
+    @classmethod
+    def _not_empty(cls, value: list[int]) -> list[int]:
+        if not value:
+            raise ValueError("must not be empty")
+        return value
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt_length(cls, value: str | None) -> str | None:
+        if value is not None and not 1 <= len(value) <= MAX_CACHE_SALT_CHARS:
+            raise ValueError(f"must be 1..{MAX_CACHE_SALT_CHARS} characters")
+        return value
+
+    @model_validator(mode="after")
+    def _normalize_and_check(self) -> GenerateRequest:
+        self._lift_transfer_params()
+        self._check_multimodal()
+        return self
+
+    def _lift_transfer_params(self) -> None:
+        extra = self.sampling_params.extra_args
+        if not extra or not any(key in extra for key in _TRANSFER_KEYS):
+            return
+        for key in _TRANSFER_KEYS:
+            nested = extra.get(key)
+            if nested is not None and not isinstance(nested, dict):
+                raise ValueError(f"sampling_params.extra_args.{key}: must be an object")
+            if getattr(self, key) is None and nested is not None:
+                setattr(self, key, nested)
+        rest = {k: v for k, v in extra.items() if k not in _TRANSFER_KEYS}
+        self.sampling_params = self.sampling_params.model_copy(update={"extra_args": rest or None})
+
+    def _check_multimodal(self) -> None:
+        if self.content_parts and self.features is not None:
+            raise ValueError("content_parts and features are mutually exclusive")
+        for item in self.items():
+            if item.placeholder.end > len(self.token_ids):
+                raise ValueError(
+                    f"features.mm_placeholders.{item.modality}[{item.index}]: offset+length "
+                    f"({item.placeholder.end}) exceeds len(token_ids) ({len(self.token_ids)})")
+        if self.features is not None and self.features.has_metadata_only_items() \
+                and not self.ec_transfer_params:
+            raise ValueError("metadata-only multimodal items require ec_transfer_params")
+
+    def items(self) -> list[FeatureItem]:
+        """Every rendered multimodal item in prompt order; empty without features."""
+        return self.features.items() if self.features is not None else []
+
+    @property
+    def is_multimodal(self) -> bool:
+        return bool(self.content_parts) or (self.features is not None and self.features.num_items > 0)
+
+
+class GenerateChoice(ProtocolModel):
+    """Generated tokens of one choice; in a stream chunk, the delta since the last event."""
+
+    index: int = Field(default=0, description="Choice index (always 0: n is 1).")
+    token_ids: list[int] = Field(default_factory=list, description="Generated token ids (or the delta).")
+    finish_reason: FinishReason | None = Field(
+        default=None, description="Why generation ended; null while running.")
+    logprobs: Any = Field(default=None, description="Logprobs when requested, else null.")
+    stop_reason: int | str | None = Field(
+        default=None, description="Matched stop token id or string, if any.")
+
+
+class GenerateResponse(ProtocolModel):
+    """The non-streamed answer of /inference/v1/generate."""
+
+    request_id: str = Field(description="'generate-tokens-<id>', see response_id().")
+    model: str | None = Field(default=None, description="Served model name.")
+    created: int = Field(default_factory=now_s, description="Unix seconds.")
+    choices: list[GenerateChoice] = Field(default_factory=list, description="One choice.")
+    usage: Usage = Field(default_factory=lambda: Usage(), description="Token counts.")
+    kv_transfer_params: TransferParams | None = Field(
+        default=None, description="From prefill: what decode carries.")
+    ec_transfer_params: TransferParams | None = Field(
+        default=None, description="From encode: {mm_hash: handle}.")
+
+
+class GenerateStreamChunk(ProtocolModel):
+    """One SSE event of a streamed generate; carries no transfer params (never stream a prefill)."""
+
+    request_id: str = Field(description="Same id as the non-streamed response would carry.")
+    model: str | None = Field(default=None, description="Served model name.")
+    created: int = Field(default_factory=now_s, description="Unix seconds.")
+    choices: list[GenerateChoice] = Field(default_factory=list, description="Token deltas; empty in the "
+                                          "final usage-only event.")
+    usage: Usage | None = Field(default=None, description="Set on the usage event (or every event when "
+                                "continuous_usage_stats).")
+
+
+class AbortRequest(ProtocolModel):
+    """POST /abort_requests body."""
+
+    request_ids: list[str] = Field(description="Ids of the requests to abort; unknown ids are ignored.")
+
+
+def response_id(request_id: str, x_request_id: str | None = None) -> str:
+    """'generate-tokens-<id>' where <id> is the X-Request-Id header when given, else request_id."""
+    chosen = x_request_id or request_id
+    return chosen if chosen.startswith(RESPONSE_ID_PREFIX) else RESPONSE_ID_PREFIX + chosen

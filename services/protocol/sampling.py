@@ -1,0 +1,100 @@
+"""SamplingParams with vLLM's names, and the constrained types the OpenAI requests reuse.
+
+The constraint types below are shared with openai.py, so a bad `temperature`
+is refused at parse time with the caller's own field name, whichever endpoint
+it came through.  max_tokens None means "server default" (the remaining
+context), never 16.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BeforeValidator, Field, model_validator
+
+from services.protocol.common import INT32_MAX, INT64_MAX, INT64_MIN, ProtocolModel, TokenId
+
+
+def _check_n(value: int) -> int:
+    if value > 1:
+        raise ValueError("n > 1 is not supported")
+    if value < 1:
+        raise ValueError("must be 1")
+    return value
+
+
+def _check_top_k(value: int) -> int:
+    if value < -1:
+        raise ValueError("must be -1 or 0 (off) or a positive integer")
+    return value
+
+
+def _as_stop_list(value: Any) -> Any:
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else value
+
+
+def _check_stop(value: list[str]) -> list[str]:
+    if any(s == "" for s in value):
+        raise ValueError("must not contain an empty string")
+    return value
+
+
+MaxTokens = Annotated[int, Field(ge=1, le=INT32_MAX)]
+Temperature = Annotated[float, Field(ge=0)]
+TopP = Annotated[float, Field(gt=0, le=1)]
+TopK = Annotated[int, Field(le=INT32_MAX), AfterValidator(_check_top_k)]
+MinP = Annotated[float, Field(ge=0, le=1)]
+Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+StopStrings = Annotated[list[str], BeforeValidator(_as_stop_list), AfterValidator(_check_stop)]
+StopTokenIds = list[TokenId]
+MinTokens = Annotated[int, Field(ge=0, le=INT32_MAX)]
+Logprobs = Annotated[int, Field(ge=-1, le=INT32_MAX)]
+RepetitionPenalty = Annotated[float, Field(gt=0)]
+Penalty = Annotated[float, Field(ge=-2, le=2)]
+NumChoices = Annotated[int, AfterValidator(_check_n)]
+
+
+class SamplingParams(ProtocolModel):
+    """How to sample, in vLLM SamplingParams names; null = default (ProtocolModel)."""
+
+    max_tokens: MaxTokens | None = Field(
+        default=None, description="Tokens to generate; null = server default "
+        "(the remaining context).")
+    temperature: Temperature = Field(default=1.0, description="Softmax temperature; 0 = greedy.")
+    top_p: TopP = Field(default=1.0, description="Nucleus sampling mass, 0 < top_p <= 1.")
+    top_k: TopK = Field(default=0, description="Keep the k most likely tokens; 0 or -1 = off.")
+    min_p: MinP = Field(default=0.0, description="Drop tokens below min_p times the top probability.")
+    seed: Seed | None = Field(default=None, description="Per-request sampling seed.")
+    stop: StopStrings = Field(default_factory=list, description="Stop strings (a string or a list).")
+    stop_token_ids: StopTokenIds = Field(default_factory=list, description="Token ids that stop generation.")
+    ignore_eos: bool = Field(default=False, description="Keep generating past the EOS token.")
+    min_tokens: MinTokens = Field(default=0, description="Tokens to generate before EOS or stops may end it.")
+    logprobs: Logprobs | None = Field(default=None, description="Top logprobs per generated token; -1 = all.")
+    repetition_penalty: RepetitionPenalty = Field(
+        default=1.0, description="Penalty (> 0) on repeated tokens.")
+    presence_penalty: Penalty = Field(default=0.0, description="-2..2 penalty on tokens already present.")
+    frequency_penalty: Penalty = Field(default=0.0, description="-2..2 penalty scaled by token frequency.")
+    n: NumChoices = Field(default=1, description="Choices per request; only 1 is supported.")
+    extra_args: dict[str, Any] | None = Field(
+        default=None, description="Free-form extras (older callers nest "
+        "kv_transfer_params / ec_transfer_params here).")
+    skip_special_tokens: bool = Field(default=True, description="Drop special tokens from the output text.")
+    include_stop_str_in_output: bool = Field(
+        default=False, description="Keep the matched stop string in the text.")
+
+    @model_validator(mode="after")
+    def _min_within_max(self) -> SamplingParams:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        return self
+
+    @property
+    def top_k_limit(self) -> int | None:
+        """top_k as a limit, or None when top-k filtering is off (0 or -1)."""
+        return self.top_k if self.top_k > 0 else None
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,41 @@
+"""Wiring of a render process: RenderService behind gRPC (and HTTP routes)."""
+
+from __future__ import annotations
+
+import grpc
+
+from services.config import EpdConfig
+from services.server import RoleServer
+
+from .limits import RenderLimits
+from .media import MediaPolicy
+from .serving import RenderService
+from .servicer import RenderServicer
+
+
+def media_policy(config: EpdConfig) -> MediaPolicy:
+    return MediaPolicy(allowed_domains=config.media_domains(),
+                       allow_private_networks=config.allow_private_media_urls,
+                       timeout_s=config.media_timeout_s, max_bytes=config.max_image_bytes,
+                       max_image_pixels=config.max_image_pixels)
+
+
+def limits(config: EpdConfig) -> RenderLimits:
+    return RenderLimits(max_images_per_request=config.max_images_per_request,
+                        max_image_pixels=config.max_image_pixels, max_image_bytes=config.max_image_bytes,
+                        max_model_len=config.max_model_len)
+
+
+async def build(config: EpdConfig) -> RoleServer:
+    from services.models.registry import resolve_model
+
+    path = resolve_model(config.model)
+    service = RenderService(path, config.served_model_id(), media_policy(config), limits(config))
+    servicer = RenderServicer(service)
+
+    def register(server: grpc.aio.Server) -> None:
+        from services.rpc.v1 import epd_pb2_grpc as rpc
+
+        rpc.add_RenderServiceServicer_to_server(servicer, server)
+
+    return RoleServer(name="render", register_grpc=register, cleanup=service.close)

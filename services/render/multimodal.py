@@ -1,0 +1,118 @@
+"""Images of one prompt: fetch + decode, process + hash, and place into the token ids.
+
+The three stages every input path shares (chat messages, content_parts):
+
+1. `load` fetches and decodes all images concurrently under the media policy,
+   tightened to the render limits so oversize media is refused before it is
+   decoded; any failure cancels the other fetches and names the image index.
+2. `process` runs the HF image processor and the mm_hash of each image in the
+   bounded thread pool (both are CPU-heavy; the event loop never blocks).
+3. `place` sizes each image's placeholder run and builds the items.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from PIL import Image
+
+from services.protocol.errors import InvalidRequest
+from services.render.chat import ImageRef
+from services.render.features import IMAGE, RenderedItem, rendered_item
+from services.render.hashing import item_hash
+from services.render.limits import RenderLimits
+from services.render.media import MediaPolicy, load_image
+from services.render.placeholders import VisionTokens, fit_runs
+from services.render.processor import ImageProcessor, ProcessedImage
+
+T = TypeVar("T")
+# Media error code -> (render limit, the policy field it tightens).
+_SIZE_CODES = {"image_too_large": ("max_image_pixels", "max_image_pixels"),
+               "media_too_large": ("max_image_bytes", "max_bytes")}
+
+
+@dataclass(frozen=True)
+class LoadedImage:
+    ref: ImageRef
+    image: Image.Image
+    data: bytes           # the original encoded bytes: what mm_hash covers
+
+
+@dataclass(frozen=True)
+class ReadyImage:
+    processed: ProcessedImage
+    mm_hash: str
+
+
+class ImagePipeline:
+    """Per-service image handling; holds no per-request state."""
+
+    def __init__(self, processor: ImageProcessor, policy: MediaPolicy, limits: RenderLimits,
+                 model_id: str, executor: Executor) -> None:
+        self.processor = processor
+        self.limits = limits
+        self.model_id = model_id
+        self.executor = executor
+        self.policy = dataclasses.replace(
+            policy, max_bytes=min(policy.max_bytes, limits.max_image_bytes),
+            max_image_pixels=min(policy.max_image_pixels, limits.max_image_pixels))
+
+    async def load(self, refs: Sequence[ImageRef]) -> list[LoadedImage]:
+        self.limits.check_image_count(len(refs))
+        return await gather_or_cancel([self._load_one(i, ref) for i, ref in enumerate(refs)])
+
+    async def process(self, images: Sequence[LoadedImage]) -> list[ReadyImage]:
+        loop = asyncio.get_running_loop()
+        return await gather_or_cancel(
+            [loop.run_in_executor(self.executor, self._process_one, image) for image in images])
+
+    def place(self, token_ids: Sequence[int], ready: Sequence[ReadyImage], vision: VisionTokens,
+              metadata_keys: Sequence[str]) -> tuple[list[int], list[RenderedItem]]:
+        """Token ids with each image's run sized to its token count, and one item per image."""
+        ids, runs = fit_runs(token_ids, vision, [r.processed.num_tokens for r in ready])
+        items = [rendered_item(IMAGE, r.mm_hash, run.offset, run.length, r.processed.arrays, metadata_keys)
+                 for r, run in zip(ready, runs, strict=True)]
+        return ids, items
+
+    async def _load_one(self, index: int, ref: ImageRef) -> LoadedImage:
+        try:
+            # No shared session: media opens (and closes) one per fetch, so nothing outlives an event loop.
+            image, data = await load_image(ref.url, self.policy)
+            self.limits.check_image(image.width, image.height, len(data))
+        except InvalidRequest as exc:
+            raise self._named(index, exc) from None
+        return LoadedImage(ref, image, data)
+
+    def _process_one(self, image: LoadedImage) -> ReadyImage:
+        processed = self.processor.process(image.image)
+        mm_hash = item_hash(IMAGE, image.data, self.model_id, self.processor.hash_kwargs, image.ref.uuid)
+        return ReadyImage(processed, mm_hash)
+
+    def _named(self, index: int, exc: InvalidRequest) -> InvalidRequest:
+        message = f"image {index}: {exc.message}"
+        knob, policy_field = _SIZE_CODES.get(exc.code, ("", ""))
+        value = getattr(self.limits, knob, None)
+        if knob and knob not in message and value == getattr(self.policy, policy_field):
+            message += f" (render limit {knob}={value})"
+        return InvalidRequest(message, code=exc.code)
+
+
+async def gather_or_cancel(awaitables: Sequence[Awaitable[T]]) -> list[T]:
+    """asyncio.gather that cancels the siblings when one fails (no orphan fetches)."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+def run_in(executor: Executor, fn: Callable[..., T], *args: Any) -> Awaitable[T]:
+    return asyncio.get_running_loop().run_in_executor(executor, fn, *args)

@@ -1,0 +1,51 @@
+"""The checkpoint's HF image processor, run on one image at a time.
+
+Render processes each image on its own (not as a batch) because every image
+becomes its own item with its own mm_hash; Qwen2-VL's processor treats the
+images of a batch independently, so the per-image arrays are exactly the rows
+the batched call would produce.  Arrays are numpy (`return_tensors="np"`):
+render never imports torch.  Calls are CPU-heavy and blocking; `RenderService`
+runs them in its bounded thread pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from services.models.processing import load_image_processor
+from services.render.hashing import output_kwargs
+
+
+@dataclass(frozen=True)
+class ProcessedImage:
+    arrays: dict[str, np.ndarray]   # processor key order, e.g. pixel_values, image_grid_thw[0]
+    num_tokens: int                 # placeholder tokens (= image embeddings) the image occupies
+
+
+class ImageProcessor:
+    """Wraps a Qwen-VL image processor: per-image arrays and placeholder counts."""
+
+    def __init__(self, model_path: str | Path) -> None:
+        self.hf = load_image_processor(model_path)
+        self.merge_size = int(self.hf.merge_size)
+        # Settings that change the output go into every mm_hash (two deployments with different
+        # max_pixels must not share encoder-cache entries).
+        self.hash_kwargs: dict[str, Any] = output_kwargs(self.hf.to_dict())
+
+    def process(self, image: Image.Image) -> ProcessedImage:
+        out = self.hf(images=[image], return_tensors="np")
+        arrays = {key: np.asarray(value) for key, value in out.items()}
+        grid = arrays["image_grid_thw"]
+        if grid.shape != (1, 3):
+            raise ValueError(f"expected one image_grid_thw row, got shape {grid.shape}")
+        arrays["image_grid_thw"] = np.ascontiguousarray(grid[0], dtype=np.int64)
+        return ProcessedImage(arrays, self.num_tokens(arrays["image_grid_thw"]))
+
+    def num_tokens(self, grid_thw: np.ndarray) -> int:
+        t, h, w = (int(v) for v in grid_thw)
+        return t * h * w // (self.merge_size**2)

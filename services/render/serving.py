@@ -1,0 +1,225 @@
+"""The render role's core: OpenAI requests -> placeholder-expanded token ids + multimodal items.
+
+Transport-free: the HTTP router and the gRPC servicer parse, call one method
+here and map `EpdError`s.  Render holds the tokenizer, chat template and HF
+image processor, never model weights, and never imports torch.
+
+Chat flow: model check -> normalise messages (chat.py) -> chat template
+(text, one ``<|vision_start|><|image_pad|><|vision_end|>`` per image) and,
+concurrently, image fetch + decode -> per-image processing and mm_hash in the
+thread pool -> tokenize -> size each pad run to the image's token count ->
+context-length check.  The result token ids equal Qwen2VLProcessor's.
+
+Threads: tokenizer calls go through a one-thread executor (HF fast tokenizers
+are not safe to call concurrently); image processing and hashing use a
+bounded pool of `num_workers` threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from services.models.processing import load_tokenizer
+from services.protocol.common import fresh_id
+from services.protocol.errors import InvalidRequest
+from services.protocol.features import ContentPart
+from services.protocol.openai import ChatCompletionRequest, CompletionRequest
+from services.protocol.parsing import validate_model
+from services.protocol.sampling import SamplingParams
+from services.render.chat import ImageRef, NormalizedChat, normalize_messages
+from services.render.features import QWEN_VL_METADATA_KEYS, RenderedItem
+from services.render.limits import RenderLimits, check_context_length
+from services.render.media import MediaPolicy
+from services.render.multimodal import ImagePipeline, run_in
+from services.render.placeholders import VisionTokens, fit_runs
+from services.render.processor import ImageProcessor
+from services.render.prompt import RenderedPrompt
+from services.render.template import ChatTemplate
+
+__all__ = ["RenderLimits", "RenderService", "RenderedItem", "RenderedPrompt"]
+
+
+class RenderService:
+    """One per render process; safe to call from many concurrent requests."""
+
+    def __init__(self, model_path: str | Path, model_id: str, media_policy: MediaPolicy | None = None,
+                 limits: RenderLimits | None = None, *, aliases: Sequence[str] = (),
+                 metadata_keys: Sequence[str] = QWEN_VL_METADATA_KEYS, num_workers: int = 2) -> None:
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        self.model_path = Path(model_path)
+        self.model_id = model_id
+        self.served_model_names = (model_id, *aliases)
+        self.limits = limits or RenderLimits()
+        self.metadata_keys = tuple(metadata_keys)
+        self.tokenizer = load_tokenizer(model_path)
+        self.template = ChatTemplate(self.tokenizer)
+        self.vision = _vision_tokens(self.tokenizer)
+        self.max_model_len = self.limits.max_model_len or _checkpoint_context(model_path, self.tokenizer)
+        self.vocab_size = max(len(self.tokenizer), _checkpoint_vocab(model_path))
+        self._tok_pool = ThreadPoolExecutor(1, thread_name_prefix="render-tok")
+        self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="render-proc")
+        self.images = ImagePipeline(ImageProcessor(model_path), media_policy or MediaPolicy(), self.limits,
+                                    model_id, self._pool)
+
+    # ---- public API -------------------------------------------------------------------------------
+
+    async def render_chat(self, req: ChatCompletionRequest, request_id: str | None = None) -> RenderedPrompt:
+        """One chat request -> one prompt (token ids, items, sampling)."""
+        self.check_model(req.model)
+        sampling = req.to_sampling_params()
+        text, token_ids, items = await self._render_messages(normalize_messages(req.messages), req)
+        check_context_length(len(token_ids), sampling.max_tokens, self.max_model_len)
+        return self._prompt(req, request_id, token_ids, items, sampling, text)
+
+    async def render_completion(self, req: CompletionRequest,
+                                request_id: str | None = None) -> list[RenderedPrompt]:
+        """One completion request -> one text-only prompt per entry of `prompt`."""
+        self.check_model(req.model)
+        sampling = req.to_sampling_params()
+        base_id = request_id or fresh_id()
+        prompts = req.prompts()
+        out = []
+        for index, prompt in enumerate(prompts):
+            text = prompt if isinstance(prompt, str) else None
+            token_ids = await self._completion_ids(prompt)
+            check_context_length(len(token_ids), sampling.max_tokens, self.max_model_len)
+            rid = base_id if len(prompts) == 1 else f"{base_id}-{index}"
+            out.append(self._prompt(req, rid, token_ids, [], sampling.model_copy(), text))
+        return out
+
+    async def render_content_parts(
+        self, token_ids: Sequence[int], content_parts: Sequence[ContentPart | dict[str, Any]], *,
+        request_id: str | None = None, model: str | None = None,
+        sampling_params: SamplingParams | None = None, cache_salt: str | None = None,
+    ) -> RenderedPrompt:
+        """Token ids that already hold one placeholder run per part (length 1 or exact) + raw media."""
+        self.check_model(model)
+        refs = [_image_ref(index, part) for index, part in enumerate(content_parts)]
+        self._check_ids(token_ids)
+        ready = await self.images.process(await self.images.load(refs))
+        ids, items = self.images.place(token_ids, ready, self.vision, self.metadata_keys)
+        sampling = sampling_params or SamplingParams()
+        check_context_length(len(ids), sampling.max_tokens, self.max_model_len)
+        return RenderedPrompt(request_id or fresh_id(), ids, items, sampling, self.model_id, cache_salt)
+
+    async def tokenize(self, *, prompt: str | None = None, messages: Sequence[Any] | None = None,
+                       add_special_tokens: bool | None = None, add_generation_prompt: bool = True,
+                       continue_final_message: bool = False,
+                       chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """vLLM /tokenize: a text prompt, or chat messages (images fetched, placeholders expanded)."""
+        if (prompt is None) == (messages is None):
+            raise InvalidRequest("give exactly one of prompt and messages", code="invalid_tokenize_request")
+        if prompt is not None:
+            return await self._encode(prompt, add_special_tokens=add_special_tokens is not False)
+        req = validate_model(ChatCompletionRequest, {
+            "messages": list(messages or []), "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message, "chat_template_kwargs": chat_template_kwargs})
+        _, token_ids, _ = await self._render_messages(normalize_messages(req.messages), req,
+                                                      add_special_tokens=bool(add_special_tokens))
+        return token_ids
+
+    def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        self._check_ids(token_ids)
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def check_model(self, model: str | None) -> None:
+        """None passes; otherwise the served id or one of its aliases."""
+        if model is not None and model not in self.served_model_names:
+            served = ", ".join(self.served_model_names)
+            raise InvalidRequest(f"The model `{model}` does not exist (served: {served})",
+                                 code="model_not_found")
+
+    def close(self) -> None:
+        """Stop the worker threads (queued work is cancelled)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._tok_pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- internals --------------------------------------------------------------------------------
+
+    async def _render_messages(self, chat: NormalizedChat, req: ChatCompletionRequest,
+                               add_special_tokens: bool = False) -> tuple[str, list[int], list[RenderedItem]]:
+        self.limits.check_image_count(len(chat.images))  # before any work is started
+        # Template + tokenize run while the images are fetched.
+        text_task = asyncio.ensure_future(run_in(self._tok_pool, self.template.render_and_encode,
+                                                 chat.messages, req, add_special_tokens))
+        try:
+            loaded = await self.images.load(chat.images)
+        except BaseException:
+            text_task.cancel()
+            raise
+        text, ids = await text_task
+        ready = await self.images.process(loaded)
+        token_ids, items = self.images.place(ids, ready, self.vision, self.metadata_keys)
+        return text, token_ids, items
+
+    async def _completion_ids(self, prompt: str | list[int]) -> list[int]:
+        ids = await self._encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
+        self._check_ids(ids)
+        token_ids, _ = fit_runs(ids, self.vision, [])  # images need a chat or content_parts
+        return token_ids
+
+    async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return await run_in(self._tok_pool, self.template.encode, text, add_special_tokens)
+
+    def _check_ids(self, token_ids: Sequence[int]) -> None:
+        if not token_ids:
+            raise InvalidRequest("the prompt is empty", code="empty_prompt")
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"token id {bad} is out of range [0, {self.vocab_size})",
+                                 code="invalid_token_id")
+
+    def _prompt(self, req: ChatCompletionRequest | CompletionRequest, request_id: str | None,
+                token_ids: list[int], items: list[RenderedItem], sampling: SamplingParams,
+                text: str | None) -> RenderedPrompt:
+        return RenderedPrompt(
+            request_id or fresh_id(), token_ids, items, sampling, self.model_id, req.cache_salt, text,
+            priority=req.priority, stream=req.stream, stream_options=req.stream_options,
+            kv_transfer_params=req.kv_transfer_params)
+
+
+def _image_ref(index: int, part: ContentPart | dict[str, Any]) -> ImageRef:
+    parsed = part if isinstance(part, ContentPart) else validate_model(ContentPart, part)
+    if parsed.type != "image_url":
+        raise InvalidRequest(f"content_parts[{index}]: modality {parsed.modality!r} is not supported "
+                             "(supported: image)", code="unsupported_modality")
+    return ImageRef(parsed.url, parsed.uuid)
+
+
+def _vision_tokens(tokenizer: Any) -> VisionTokens:
+    names = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
+    ids = tokenizer.convert_tokens_to_ids(list(names))
+    if any(i is None or i == tokenizer.unk_token_id for i in ids):
+        raise ValueError(f"tokenizer lacks the Qwen-VL vision tokens {names}")
+    return VisionTokens(*ids)
+
+
+def _read_config(model_path: str | Path) -> dict[str, Any]:
+    path = Path(model_path) / "config.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _checkpoint_context(model_path: str | Path, tokenizer: Any) -> int:
+    """The context length the checkpoint declares (text config first, then the tokenizer)."""
+    config = _read_config(model_path)
+    for source in (config.get("text_config") or {}, config):
+        if isinstance(source.get("max_position_embeddings"), int):
+            return source["max_position_embeddings"]
+    limit = getattr(tokenizer, "model_max_length", None)
+    if isinstance(limit, int) and 1 < limit < 10**9:
+        return limit
+    raise ValueError(f"cannot tell the context length of {model_path}: set RenderLimits.max_model_len")
+
+
+def _checkpoint_vocab(model_path: str | Path) -> int:
+    config = _read_config(model_path)
+    for source in (config.get("text_config") or {}, config):
+        if isinstance(source.get("vocab_size"), int):
+            return source["vocab_size"]
+    return 0

@@ -1,0 +1,43 @@
+"""Entry point of one role process: build the role, then serve gRPC + HTTP until SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import sys
+
+from .config import EpdConfig
+from .observability import setup_logging
+from .server import free_port
+
+log = logging.getLogger(__name__)
+
+ROLE_MODULES = {
+    "render": "services.render.app",
+    "encode": "services.encode.app",
+    "prefill": "services.prefill.app",
+    "decode": "services.decode.app",
+}
+
+
+def run(role: str, config: EpdConfig) -> int:
+    setup_logging(role, config.instance_id, config.log_level)
+    if role == "coordinator":
+        from coordinator.main import run_coordinator
+
+        return run_coordinator(config)
+    if role == "render":
+        # transformers imports torch whenever it is installed; render needs none of it (PIL processors).
+        sys.modules.setdefault("torch", None)  # type: ignore[arg-type]
+    grpc_port = config.grpc_port or free_port(config.host)
+    http_port = config.http_port or free_port(config.host)
+    module = importlib.import_module(ROLE_MODULES[role])
+    from .server import serve
+
+    async def main() -> None:
+        role_server = await module.build(config)
+        await serve(role_server, config.host, grpc_port, http_port, config.log_level)
+
+    asyncio.run(main())
+    return 0

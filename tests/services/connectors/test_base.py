@@ -1,0 +1,44 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from services.connectors import StoreConfig, create_store, ec_key, kv_key, supported_backends
+from tests.services.connectors.helpers import ROOT
+
+
+def test_unknown_backend_lists_supported_names():
+    with pytest.raises(ValueError, match="supported: redis, shm"):
+        create_store(StoreConfig("memcached", "ec", "x"))
+    assert supported_backends() == ["redis", "shm"]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"purpose": "pixels"}, "purpose"),
+    ({"instance_id": "a/b"}, "instance_id"),
+    ({"instance_id": ""}, "instance_id"),
+    ({"namespace": "e-p"}, "namespace"),
+    ({"capacity_bytes": 0}, "capacity"),
+    ({"ttl_s": 0}, "ttl"),
+    ({"backend": "redis"}, "redis_url"),
+])
+def test_config_is_validated(kwargs, match):
+    base = {"backend": "shm", "purpose": "ec", "instance_id": "i1"}
+    with pytest.raises(ValueError, match=match):
+        StoreConfig(**{**base, **kwargs})
+
+
+def test_keys_are_scoped():
+    assert ec_key("m1", "h") != ec_key("m2", "h")
+    assert kv_key("r1") != kv_key("r2")
+    with pytest.raises(ValueError):
+        ec_key("", "h")
+
+
+def test_package_import_is_light():
+    code = ("import sys, services.connectors; "
+            "print(sorted(m for m in ('torch', 'numpy', 'redis') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=30)
+    assert out.stdout.strip() == "[]", out.stderr

@@ -1,0 +1,186 @@
+"""Fixtures for the decode engine tests: the tiny demo model, split the way the roles split it.
+
+`tiny.lm` is the LanguageModel decode holds (from the Qwen2-VL adapter when it
+loads; otherwise an equivalent built here from the full HF model).  Prefill is
+done in-test with the plain HF model and a DynamicCache, and references come
+from `model.generate`, so the engine is checked against Hugging Face itself.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from services.decode.params import DecodeParams
+from services.decode.stream import DecodeEvent
+from services.models.base import KVLayout, LanguageModel
+
+MAX_MODEL_LEN = 512
+
+
+class HFQwen2VLLanguage(LanguageModel):
+    """Fallback LanguageModel over a full Qwen2VLForConditionalGeneration (LM parts only)."""
+
+    def __init__(self, hf: Any, max_model_len: int) -> None:
+        text = hf.config.text_config
+        self.model = hf.model.language_model
+        self.lm_head = hf.lm_head
+        self.vocab_size = int(text.vocab_size)
+        self.eos_token_ids = tuple(hf.generation_config.eos_token_id)
+        self.layout = KVLayout(text.num_hidden_layers, text.num_key_value_heads,
+                               text.hidden_size // text.num_attention_heads, hf.dtype, max_model_len)
+        self._embed = hf.get_input_embeddings()
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self._embed(token_ids)
+
+    def decode_position_ids(self, positions: torch.Tensor) -> torch.Tensor:
+        # Text tokens: the three M-RoPE rows are equal; Qwen2VLTextModel takes [3, B, L].
+        return positions.view(1, -1, 1).expand(3, -1, 1)
+
+    def prefill_inputs(self, token_ids, mm_items):  # not needed by decode
+        raise NotImplementedError
+
+
+def _language_model(path: Any, hf: Any) -> LanguageModel:
+    try:
+        from services.models.registry import adapter_for
+
+        return adapter_for(path).load_language(path, "cpu", "float32", MAX_MODEL_LEN)
+    except ImportError:
+        return HFQwen2VLLanguage(hf, MAX_MODEL_LEN)
+
+
+@dataclass
+class Prefilled:
+    """What prefill hands decode for one prompt."""
+
+    kv: torch.Tensor
+    prompt_len: int
+    rope_delta: int
+    first_token: int
+    inputs: dict                 # the generate() inputs, for the reference
+
+
+class TinyModel:
+    def __init__(self) -> None:
+        from transformers import Qwen2VLForConditionalGeneration
+
+        from services.models.demo import demo_model_path
+        from services.models.processing import load_tokenizer
+
+        os.environ.setdefault("EPD_CACHE_DIR", "/tmp/epdcache")
+        self.path = demo_model_path("tiny")
+        self.hf = Qwen2VLForConditionalGeneration.from_pretrained(self.path).eval()
+        self.tokenizer = load_tokenizer(self.path)
+        self.lm = _language_model(self.path, self.hf)
+
+    def chat_ids(self, text: str) -> list[int]:
+        messages = [{"role": "user", "content": text}]
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def prefill_text(self, ids: list[int]) -> Prefilled:
+        inputs = {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones_like(torch.tensor([ids]))}
+        return self._prefill(inputs)
+
+    def prefill_image(self, text: str, image: Any) -> Prefilled:
+        from services.models.processing import load_processor
+
+        processor = load_processor(self.path)
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
+        prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self._prefill(dict(processor(text=[prompt], images=[image], return_tensors="pt")))
+
+    @torch.inference_mode()
+    def _prefill(self, inputs: dict) -> Prefilled:
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.hf.config.text_config)
+        # The model keeps the last prompt's rope delta, and a text prompt does not reset it.
+        self.hf.model.rope_deltas = None
+        out = self.hf(**inputs, cache=cache, use_cache=True)
+        kv = torch.stack([torch.stack([layer.keys[0], layer.values[0]]) for layer in cache.layers])
+        deltas = self.hf.model.rope_deltas
+        rope_delta = int(deltas.reshape(-1)[0]) if deltas is not None else 0
+        return Prefilled(kv.clone(), inputs["input_ids"].shape[1], rope_delta,
+                         int(out.logits[0, -1].argmax()), inputs)
+
+    @torch.inference_mode()
+    def reference(self, prefilled: Prefilled, max_new_tokens: int) -> list[int]:
+        self.hf.model.rope_deltas = None
+        out = self.hf.generate(**prefilled.inputs, do_sample=False, max_new_tokens=max_new_tokens)
+        return out[0, prefilled.prompt_len:].tolist()
+
+
+class Collector:
+    """An on_event sink: the events of one request, and waits on them (each with a deadline)."""
+
+    def __init__(self) -> None:
+        self.events: list[DecodeEvent] = []
+        self._cond = threading.Condition()
+
+    def __call__(self, event: DecodeEvent) -> None:
+        with self._cond:
+            self.events.append(event)
+            self._cond.notify_all()
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for e in self.events for t in e.token_ids]
+
+    @property
+    def final(self) -> DecodeEvent:
+        return self.events[-1]
+
+    def wait_tokens(self, count: int, timeout: float = 30.0) -> None:
+        with self._cond:
+            ok = self._cond.wait_for(lambda: len(self.token_ids) >= count or self._done(), timeout)
+        assert ok, f"no {count} tokens within {timeout}s"
+
+    def wait_done(self, timeout: float = 30.0) -> DecodeEvent:
+        with self._cond:
+            assert self._cond.wait_for(self._done, timeout), f"not finished within {timeout}s"
+        return self.final
+
+    def _done(self) -> bool:
+        return bool(self.events) and self.events[-1].finished
+
+
+def _submit(engine: Any, request_id: str, pre: Prefilled, **params: Any) -> Collector:
+    sink = Collector()
+    engine.submit(request_id, pre.kv, pre.prompt_len, pre.rope_delta, pre.first_token,
+                  DecodeParams(**params), on_event=sink)
+    return sink
+
+
+@pytest.fixture
+def submit():
+    """submit(engine, request_id, prefilled, **DecodeParams fields) -> Collector"""
+    return _submit
+
+
+@pytest.fixture(scope="session")
+def tiny() -> TinyModel:
+    return TinyModel()
+
+
+@pytest.fixture
+def make_engine(tiny):
+    from services.decode.engine import DecodeEngine
+
+    engines = []
+
+    def make(num_slots: int = 4, max_model_len: int = MAX_MODEL_LEN, **kwargs: Any) -> DecodeEngine:
+        engine = DecodeEngine(tiny.lm, tiny.tokenizer, num_slots, max_model_len, **kwargs)
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.close()

@@ -1,0 +1,121 @@
+"""PrefillEngine: result shapes and dtypes, agreement with the full model, and item validation."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+import torch
+
+from services.models.base import MultiModalInput
+from services.prefill.engine import PrefillEngine
+from tests.services.models.helpers import CHATS, encode_items, mm_inputs, processor_inputs
+
+
+@pytest.fixture(scope="module")
+def parts(demo_model_path):
+    from services.models.registry import adapter_for
+
+    adapter = adapter_for(demo_model_path)
+    return adapter.load_vision(demo_model_path), adapter.load_language(demo_model_path)
+
+
+@pytest.fixture(scope="module")
+def image_prompt(demo_model_path, parts):
+    """(token_ids, items) of the one-image chat, embeddings included."""
+    from services.models.processing import load_processor
+
+    inputs = processor_inputs(load_processor(demo_model_path), CHATS["one_image"]())
+    token_ids = inputs["input_ids"][0].tolist()
+    items = encode_items(inputs)
+    return inputs, token_ids, mm_inputs(token_ids, items, parts[0].encode(items))
+
+
+def test_result_shapes_and_dtypes(parts, image_prompt):
+    _, lm = parts
+    _, token_ids, items = image_prompt
+    result = PrefillEngine(lm).prefill(token_ids, items)
+    layout = lm.layout
+    assert result.kv.shape == (layout.num_layers, 2, layout.num_kv_heads, len(token_ids), layout.head_dim)
+    assert result.kv.dtype == layout.dtype == torch.float32
+    assert result.first_logits.shape == (lm.vocab_size,) and result.first_logits.dtype == torch.float32
+    assert result.num_prompt_tokens == len(token_ids)
+    assert result.rope_delta == -240  # 256 image tokens take 16 positions
+
+
+def test_matches_the_full_model_forward(demo_model_path, parts, image_prompt):
+    from transformers import Qwen2VLForConditionalGeneration
+
+    inputs, token_ids, items = image_prompt
+    full = Qwen2VLForConditionalGeneration.from_pretrained(str(demo_model_path)).eval()
+    with torch.no_grad():
+        out = full(**inputs, use_cache=True)
+    result = PrefillEngine(parts[1]).prefill(token_ids, items)
+    torch.testing.assert_close(result.first_logits, out.logits[0, -1], rtol=0, atol=1e-5)
+    for index, layer in enumerate(out.cache.layers):
+        torch.testing.assert_close(result.kv[index, 0], layer.keys[0], rtol=0, atol=1e-5)
+        torch.testing.assert_close(result.kv[index, 1], layer.values[0], rtol=0, atol=1e-5)
+
+
+def test_text_prompt_needs_no_items(parts):
+    result = PrefillEngine(parts[1]).prefill([151644, 872, 198, 9707, 151645, 198, 151644, 77091, 198])
+    assert result.rope_delta == 0 and result.kv.shape[3] == 9
+
+
+def test_bfloat16_keeps_kv_in_model_dtype(demo_model_path, parts, image_prompt):
+    from services.models.registry import adapter_for
+
+    _, token_ids, items = image_prompt
+    lm16 = adapter_for(demo_model_path).load_language(demo_model_path, "cpu", "bfloat16")
+    result = PrefillEngine(lm16).prefill(token_ids, items)
+    assert lm16.layout.dtype == torch.bfloat16 and result.kv.dtype == torch.bfloat16
+    assert result.first_logits.dtype == torch.float32
+
+
+def shifted(item: MultiModalInput, by: int) -> MultiModalInput:
+    return dataclasses.replace(item, offset=item.offset + by)
+
+
+BAD_ITEMS = {
+    "range starts on vision_start": lambda item: [shifted(item, -1)],
+    "range runs past the image": lambda item: [shifted(item, 1)],
+    "embedding rows != length": lambda item: [dataclasses.replace(item, embedding=item.embedding[:-1])],
+    "length != grid tokens": lambda item: [dataclasses.replace(item, length=item.length - 1,
+                                                               embedding=item.embedding[:-1])],
+    "image tokens not covered": lambda item: [],
+    "range outside prompt": lambda item: [dataclasses.replace(item, offset=10_000)],
+    "video modality": lambda item: [dataclasses.replace(item, modality="video")],
+    "missing grid": lambda item: [dataclasses.replace(item, metadata={})],
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ITEMS))
+def test_bad_placeholder_range_is_a_value_error(parts, image_prompt, case):
+    _, token_ids, items = image_prompt
+    with pytest.raises(ValueError) as caught:
+        PrefillEngine(parts[1]).prefill(token_ids, BAD_ITEMS[case](items[0]))
+    assert "item" in str(caught.value) or "placeholder" in str(caught.value)
+
+
+def test_video_placeholder_is_refused(parts):
+    with pytest.raises(ValueError, match="video"):
+        PrefillEngine(parts[1]).prefill([151644, 151652, 151656, 151653, 151645])
+
+
+def test_concurrent_prefills_are_serialised_and_correct(parts, image_prompt):
+    _, token_ids, items = image_prompt
+    engine = PrefillEngine(parts[1])
+    expected = engine.prefill(token_ids, items)
+    results: list = [None] * 4
+
+    def call(index: int) -> None:
+        results[index] = engine.prefill(token_ids, items)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert all(torch.equal(r.kv, expected.kv) for r in results)
+    assert engine.num_prefills == 5
