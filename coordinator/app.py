@@ -75,9 +75,11 @@ class CoordinatorApp:
     def new_context(self, request: Request, kind: str, raw: bytes, body: dict[str, Any]) -> RequestContext:
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         stream, include_usage = _stream_flags(body)
-        return RequestContext(request_id=request_id, kind=kind, body=raw, stream=stream,
-                              include_usage=include_usage,
-                              deadline=time.monotonic() + self.config.request_timeout_s)
+        ctx = RequestContext(request_id=request_id, kind=kind, body=raw, stream=stream,
+                             include_usage=include_usage,
+                             deadline=time.monotonic() + self.config.request_timeout_s)
+        ctx.extra["return_token_ids"] = body.get("return_token_ids") is True
+        return ctx
 
     async def openai(self, request: Request, kind: str) -> Response:
         endpoint = request.url.path

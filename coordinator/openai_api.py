@@ -41,15 +41,20 @@ def _envelope(ctx: RequestContext, choices: list[dict[str, Any]], stream: bool) 
 async def collect(ctx: RequestContext, chunks: AsyncIterator[pb.DecodeChunk]) -> dict[str, Any]:
     """Non-streaming answer: the whole text, finish reason and usage."""
     texts: list[str] = []
-    finish, completion = "length", 0
+    token_ids: list[int] = []
+    finish = "length"
     async for chunk in chunks:
         texts.append(chunk.text)
-        completion += len(chunk.token_ids)
+        token_ids.extend(chunk.token_ids)
         if chunk.finish_reason:
             finish = chunk.finish_reason
-    assert ctx.prefill is not None
-    body = _envelope(ctx, [_choice(ctx, "".join(texts), finish, delta=False)], stream=False)
-    body["usage"] = _usage(ctx.prefill.prompt_tokens, completion)
+    assert ctx.prefill is not None and ctx.rendered is not None
+    choice = _choice(ctx, "".join(texts), finish, delta=False)
+    body = _envelope(ctx, [choice], stream=False)
+    if ctx.extra.get("return_token_ids"):  # vLLM's extension: exact ids for clients that compare tokens
+        choice["token_ids"] = token_ids
+        body["prompt_token_ids"] = list(ctx.rendered.token_ids)
+    body["usage"] = _usage(ctx.prefill.prompt_tokens, len(token_ids))
     return body
 
 
