@@ -33,4 +33,7 @@ async def build(config: EpdConfig) -> RoleServer:
         engine.close()
         kv_store.close()
 
-    return RoleServer(name="decode", register_grpc=register, cleanup=cleanup)
+    from .api_router import routes
+
+    http = routes(service, config.served_model_id())
+    return RoleServer(name="decode", register_grpc=register, cleanup=cleanup, http_routes=http)

@@ -8,8 +8,8 @@ tokens skipped in text.  `max_tokens=None` means "the rest of the context".
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from services.protocol.errors import InvalidRequest
 
@@ -72,7 +72,7 @@ class DecodeParams:
         return self.top_k > 0
 
 
-def _as_tuple(values: Sequence | str | int | None, kind: type, name: str) -> tuple:
+def _as_tuple(values: Any, kind: type, name: str) -> tuple:
     if values is None:
         return ()
     if isinstance(values, kind):   # a single stop string or id

@@ -53,6 +53,7 @@ class DecodeRequest:
         self.last_token = token_id
         count = len(self.output_ids)
         finish, stop_reason = self.stop.check_token(token_id, count)
+        reason: int | str | None = stop_reason
         # A stop/EOS token's own text is not part of the output (vLLM), unless asked for.
         skip_text = finish == FINISH_STOP and not self.params.include_stop_str_in_output
         text, matched = self.stop.check_text("" if skip_text else self.detokenizer.push(token_id), count)
@@ -60,8 +61,8 @@ class DecodeRequest:
             tail, matched = self.stop.flush(self.detokenizer.flush(), count)
             text += tail
         if matched is not None:
-            finish, stop_reason = FINISH_STOP, matched
-        return self._event([token_id], text, finish, stop_reason)
+            finish, reason = FINISH_STOP, matched
+        return self._event([token_id], text, finish, reason)
 
     def end(self, finish_reason: str, error: str | None = None) -> DecodeEvent:
         """The final event of a request that ends from outside (abort, error, shutdown)."""

@@ -86,37 +86,21 @@ class Sampler:
         """
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} requests")
-        adjusted = [i for i, row in enumerate(rows) if row.needs_adjust]
-        if adjusted and not inplace and logits.dtype == torch.float32:
-            logits = logits.clone()
-        logits = logits.float()
-        for i in adjusted:
-            rows[i].adjust(logits[i])
+        logits = _adjusted(logits, rows, inplace)
         greedy = [i for i, row in enumerate(rows) if row.params.is_greedy]
         if len(greedy) == len(rows):
             return _argmax(logits).tolist()
         tokens = [0] * len(rows)
         if greedy:
-            picked = _argmax(logits[greedy]).tolist()
-            for i, token in zip(greedy, picked, strict=True):
-                tokens[i] = token
-        drawn = [i for i, row in enumerate(rows) if not row.params.is_greedy]
-        picked = self._draw(logits[drawn], [rows[i] for i in drawn])
-        for i, token in zip(drawn, picked, strict=True):
-            tokens[i] = token
-        return tokens
-
-    def _draw(self, logits: torch.Tensor, rows: Sequence[RowSampling]) -> list[int]:
-        # Rows are grouped by how their candidates are laid out, which depends only on their own
-        # params: a row's draw must not change with what else shares the batch.
-        tokens = [0] * len(rows)
+            _place(tokens, greedy, _argmax(logits[greedy]).tolist())
+        # Rows are drawn in groups by candidate layout, which depends only on their own params:
+        # a row's draw must not change with what else shares the batch.
         groups: dict[str, list[int]] = {}
         for i, row in enumerate(rows):
-            groups.setdefault(_layout(row.params), []).append(i)
+            if not row.params.is_greedy:
+                groups.setdefault(_layout(row.params), []).append(i)
         for layout, members in groups.items():
-            picked = self._draw_group(logits[members], [rows[i] for i in members], layout)
-            for i, token in zip(members, picked, strict=True):
-                tokens[i] = token
+            _place(tokens, members, self._draw_group(logits[members], [rows[i] for i in members], layout))
         return tokens
 
     def _draw_group(self, logits: torch.Tensor, rows: Sequence[RowSampling], layout: str) -> list[int]:
@@ -129,6 +113,22 @@ class Sampler:
         positions = _inverse_cdf(probs, uniforms)
         tokens = ids.gather(1, positions) if ids is not None else positions
         return tokens.squeeze(1).tolist()
+
+
+def _adjusted(logits: torch.Tensor, rows: Sequence[RowSampling], inplace: bool) -> torch.Tensor:
+    """float32 logits with penalties and min_tokens suppression applied (a copy unless `inplace`)."""
+    adjusted = [i for i, row in enumerate(rows) if row.needs_adjust]
+    if adjusted and not inplace and logits.dtype == torch.float32:
+        logits = logits.clone()
+    logits = logits.float()
+    for i in adjusted:
+        rows[i].adjust(logits[i])
+    return logits
+
+
+def _place(tokens: list[int], indices: Sequence[int], picked: Sequence[int]) -> None:
+    for i, token in zip(indices, picked, strict=True):
+        tokens[i] = token
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:

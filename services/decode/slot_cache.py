@@ -10,9 +10,15 @@ position of every active row (= its tokens so far) and the explicit 4-D
 additive mask [B, 1, 1, kv_len]; the model's attention layers then call
 `update(k, v, layer_idx)`, which writes each row at its own position and
 returns views of the active rows.  Passing a 4-D mask makes transformers 5.x
-use it as is (`create_causal_mask` only asks the cache which layers are
-full-attention); `StaticCache` cannot do this since it has one shared write
+use it as is; `StaticCache` cannot do this since it has one shared write
 column for all rows.
+
+What transformers 5.24 touches on a decode forward with position_ids and a
+4-D mask (measured): `is_sliding` / `is_linear` / `is_dummy` (create_causal_mask
+looks for the first full-attention layer, then returns our mask) and
+`update(k, v, layer_idx)` once per layer.  `get_seq_length` / `get_mask_sizes`
+are implemented for callers that build masks or positions themselves.
+Attention must honour an explicit mask: sdpa and eager do (checked).
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ class SlotLayer(CacheLayerMixin):
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, step: _StepState) -> None:
         super().__init__()
         self.keys, self.values = keys, values
+        self._keys, self._values = keys, values   # typed non-optional views of the same buffers
         self.device = keys.device
         self.is_initialized = True
         self._step = step
@@ -60,10 +67,10 @@ class SlotLayer(CacheLayerMixin):
             raise RuntimeError(f"SlotCache expects [num_active={step.num_active}, H, 1, D] per step, "
                                f"got {tuple(key_states.shape)}")
         # Advanced indices (rows, :, pos) select a [B, H, D] block: each row at its own position.
-        self.keys[step.rows, :, step.write_pos] = key_states[:, :, 0]
-        self.values[step.rows, :, step.write_pos] = value_states[:, :, 0]
+        self._keys[step.rows, :, step.write_pos] = key_states[:, :, 0]
+        self._values[step.rows, :, step.write_pos] = value_states[:, :, 0]
         rows, length = step.num_active, step.kv_len
-        return self.keys[:rows, :, :length], self.values[:rows, :, :length]
+        return self._keys[:rows, :, :length], self._values[:rows, :, :length]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self._step.kv_len, 0
@@ -72,7 +79,7 @@ class SlotLayer(CacheLayerMixin):
         return max(self._step.kv_len - 1, 0)
 
     def get_max_length(self) -> int:
-        return self.keys.shape[2]
+        return self._keys.shape[2]
 
     def reset(self) -> None:
         return None  # stale rows are harmless: the mask hides everything past a row's length
@@ -88,8 +95,9 @@ class SlotCache(Cache):
         shape = (layout.num_layers, 2, num_slots, layout.num_kv_heads, max_len, layout.head_dim)
         self.buffer = torch.zeros(shape, dtype=layout.dtype, device=device)
         self._step = _StepState()
-        super().__init__(layers=[SlotLayer(self.buffer[i, 0], self.buffer[i, 1], self._step)
-                                 for i in range(layout.num_layers)])
+        self._slot_layers = [SlotLayer(self.buffer[i, 0], self.buffer[i, 1], self._step)
+                             for i in range(layout.num_layers)]
+        super().__init__(layers=list(self._slot_layers))
         self.layout = layout
         self.num_slots = num_slots
         self.max_len = max_len
@@ -149,5 +157,9 @@ class SlotCache(Cache):
         mask.masked_fill_(~visible, torch.finfo(dtype).min)
         return mask[:, None, None, :]
 
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._slot_layers[layer_idx].update(key_states, value_states)
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.layers[layer_idx].get_seq_length() if self.layers else 0
+        return self._slot_layers[layer_idx].get_seq_length()

@@ -58,7 +58,7 @@ class DecodeStream:
             if self._finished:
                 return  # nothing follows a final event
             self._finished = event.finished
-            if self._loop is not None:
+            if self._loop is not None and self._queue is not None:
                 try:
                     self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
                 except RuntimeError:
@@ -84,7 +84,7 @@ class DecodeStream:
 
     def collect(self, timeout: float | None = None) -> list[DecodeEvent]:
         """All events until the final one (blocking)."""
-        events = []
+        events: list[DecodeEvent] = []
         while not events or not events[-1].finished:
             events.append(self.get(timeout))
         return events

@@ -31,4 +31,6 @@ async def build(config: EpdConfig) -> RoleServer:
         engine.close()
         store.close()
 
-    return RoleServer(name="encode", register_grpc=register, cleanup=cleanup)
+    from .api_router import routes
+
+    return RoleServer(name="encode", register_grpc=register, cleanup=cleanup, http_routes=routes(service))

@@ -19,7 +19,8 @@ async def build(config: EpdConfig) -> RoleServer:
     from .serving import PrefillService
 
     path = resolve_model(config.model)
-    lm = adapter_for(path).load_language(path, config.device, config.dtype, config.max_model_len)
+    adapter = adapter_for(path)
+    lm = adapter.load_language(path, config.device, config.dtype, config.max_model_len)
     engine = PrefillEngine(lm, PrefixCache(max_blocks=1024))
     ec_store = open_store(config, "ec", producer=False)
     kv_store = open_store(config, "kv")
@@ -33,4 +34,7 @@ async def build(config: EpdConfig) -> RoleServer:
         kv_store.close()
         ec_store.close()
 
-    return RoleServer(name="prefill", register_grpc=register, cleanup=cleanup)
+    from .api_router import routes
+
+    http = routes(service, config.served_model_id(), adapter.metadata_keys)
+    return RoleServer(name="prefill", register_grpc=register, cleanup=cleanup, http_routes=http)

@@ -15,7 +15,7 @@ import httpx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 READY = re.compile(r"^epd ready: (\S+)")
-ROLE = re.compile(r"(render|encode|prefill|decode) http://(\S+) grpc (\S+)")
+ROLE = re.compile(r"(render|encode|prefill|decode) http://([\d.:]+) grpc ([\d.:]+)")
 
 
 @dataclass

@@ -1,14 +1,14 @@
 """Fixtures for the decode engine tests: the tiny demo model, split the way the roles split it.
 
-`tiny.lm` is the LanguageModel decode holds (from the Qwen2-VL adapter when it
-loads; otherwise an equivalent built here from the full HF model).  Prefill is
-done in-test with the plain HF model and a DynamicCache, and references come
-from `model.generate`, so the engine is checked against Hugging Face itself.
+`tiny.lm` is the LanguageModel decode holds, loaded LM-only through the model
+registry's Qwen2-VL adapter, as the decode role loads it.  Prefill is done
+in-test with the plain HF model and a DynamicCache, and references come from
+`model.generate` on that full model, so the engine is checked against Hugging
+Face itself.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -18,42 +18,15 @@ import torch
 
 from services.decode.params import DecodeParams
 from services.decode.stream import DecodeEvent
-from services.models.base import KVLayout, LanguageModel
+from services.models.base import LanguageModel
 
 MAX_MODEL_LEN = 512
 
 
-class HFQwen2VLLanguage(LanguageModel):
-    """Fallback LanguageModel over a full Qwen2VLForConditionalGeneration (LM parts only)."""
+def _language_model(path: Any) -> LanguageModel:
+    from services.models.registry import adapter_for
 
-    def __init__(self, hf: Any, max_model_len: int) -> None:
-        text = hf.config.text_config
-        self.model = hf.model.language_model
-        self.lm_head = hf.lm_head
-        self.vocab_size = int(text.vocab_size)
-        self.eos_token_ids = tuple(hf.generation_config.eos_token_id)
-        self.layout = KVLayout(text.num_hidden_layers, text.num_key_value_heads,
-                               text.hidden_size // text.num_attention_heads, hf.dtype, max_model_len)
-        self._embed = hf.get_input_embeddings()
-
-    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self._embed(token_ids)
-
-    def decode_position_ids(self, positions: torch.Tensor) -> torch.Tensor:
-        # Text tokens: the three M-RoPE rows are equal; Qwen2VLTextModel takes [3, B, L].
-        return positions.view(1, -1, 1).expand(3, -1, 1)
-
-    def prefill_inputs(self, token_ids, mm_items):  # not needed by decode
-        raise NotImplementedError
-
-
-def _language_model(path: Any, hf: Any) -> LanguageModel:
-    try:
-        from services.models.registry import adapter_for
-
-        return adapter_for(path).load_language(path, "cpu", "float32", MAX_MODEL_LEN)
-    except ImportError:
-        return HFQwen2VLLanguage(hf, MAX_MODEL_LEN)
+    return adapter_for(path).load_language(path, "cpu", "float32", MAX_MODEL_LEN)
 
 
 @dataclass
@@ -74,11 +47,10 @@ class TinyModel:
         from services.models.demo import demo_model_path
         from services.models.processing import load_tokenizer
 
-        os.environ.setdefault("EPD_CACHE_DIR", "/tmp/epdcache")
         self.path = demo_model_path("tiny")
         self.hf = Qwen2VLForConditionalGeneration.from_pretrained(self.path).eval()
         self.tokenizer = load_tokenizer(self.path)
-        self.lm = _language_model(self.path, self.hf)
+        self.lm = _language_model(self.path)
 
     def chat_ids(self, text: str) -> list[int]:
         messages = [{"role": "user", "content": text}]

@@ -1,0 +1,131 @@
+"""Prefill's HTTP routes (PROTOCOL.md): POST /inference/v1/generate and POST /abort_requests.
+
+Generate on prefill means: token ids + each item's mm_metadata + the
+ec_transfer_params encode answered -> the first token (choices[0].token_ids)
+and the kv_transfer_params decode must carry.  Same PrefillService as gRPC.
+
+This instance holds no vision tower, so it never encodes inline: an item that
+has kwargs_data but no EC handle is refused ("this prefill instance has no
+vision encoder; send kwargs_data to encode").  An item that has both keeps
+working: the handle is used and the pixels are ignored (mm_metadata wins; if
+it is absent the light keys are taken from kwargs_data).  The answer is never
+streamed: stream chunks carry no kv_transfer_params.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from services.decode.params_from import decode_params
+from services.decode.stop import StopChecker
+from services.http_api import check_model, endpoint, header_request_id, model_response, parse_body
+from services.protocol.common import Usage
+from services.protocol.errors import InvalidRequest
+from services.protocol.features import FeatureItem
+from services.protocol.generate import (
+    AbortRequest,
+    GenerateChoice,
+    GenerateRequest,
+    GenerateResponse,
+    response_id,
+)
+from services.protocol.items import Item, metadata_only
+from services.protocol.serialization import item_from_b64
+
+from .serving import MM_BYTES, PrefillItem, PrefillService
+
+NO_VISION_ENCODER = "this prefill instance has no vision encoder; send kwargs_data to encode"
+
+
+def _decode(b64: str, where: str) -> Item:
+    MM_BYTES.inc(len(b64) * 3 // 4)
+    try:
+        return item_from_b64(b64)
+    except InvalidRequest as exc:
+        raise InvalidRequest(f"{where}: {exc.message}", code=exc.code) from None
+
+
+def prefill_item(item: FeatureItem, ec_params: dict[str, Any], metadata_keys: Sequence[str]) -> PrefillItem:
+    """The item as PrefillService takes it; refuses items this instance would have to encode."""
+    where = f"features.{{}}.{item.modality}[{item.index}]"
+    if item.mm_hash not in ec_params and item.kwargs_b64 is not None:
+        raise InvalidRequest(f"{NO_VISION_ENCODER} (item {item.modality}[{item.index}] has kwargs_data but "
+                             f"ec_transfer_params has no entry for mm_hash {item.mm_hash})",
+                             code="no_vision_encoder")
+    if item.metadata_b64 is not None:
+        metadata = _decode(item.metadata_b64, where.format("mm_metadata"))
+    elif item.kwargs_b64 is not None:
+        metadata = metadata_only(_decode(item.kwargs_b64, where.format("kwargs_data")), metadata_keys)
+    else:
+        raise InvalidRequest(f"{where.format('mm_metadata')}: prefill needs mm_metadata (or kwargs_data) "
+                             "for every item", code="missing_mm_metadata")
+    return PrefillItem(item.modality, item.mm_hash, item.placeholder.offset, item.placeholder.length, metadata)
+
+
+def check_prompt(token_ids: Sequence[int], vocab_size: int, max_model_len: int) -> None:
+    bad = next((t for t in token_ids if t >= vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"token id {bad} is out of range [0, {vocab_size})", code="invalid_token_id")
+    if len(token_ids) >= max_model_len:
+        raise InvalidRequest(f"This model's maximum context length is {max_model_len} tokens. However, the "
+                             f"prompt has {len(token_ids)} tokens, leaving none for the completion.",
+                             code="context_length_exceeded")
+
+
+def first_token_finish(first: int, sampling: dict[str, Any], eos_ids: Sequence[int]) -> tuple[str, int | None]:
+    """finish_reason of the one token prefill makes: "stop" on EOS or a stop id, else "length"."""
+    finish, reason = StopChecker(decode_params(sampling), eos_ids, max_tokens=1).check_token(first, 1)
+    return finish or "length", reason
+
+
+class PrefillApi:
+    def __init__(self, service: PrefillService, model_id: str, metadata_keys: Sequence[str]) -> None:
+        self.service, self.model_id, self.metadata_keys = service, model_id, tuple(metadata_keys)
+
+    @endpoint
+    async def generate(self, request: Request) -> Response:
+        body = await parse_body(request, GenerateRequest)
+        check_model(body.model, self.model_id)
+        self._check_shape(body)
+        ec_params = body.ec_transfer_params or {}
+        items = [prefill_item(item, ec_params, self.metadata_keys) for item in body.items()]
+        lm = self.service.lm
+        check_prompt(body.token_ids, lm.vocab_size, lm.layout.max_model_len)
+        rid = header_request_id(request) or body.request_id
+        sampling = body.sampling_params.model_dump(exclude={"extra_args"})
+        outcome = await self.service.prefill(rid, list(body.token_ids), items, ec_params, sampling,
+                                             body.cache_salt)
+        finish, stop_reason = first_token_finish(outcome.first_token_id, sampling, lm.eos_token_ids)
+        answer = GenerateResponse(
+            request_id=response_id(body.request_id, header_request_id(request)),
+            model=body.model or self.model_id,
+            choices=[GenerateChoice(token_ids=[outcome.first_token_id], finish_reason=finish,
+                                    stop_reason=stop_reason)],
+            usage=Usage(prompt_tokens=outcome.prompt_tokens, completion_tokens=1),
+            kv_transfer_params=outcome.kv_transfer_params)
+        return model_response(answer, headers={"X-Cached-Tokens": str(outcome.cached_tokens)})
+
+    @staticmethod
+    def _check_shape(body: GenerateRequest) -> None:
+        if body.stream:
+            raise InvalidRequest("prefill answers are never streamed (stream chunks carry no "
+                                 "kv_transfer_params): send stream=false", code="stream_not_supported")
+        if body.content_parts:
+            raise InvalidRequest(f"{NO_VISION_ENCODER}; content_parts go to render or the coordinator",
+                                 code="no_vision_encoder")
+
+    @endpoint
+    async def abort(self, request: Request) -> Response:
+        await parse_body(request, AbortRequest)
+        return JSONResponse({"aborted": 0})  # a prefill is one forward pass; nothing runs long enough to stop
+
+
+def routes(service: PrefillService, model_id: str, metadata_keys: Sequence[str]) -> list[Route]:
+    api = PrefillApi(service, model_id, metadata_keys)
+    return [Route("/inference/v1/generate", api.generate, methods=["POST"]),
+            Route("/abort_requests", api.abort, methods=["POST"])]
