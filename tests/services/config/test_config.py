@@ -1,0 +1,59 @@
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from services.config import ConfigError, EpdConfig, add_flags, from_args, schema
+
+
+def _parse(argv, env=None):
+    parser = argparse.ArgumentParser()
+    add_flags(parser)
+    return from_args(parser.parse_args(argv), env or {})
+
+
+def test_flag_beats_environment_beats_default():
+    assert _parse([]).port == 8000
+    assert _parse([], {"EPD_PORT": "9000"}).port == 9000
+    assert _parse(["--port", "9100"], {"EPD_PORT": "9000"}).port == 9100
+
+
+def test_booleans_and_lists():
+    config = _parse(["--allow-private-media-urls", "--allowed-media-domains", "a.com, B.org"])
+    assert config.allow_private_media_urls is True
+    assert config.media_domains() == ("a.com", "b.org")
+    assert _parse([], {"EPD_ALLOW_PRIVATE_MEDIA_URLS": "false"}).allow_private_media_urls is False
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--ec-connector", "nfs"], "ec_connector must be one of shm, redis"),
+    (["--decode-slots", "0"], "decode_slots must be >= 1"),
+    (["--dtype", "int4"], "dtype must be one of"),
+    (["--port", "70000"], "ports must be"),
+])
+def test_invalid_settings_fail_at_start_naming_the_rule(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        _parse(argv)
+
+
+def test_not_a_number_names_the_flag():
+    with pytest.raises(ConfigError, match="--port"):
+        _parse(["--port", "eighty"])
+
+
+def test_env_round_trip_reproduces_the_config():
+    config = EpdConfig(port=1234, ec_connector="redis", allow_private_media_urls=True)
+    assert _parse([], config.to_env()) == config
+
+
+def test_schema_lists_every_setting_with_its_env_name():
+    rows = {row["flag"]: row for row in schema()}
+    assert rows["--ec-connector"]["env"] == "EPD_EC_CONNECTOR"
+    assert rows["--redis-url"]["default"] == "redis://127.0.0.1:6379/0"
+
+
+def test_served_model_id():
+    assert EpdConfig().served_model_id() == "epd-demo-qwen2-vl"
+    assert EpdConfig(model="Qwen/Qwen2-VL-2B-Instruct").served_model_id() == "Qwen/Qwen2-VL-2B-Instruct"
+    assert EpdConfig(served_model_name="x").served_model_id() == "x"
