@@ -6,6 +6,7 @@ to HTTP; the pipeline holds the logic.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -16,6 +17,7 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -24,13 +26,18 @@ from services.config import EpdConfig
 from services.observability import request_id_var
 from services.protocol.errors import EpdError, InvalidRequest, as_epd_error
 
+from .admission import AdmissionMiddleware
 from .cluster import Cluster
 from .context import RequestContext
+from .control_api import ControlApi
+from .inflight import InflightRegistry
 from .openai_api import collect, stream_events
+from .openapi import OpenApiRoute
 from .pipeline import Pipeline
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 64 * 1024 * 1024
+BODY_READ_TIMEOUT_S = 30.0
 
 
 def error_response(err: EpdError) -> JSONResponse:
@@ -38,15 +45,24 @@ def error_response(err: EpdError) -> JSONResponse:
     return JSONResponse(err.to_body(), status_code=err.status, headers=headers)
 
 
-async def read_json(request: Request) -> tuple[bytes, dict[str, Any]]:
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise InvalidRequest(f"request body over {MAX_BODY_BYTES} bytes", code="body_too_large")
+async def _read_body(request: Request) -> bytearray:
     raw = bytearray()
     async for piece in request.stream():
         raw += piece
         if len(raw) > MAX_BODY_BYTES:
             raise InvalidRequest(f"request body over {MAX_BODY_BYTES} bytes", code="body_too_large")
+    return raw
+
+
+async def read_json(request: Request) -> tuple[bytes, dict[str, Any]]:
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise InvalidRequest(f"request body over {MAX_BODY_BYTES} bytes", code="body_too_large")
+    try:  # a client trickling its body must not hold a request slot for ever
+        raw = await asyncio.wait_for(_read_body(request), BODY_READ_TIMEOUT_S)
+    except TimeoutError:
+        raise InvalidRequest(f"request body not received within {BODY_READ_TIMEOUT_S:g} s",
+                             code="body_timeout") from None
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError) as exc:
@@ -71,6 +87,7 @@ class CoordinatorApp:
         self.config = config
         self.cluster = Cluster(config)
         self.pipeline = Pipeline(self.cluster)
+        self.inflight = InflightRegistry()
 
     def new_context(self, request: Request, kind: str, raw: bytes, body: dict[str, Any]) -> RequestContext:
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
@@ -101,6 +118,7 @@ class CoordinatorApp:
             if err.status >= 500:
                 log.exception("request failed")
             self.cluster.metrics.requests.labels(endpoint, str(err.status)).inc()
+            self.cluster.metrics.errors.labels(endpoint, err.code).inc()
             return error_response(err)
         self.cluster.metrics.requests.labels(endpoint, "200").inc()
         return JSONResponse(answer, headers={"X-Request-Id": ctx.request_id})
@@ -118,7 +136,9 @@ class CoordinatorApp:
 
     async def health(self, _: Request) -> Response:
         roles = {pool.role: len(pool.healthy()) for pool in self.cluster.pools}
-        ok = all(roles.values())
+        # A text-only model runs no encoders (none configured): an empty encode pool is then fine.
+        optional = set() if self.config.urls("encode") else {"encode"}
+        ok = all(count for role, count in roles.items() if role not in optional)
         return JSONResponse({"status": "ok" if ok else "degraded", "healthy_instances": roles},
                             status_code=200 if ok else 503)
 
@@ -126,12 +146,18 @@ class CoordinatorApp:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     def routes(self) -> list[Route]:
+        from .generate_api import GenerateApi  # imports this module: bind late
+
         return [
+            *GenerateApi(self).routes(),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
+            *ControlApi(self.cluster, self.inflight).routes(),
+            Route("/openapi.json", OpenApiRoute(f"epd coordinator ({self.config.served_model_id()})").serve,
+                  methods=["GET"]),
         ]
 
     @contextlib.asynccontextmanager
@@ -143,4 +169,14 @@ class CoordinatorApp:
             await self.cluster.close()
 
     def build(self) -> Starlette:
-        return Starlette(routes=self.routes(), lifespan=self.lifespan)
+        admission = Middleware(AdmissionMiddleware, registry=self.inflight, metrics=self.cluster.metrics,
+                               max_inflight=self.config.max_inflight_requests, saturated=self.decode_saturated)
+        return Starlette(routes=self.routes(), lifespan=self.lifespan, middleware=[admission])
+
+    def decode_saturated(self) -> str | None:
+        """Why no new request can start now (every healthy decode holds slots + queue streams), or None."""
+        capacity = self.config.decode_slots + self.config.decode_queue
+        healthy = self.cluster.decode.healthy() if hasattr(self.cluster, "decode") else []
+        if healthy and all(i.inflight >= capacity for i in healthy):
+            return f"every decode instance is full ({capacity} streams each); retry later"
+        return None

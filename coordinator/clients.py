@@ -2,9 +2,12 @@
 
 A call carries what is left of the request's deadline and the request id
 (metadata `x-request-id`).  Transport failures (UNAVAILABLE, a broken
-connection) mark the instance down and retry once per other healthy instance;
-errors the role raised on purpose (bad input, missing entry) are rebuilt as
-the same typed error and not retried.
+connection: no epd error code came back) mark the instance down and retry on
+another healthy instance; an instance that answers Overloaded (its bounded
+queue is full) is skipped for this call without being marked down, and if
+every instance refused, the Overloaded error (429) is what the caller gets.
+Other errors the role raised on purpose (bad input, missing entry) are
+rebuilt as the same typed error and not retried.
 """
 
 from __future__ import annotations
@@ -14,7 +17,14 @@ from typing import Any
 
 import grpc
 
-from services.protocol.errors import ERROR_CODE_METADATA_KEY, EpdError, from_grpc
+from services.protocol.errors import (
+    ERROR_CODE_METADATA_KEY,
+    EpdError,
+    InternalError,
+    Overloaded,
+    Unavailable,
+    from_grpc,
+)
 
 from .context import RequestContext
 from .routing.pool import Instance, InstancePool
@@ -28,6 +38,9 @@ def error_from_rpc(exc: grpc.aio.AioRpcError) -> EpdError:
     for key, value in exc.trailing_metadata() or ():
         if key == ERROR_CODE_METADATA_KEY:
             epd_code = value if isinstance(value, str) else value.decode()
+    if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and epd_code is None:
+        # grpc's own limits (message or metadata size), not a role saying it is full: no 429.
+        return InternalError(f"gRPC limit exceeded: {exc.details()}", code="grpc_limit_exceeded")
     return from_grpc(exc.code(), exc.details(), epd_code)
 
 
@@ -42,21 +55,59 @@ def call_metadata(ctx: RequestContext) -> list[tuple[str, str]]:
     return [("x-request-id", ctx.request_id)]
 
 
+def count_call(pool: InstancePool, instance: Instance, result: str) -> None:
+    if pool.metrics is not None:
+        pool.metrics.instance_calls.labels(pool.role, instance.address, result).inc()
+
+
+def on_transport_failure(pool: InstancePool, instance: Instance, ctx: RequestContext, what: str) -> None:
+    """Take the instance out at once and count the failover."""
+    pool.mark_down(instance, what)
+    count_call(pool, instance, "failed")
+    log.warning("%s on %s failed (%s); failing over", what.split(":")[0], instance.address, what)
+    ctx.extra["failovers"] = ctx.extra.get("failovers", 0) + 1
+    if pool.metrics is not None:
+        pool.metrics.failovers.labels(pool.role).inc()
+
+
+def on_refusal(pool: InstancePool, instance: Instance) -> None:
+    count_call(pool, instance, "refused")
+    if pool.metrics is not None:
+        pool.metrics.retries.labels(pool.role, "overloaded").inc()
+
+
+def pick_next(pool: InstancePool, key: str | None, tried: set[str], refused: Overloaded | None) -> Instance:
+    """The next instance to try; when none is left and some refused for load, the answer is a 429."""
+    try:
+        return pool.pick(key, exclude=tried)
+    except Unavailable:
+        if refused is not None:
+            raise Overloaded(f"every {pool.role} instance is busy: {refused.message}", code=refused.code,
+                             retry_after_s=1.0) from None
+        raise
+
+
 async def call_unary(pool: InstancePool, ctx: RequestContext, method: str, request: Any,
                      key: str | None = None) -> tuple[Any, Instance]:
-    """Call `method` on one instance of the pool, failing over on transport failures."""
+    """Call `method` on one instance of the pool, failing over on transport failures and refusals."""
     tried: set[str] = set()
+    refused: Overloaded | None = None
     while True:
-        instance = pool.pick(key, exclude=tried)
+        instance = pick_next(pool, key, tried, refused)
         tried.add(instance.address)
         try:
             with pool.track(instance):
                 reply = await getattr(instance.stub, method)(
                     request, timeout=ctx.time_left(), metadata=call_metadata(ctx))
-            return reply, instance
         except grpc.aio.AioRpcError as exc:
-            if not is_transport_failure(exc):
-                raise error_from_rpc(exc) from None
-            pool.mark_down(instance, f"{method}: {exc.code().name}")
-            log.warning("%s call to %s failed (%s); failing over", method, instance.address, exc.code().name)
-            ctx.extra["failovers"] = ctx.extra.get("failovers", 0) + 1
+            if is_transport_failure(exc):
+                on_transport_failure(pool, instance, ctx, f"{method}: {exc.code().name}")
+                continue
+            err = error_from_rpc(exc)
+            if not isinstance(err, Overloaded):
+                raise err from None
+            on_refusal(pool, instance)
+            refused = err
+            continue
+        count_call(pool, instance, "ok")
+        return reply, instance

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import grpc
 
 from services.config import EpdConfig
 from services.rpc.v1 import epd_pb2_grpc as rpc
@@ -49,13 +53,22 @@ class Cluster:
 
     def start(self) -> None:
         """Connect the pools; must run inside the serving event loop (grpc.aio channels bind to it)."""
-        config = self.config
-        self.render = InstancePool("render", config.urls("render"), rpc.RenderServiceStub)
-        self.encode = InstancePool("encode", config.urls("encode"), rpc.EncodeServiceStub, policy="affinity")
-        self.prefill = InstancePool("prefill", config.urls("prefill"), rpc.PrefillServiceStub)
-        self.decode = InstancePool("decode", config.urls("decode"), rpc.DecodeServiceStub)
+        self.render = self._pool("render", rpc.RenderServiceStub)
+        self.encode = self._pool("encode", rpc.EncodeServiceStub)
+        self.prefill = self._pool("prefill", rpc.PrefillServiceStub)
+        self.decode = self._pool("decode", rpc.DecodeServiceStub)
         for pool in self.pools:
             pool.start_probing()
+
+    def _pool(self, role: str, stub: Callable[[grpc.aio.Channel], Any]) -> InstancePool:
+        config = self.config
+        return InstancePool(role, config.urls(role), stub, policy=getattr(config, f"{role}_routing_policy"),
+                            http_urls=config.http_urls(role), metrics=self.metrics,
+                            forget_after_s=config.instance_forget_after_s)
+
+    def pool(self, role: str) -> InstancePool:
+        """The pool of `role` (render, encode, prefill, decode)."""
+        return {p.role: p for p in self.pools}[role]
 
     async def close(self) -> None:
         for pool in self.pools:

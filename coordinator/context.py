@@ -5,6 +5,7 @@
 | request_id       | app               | every step (gRPC request ids, logs) |
 | deadline         | app               | every step (gRPC timeouts)      |
 | body             | app               | render step                     |
+| generate         | generate api      | generate input step, generate answer |
 | rendered         | render step       | encode, prefill, decode steps   |
 | ec_handles       | encode step       | prefill step                    |
 | prefill          | prefill step      | decode step                     |
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.protocol.errors import DeadlineExceeded
+from services.protocol.generate import GenerateRequest
 from services.rpc.v1 import epd_pb2 as pb
 
 
@@ -30,12 +32,14 @@ class RequestContext:
     body: bytes = b""
     stream: bool = False
     include_usage: bool = False
+    generate: GenerateRequest | None = None  # POST /inference/v1/generate only
     rendered: pb.RenderResponse | None = None
     ec_handles: dict[str, bytes] = field(default_factory=dict)
     prefill: pb.PrefillResponse | None = None
     instances: dict[str, str] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
+    started: float = field(default_factory=time.monotonic)  # for time to first token
     extra: dict[str, Any] = field(default_factory=dict)
 
     def time_left(self) -> float:

@@ -1,8 +1,15 @@
-"""Prometheus metrics of the coordinator."""
+"""Prometheus metrics of the coordinator.
+
+Names end up as `epd_coordinator_*` (counters get the `_total` suffix on
+export).  Together with each role's own metrics (epd_rpc_*, queue depths,
+slots, store bytes and entries) they answer: how many requests, which
+errors, where the time goes, how full each stage is, how often items come
+from a cache, how often calls were retried or failed over.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
@@ -11,10 +18,40 @@ class CoordinatorMetrics:
     def __init__(self) -> None:
         self.requests = Counter("epd_coordinator_requests", "Requests by endpoint and HTTP status",
                                 ["endpoint", "status"])
+        self.errors = Counter("epd_coordinator_errors", "Error answers by endpoint and epd error code",
+                              ["endpoint", "code"])
         self.stage_seconds = Histogram("epd_coordinator_stage_seconds", "Time spent per pipeline stage",
                                        ["stage"], buckets=_BUCKETS)
         self.ttft_seconds = Histogram("epd_coordinator_ttft_seconds", "Time to first token", buckets=_BUCKETS)
         self.encode_calls = Counter("epd_coordinator_encode_calls", "Encode calls made (one per item)")
         self.ec_known_hits = Counter("epd_coordinator_ec_known_hits",
                                      "Items whose embedding the coordinator knew was stored (not sent)")
-        self.failovers = Counter("epd_coordinator_failovers", "Calls retried on another instance")
+        self.mm_items = Counter("epd_coordinator_mm_items", "Image items by where the embedding came from: "
+                                "known (handle remembered here), cache_hit (encoder had it), encoded",
+                                ["source"])
+        self.failovers = Counter("epd_coordinator_failovers",
+                                 "Calls retried on another instance after a transport failure", ["role"])
+        self.retries = Counter("epd_coordinator_retries", "Stage retries by role and reason "
+                               "(overloaded, ec_entry_missing, kv_entry_missing)", ["role", "reason"])
+        self.instance_calls = Counter("epd_coordinator_instance_calls", "Calls per instance by result",
+                                      ["role", "instance", "result"])
+        self.instance_healthy = Gauge("epd_coordinator_instance_healthy", "1 while the instance takes work",
+                                      ["role", "instance"])
+        self.inflight = Gauge("epd_coordinator_inflight_requests", "Generation requests running now")
+        self.rejected = Counter("epd_coordinator_rejected_requests",
+                                "Requests refused with 429 before any work, by reason", ["reason"])
+        self.cancelled = Counter("epd_coordinator_cancelled_requests",
+                                 "Requests cancelled by reason (disconnect, abort)", ["reason"])
+
+    def forget_instance(self, role: str, address: str) -> None:
+        """Drop the per-instance series of an instance that left the pool."""
+        for result in ("ok", "failed", "refused"):
+            _remove(self.instance_calls, role, address, result)
+        _remove(self.instance_healthy, role, address)
+
+
+def _remove(metric: Counter | Gauge, *labels: str) -> None:
+    try:
+        metric.remove(*labels)
+    except KeyError:
+        pass

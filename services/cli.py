@@ -20,6 +20,7 @@ COMMANDS = {
     "prefill": "run one prefill instance",
     "decode": "run one decode instance",
     "config": "print the settings table (flags, environment variables, defaults) as JSON",
+    "bench": "load-test an OpenAI-compatible endpoint (own flags: epd bench --help)",
 }
 
 
@@ -38,6 +39,11 @@ def run_role(role: str, config: EpdConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # its flags are not the server flags: its own parser takes the rest
+        from .bench.cli import main as bench_main
+
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "config":
         print(json.dumps(schema(), indent=2, default=str))

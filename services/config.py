@@ -21,6 +21,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 DEMO_ALIASES = {"demo": "epd-demo-qwen2-vl", "epd-demo-qwen2-vl": "epd-demo-qwen2-vl",
                 "demo-medium": "epd-demo-qwen2-vl-medium"}
 ROLES = ("coordinator", "render", "encode", "prefill", "decode")
+# The names of coordinator.routing.policies.POLICIES (checked by a test): config cannot import the coordinator.
+ROUTING_POLICIES = ("affinity", "least_loaded", "round_robin")
 
 
 def _f(default: Any, help: str, roles: str = "all", **kw: Any) -> Any:
@@ -50,6 +52,14 @@ class EpdConfig:
     encode_urls: str = _f("", "comma-separated gRPC addresses of encode instances", roles="coordinator")
     prefill_urls: str = _f("", "comma-separated gRPC addresses of prefill instances", roles="coordinator")
     decode_urls: str = _f("", "comma-separated gRPC addresses of decode instances", roles="coordinator")
+    render_http_urls: str = _f("", "comma-separated HTTP base URLs (http://host:port) of render instances, "
+                               "in render_urls order (listed by GET /cluster)", roles="coordinator")
+    encode_http_urls: str = _f("", "comma-separated HTTP base URLs of encode instances (encode_urls order)",
+                               roles="coordinator")
+    prefill_http_urls: str = _f("", "comma-separated HTTP base URLs of prefill instances (prefill_urls "
+                                "order)", roles="coordinator")
+    decode_http_urls: str = _f("", "comma-separated HTTP base URLs of decode instances (decode_urls order)",
+                               roles="coordinator")
     device: str = _f("cpu", "torch device of model roles: cpu, cuda, cuda:N")
     dtype: str = _f("float32", "model dtype: float32 | bfloat16 | float16")
     max_model_len: int = _f(8192, "context length (prompt + output tokens)")
@@ -64,6 +74,27 @@ class EpdConfig:
     media_timeout_s: float = _f(10.0, "deadline to fetch one image URL")
     request_timeout_s: float = _f(30.0, "deadline of one request through the whole pipeline")
     log_level: str = _f("info", "debug | info | warning | error")
+    max_inflight_requests: int = _f(256, "generation requests the coordinator runs at once; more are answered "
+                                    "429 with Retry-After at once", roles="coordinator")
+    prefill_max_queue: int = _f(32, "requests one prefill instance holds (running + waiting); more are "
+                                "refused (429, the coordinator tries another instance)")
+    encode_max_queue: int = _f(256, "items one encode instance holds (running + waiting); more are refused")
+    prefill_inline_encode: bool = _f(True, "when no encode instance can take an item, prefill encodes it "
+                                     "itself (loads the vision tower on first need)")
+    render_routing_policy: str = _f("least_loaded", "how the coordinator picks a render instance: "
+                                    "least_loaded | round_robin | affinity", roles="coordinator")
+    encode_routing_policy: str = _f("affinity", "how the coordinator picks an encode instance (affinity: "
+                                    "by mm_hash, where the embedding likely is)", roles="coordinator")
+    prefill_routing_policy: str = _f("least_loaded", "how the coordinator picks a prefill instance",
+                                     roles="coordinator")
+    decode_routing_policy: str = _f("least_loaded", "how the coordinator picks a decode instance",
+                                    roles="coordinator")
+    instance_forget_after_s: float = _f(30.0, "a registered instance that fails its health probes this long is "
+                                        "forgotten", roles="coordinator")
+    coordinator_url: str = _f("", "role processes: announce this instance to the coordinator at this URL "
+                              "(POST /v1/instances) at start and every 10 s", roles="roles")
+    advertise_host: str = _f("", "host the coordinator reaches this role at when announcing (default: --host)",
+                             roles="roles")
 
     def __post_init__(self) -> None:
         _check(self.ec_connector in CONNECTORS, f"ec_connector must be one of {', '.join(CONNECTORS)}")
@@ -72,11 +103,21 @@ class EpdConfig:
         _check(self.device.split(":")[0] in DEVICES_PREFIXES, "device must be cpu, cuda or cuda:N")
         for name in ("encode_instances", "prefill_instances", "decode_instances", "decode_slots",
                      "max_model_len", "ec_capacity_mb", "kv_capacity_mb", "max_images_per_request",
-                     "max_image_pixels", "max_image_bytes", "encode_max_batch_tokens"):
+                     "max_image_pixels", "max_image_bytes", "encode_max_batch_tokens", "max_inflight_requests",
+                     "prefill_max_queue", "encode_max_queue"):
             _check(getattr(self, name) >= 1, f"{name} must be >= 1")
         _check(0 <= self.port < 65536 and 0 <= self.grpc_port < 65536 and 0 <= self.http_port < 65536,
                "ports must be in 0..65535")
         _check(self.request_timeout_s > 0 and self.media_timeout_s > 0, "timeouts must be > 0")
+        _check(self.instance_forget_after_s > 0, "instance_forget_after_s must be > 0")
+        for role in ("render", "encode", "prefill", "decode"):
+            policy = getattr(self, f"{role}_routing_policy")
+            _check(policy in ROUTING_POLICIES,
+                   f"{role}_routing_policy {policy!r} is unknown; supported: {', '.join(ROUTING_POLICIES)}")
+        for role in ("render", "encode", "prefill", "decode"):
+            http = self.http_urls(role)
+            _check(not http or len(http) == len(self.urls(role)),
+                   f"{role}_http_urls must list one URL per {role}_urls entry, in the same order")
         if not self.instance_id:
             object.__setattr__(self, "instance_id", uuid.uuid4().hex[:8])
 
@@ -91,6 +132,11 @@ class EpdConfig:
     def urls(self, role: str) -> list[str]:
         raw = getattr(self, f"{role}_urls")
         return [u.strip().removeprefix("grpc://") for u in raw.split(",") if u.strip()]
+
+    def http_urls(self, role: str) -> list[str]:
+        """The HTTP base URLs of a role's instances (same order as `urls`); empty when not configured."""
+        raw = getattr(self, f"{role}_http_urls")
+        return [u.strip().rstrip("/") for u in raw.split(",") if u.strip()]
 
     def media_domains(self) -> tuple[str, ...]:
         return tuple(d.strip().lower() for d in self.allowed_media_domains.split(",") if d.strip())

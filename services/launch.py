@@ -37,15 +37,20 @@ class Child:
         return f"127.0.0.1:{self.grpc_port}"
 
 
-def plan(config: EpdConfig) -> list[Child]:
-    counts = {"render": 1, "encode": config.encode_instances, "prefill": config.prefill_instances,
-              "decode": config.decode_instances}
+def plan(config: EpdConfig, has_vision: bool = True) -> list[Child]:
+    # A text-only model has no encode stage: no encoder is started, the coordinator gets none.
+    counts = {"render": 1, "encode": config.encode_instances if has_vision else 0,
+              "prefill": config.prefill_instances, "decode": config.decode_instances}
     return [Child(role, f"{config.instance_id}_{role}{i}", free_port(config.host), free_port(config.host))
             for role, n in counts.items() for i in range(n)]
 
 
 def _urls(children: list[Child], role: str) -> str:
     return ",".join(c.grpc_address for c in children if c.role == role)
+
+
+def _http_urls(children: list[Child], role: str, host: str) -> str:
+    return ",".join(f"http://{host}:{c.http_port}" for c in children if c.role == role)
 
 
 def coordinator_child(config: EpdConfig, children: list[Child]) -> Child:
@@ -95,7 +100,7 @@ def stop_all(children: list[Child]) -> None:
 
 def remove_segments(instance_prefix: str) -> list[str]:
     """Unlink shm segments named after our instances (only left if a child was killed)."""
-    removed = []
+    removed: list[str] = []
     if not os.path.isdir("/dev/shm"):
         return removed
     for name in os.listdir("/dev/shm"):
@@ -118,11 +123,11 @@ def print_ready(config: EpdConfig, children: list[Child]) -> None:
 
 def serve(config: EpdConfig) -> int:
     from .connectors.registry import sweep_stale_segments
-    from .models.registry import resolve_model
+    from .models.registry import adapter_for, resolve_model
 
     sweep_stale_segments()
     model_path = str(resolve_model(config.model))  # builds the demo checkpoint once, before the children
-    roles = plan(config)
+    roles = plan(config, adapter_for(model_path).has_vision())
     coordinator = coordinator_child(config, roles)
     children = [*roles, coordinator]
     stopping = {"now": False}
@@ -138,6 +143,8 @@ def serve(config: EpdConfig) -> int:
         wait_healthy(roles, config.host, time.monotonic() + STARTUP_TIMEOUT_S)
         spawn(coordinator, config, {"EPD_SERVED_MODEL_NAME": config.served_model_id(),
                                     **{f"EPD_{r.upper()}_URLS": _urls(roles, r)
+                                       for r in ("render", "encode", "prefill", "decode")},
+                                    **{f"EPD_{r.upper()}_HTTP_URLS": _http_urls(roles, r, config.host)
                                        for r in ("render", "encode", "prefill", "decode")}})
         wait_healthy([coordinator], config.host, time.monotonic() + 60)
         print_ready(config, children)

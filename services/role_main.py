@@ -30,14 +30,24 @@ def run(role: str, config: EpdConfig) -> int:
     if role == "render":
         # transformers imports torch whenever it is installed; render needs none of it (PIL processors).
         sys.modules.setdefault("torch", None)  # type: ignore[arg-type]
+    from .connectors.registry import sweep_stale_segments
+
+    sweep_stale_segments()  # a restarted container's old pools (owners are dead; live owners hold a lock)
     grpc_port = config.grpc_port or free_port(config.host)
     http_port = config.http_port or free_port(config.host)
     module = importlib.import_module(ROLE_MODULES[role])
     from .server import serve
 
     async def main() -> None:
+        from .announce import start_announcing
+
         role_server = await module.build(config)
-        await serve(role_server, config.host, grpc_port, http_port, config.log_level)
+        announcer = start_announcing(config, role, grpc_port, http_port)
+        try:
+            await serve(role_server, config.host, grpc_port, http_port, config.log_level)
+        finally:
+            if announcer is not None:
+                await announcer.stop()
 
     asyncio.run(main())
     return 0

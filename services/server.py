@@ -9,10 +9,11 @@ grace period), then run the role's cleanup (freeing shm segments, Redis keys).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -31,6 +32,13 @@ GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE),
     ("grpc.max_send_message_length", GRPC_MAX_MESSAGE),
 ]
+# The coordinator pings while calls run (keepalive) to find peers that vanished silently; allow it.
+SERVER_OPTIONS = [
+    *GRPC_OPTIONS,
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 4000),
+    ("grpc.http2.max_ping_strikes", 0),
+]
 SHUTDOWN_GRACE_S = 3.0
 
 
@@ -38,6 +46,14 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+class _QuietServer(uvicorn.Server):
+    """uvicorn without its own signal handling: this runner owns SIGTERM/SIGINT for both servers."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
 
 
 @dataclass
@@ -66,16 +82,15 @@ def build_http_app(role: RoleServer) -> Starlette:
 
 
 async def serve(role: RoleServer, host: str, grpc_port: int, http_port: int, log_level: str = "info") -> None:
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     role.register_grpc(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     bound = server.add_insecure_port(f"{host}:{grpc_port}")
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    http = uvicorn.Server(uvicorn.Config(build_http_app(role), host=host, port=http_port,
-                                         log_level="warning", lifespan="off", timeout_graceful_shutdown=2))
-    http.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    http = _QuietServer(uvicorn.Config(build_http_app(role), host=host, port=http_port,
+                                       log_level="warning", lifespan="off", timeout_graceful_shutdown=2))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

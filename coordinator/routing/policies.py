@@ -52,7 +52,7 @@ class HashAffinity(Policy):
         return max(candidates, key=lambda i: hashlib.sha256(f"{key}|{i.address}".encode()).digest())
 
 
-POLICIES = {"least_loaded": LeastLoaded, "round_robin": RoundRobin, "affinity": HashAffinity}
+POLICIES: dict[str, type[Policy]] = {"least_loaded": LeastLoaded, "round_robin": RoundRobin, "affinity": HashAffinity}
 
 
 def create_policy(name: str) -> Policy:

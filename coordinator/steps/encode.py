@@ -3,20 +3,29 @@
 The coordinator remembers the handles encoders returned (a bounded LRU keyed
 by mm_hash) so an image it has seen is not sent again; if prefill later finds
 the entry gone (evicted), the prefill step forgets it and encodes again.
-Only this step ever sends kwargs_data (pixels).
+Only this step ever sends kwargs_data (pixels), with one exception: an item
+no encoder can take (all down or all full) is marked for inline encoding
+(ctx.extra[INLINE_ITEMS]) when --prefill-inline-encode is on, and the prefill
+step sends its kwargs_data to prefill instead (services/prefill/inline_encode.py).
+Each encode call fails over between encoders on its own (clients.call_unary).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
+from services.protocol.errors import Overloaded, Unavailable
 from services.rpc.v1 import epd_pb2 as pb
 
 from ..clients import call_unary
 from ..cluster import Cluster
 from ..context import RequestContext
 from .base import Step
+
+log = logging.getLogger(__name__)
+INLINE_ITEMS = "inline_items"  # ctx.extra key: mm_hashes prefill encodes itself
 
 
 class EncodeStep(Step):
@@ -32,9 +41,15 @@ class EncodeStep(Step):
         started = time.perf_counter()
         replies = await asyncio.gather(*(self._encode_one(ctx, item) for item in missing))
         for encoded in replies:
+            if encoded is None:  # left to prefill (inline encode)
+                continue
             ctx.ec_handles[encoded.mm_hash] = encoded.handle_json
             self.cluster.ec_handles.put(encoded.mm_hash, encoded.handle_json)
         ctx.timings["encode"] = time.perf_counter() - started
+
+    def _can_inline(self, item: pb.MultiModalItem, exc: Unavailable | Overloaded) -> bool:
+        no_encoder = isinstance(exc, Overloaded) or exc.code == "encode_unavailable"
+        return no_encoder and self.cluster.config.prefill_inline_encode and bool(item.kwargs_data)
 
     def _missing_items(self, ctx: RequestContext) -> list[pb.MultiModalItem]:
         unique: dict[str, pb.MultiModalItem] = {}
@@ -45,13 +60,23 @@ class EncodeStep(Step):
             if known is not None:
                 ctx.ec_handles[item.mm_hash] = known
                 self.cluster.metrics.ec_known_hits.inc()
+                self.cluster.metrics.mm_items.labels("known").inc()
                 continue
             unique[item.mm_hash] = item
         return list(unique.values())
 
-    async def _encode_one(self, ctx: RequestContext, item: pb.MultiModalItem) -> pb.EncodedItem:
+    async def _encode_one(self, ctx: RequestContext, item: pb.MultiModalItem) -> pb.EncodedItem | None:
         request = pb.EncodeRequest(request_id=ctx.request_id, items=[item])
-        reply, instance = await call_unary(self.cluster.encode, ctx, "Encode", request, key=item.mm_hash)
+        try:
+            reply, instance = await call_unary(self.cluster.encode, ctx, "Encode", request, key=item.mm_hash)
+        except (Unavailable, Overloaded) as exc:
+            if not self._can_inline(item, exc):
+                raise
+            log.warning("no encode instance can take item %s (%s); prefill encodes it", item.mm_hash, exc.code)
+            ctx.extra.setdefault(INLINE_ITEMS, set()).add(item.mm_hash)
+            self.cluster.metrics.mm_items.labels("inline").inc()
+            return None
         ctx.instances.setdefault("encode", instance.address)
         self.cluster.metrics.encode_calls.inc()
+        self.cluster.metrics.mm_items.labels("cache_hit" if reply.items[0].cache_hit else "encoded").inc()
         return reply.items[0]

@@ -1,4 +1,7 @@
-"""Prefill: token ids + mm_metadata + EC handles (never pixels) -> first token + KV handle.
+"""Prefill: token ids + mm_metadata + EC handles -> first token + KV handle.
+
+Prefill gets no pixels, except the kwargs_data of items no encoder could take
+(the encode step marks them; prefill then encodes them itself).
 
 If prefill reports an embedding missing from the EC store (evicted, expired,
 or its encoder died), the handles are forgotten, the items are encoded again
@@ -17,7 +20,7 @@ from ..clients import call_unary
 from ..cluster import Cluster
 from ..context import RequestContext
 from .base import Step
-from .encode import EncodeStep
+from .encode import INLINE_ITEMS, EncodeStep
 
 EC_MISSING_CODE = "ec_entry_missing"
 
@@ -36,6 +39,7 @@ class PrefillStep(Step):
         except NotFound as exc:
             if exc.code != EC_MISSING_CODE:
                 raise
+            self.cluster.metrics.retries.labels("prefill", EC_MISSING_CODE).inc()
             self._forget_handles(ctx)
             await self.encode.execute(ctx)
             await self._prefill(ctx)
@@ -43,10 +47,11 @@ class PrefillStep(Step):
 
     async def _prefill(self, ctx: RequestContext) -> None:
         assert ctx.rendered is not None
-        handles = {h: loads(ctx.ec_handles[h]) for h in {i.mm_hash for i in ctx.image_items()}}
+        inline = ctx.extra.get(INLINE_ITEMS, set())
+        handles = {h: loads(ctx.ec_handles[h]) for h in {i.mm_hash for i in ctx.image_items()} - inline}
         request = pb.PrefillRequest(
             request_id=ctx.request_id, token_ids=ctx.rendered.token_ids,
-            items=[metadata_only(i) for i in ctx.image_items()],
+            items=[i if i.mm_hash in inline else metadata_only(i) for i in ctx.image_items()],
             ec_transfer_params_json=dumps(handles) if handles else b"",
             sampling=ctx.extra["sampling"],
         )

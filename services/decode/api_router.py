@@ -16,17 +16,26 @@ request_id); /abort_requests takes that id, with or without the
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import cast
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from services.http_api import check_model, endpoint, header_request_id, model_response, parse_body, sse_response
+from services.http_api import (
+    check_model,
+    endpoint,
+    header_request_id,
+    model_response,
+    parse_body,
+    sse_response,
+)
 from services.protocol.common import Usage
 from services.protocol.errors import EpdError, InternalError, InvalidRequest, as_epd_error
 from services.protocol.generate import (
     RESPONSE_ID_PREFIX,
     AbortRequest,
+    FinishReason,
     GenerateChoice,
     GenerateRequest,
     GenerateResponse,
@@ -37,6 +46,11 @@ from services.protocol.streaming import SSE_DONE, sse_error, sse_event
 
 from .serving import DecodeService
 from .stream import DecodeEvent
+
+
+def _finish(reason: str | None) -> FinishReason | None:
+    """The engine's finish reasons are exactly the protocol's (stop, length, abort, error)."""
+    return cast(FinishReason | None, reason)
 
 
 def _event_error(event: DecodeEvent) -> EpdError:
@@ -74,13 +88,14 @@ class DecodeCall:
                 raise _event_error(event)
             tokens.extend(event.token_ids)
             last = event
-        choice = GenerateChoice(token_ids=tokens, finish_reason=last.finish_reason or "abort",
+        choice = GenerateChoice(token_ids=tokens, finish_reason=_finish(last.finish_reason or "abort"),
                                 stop_reason=last.stop_reason)
         return GenerateResponse(request_id=self.rsp_id, model=self.model, choices=[choice],
                                 usage=self.usage(len(tokens)))
 
     async def sse(self) -> AsyncIterator[bytes]:
         options = self.body.stream_options
+        continuous = bool(options and options.continuous_usage_stats)
         count = 0
         try:
             async for event in self.all_events():
@@ -88,7 +103,7 @@ class DecodeCall:
                     raise _event_error(event)
                 count += len(event.token_ids)
                 if event.token_ids or event.finished:
-                    yield sse_event(self._chunk(event, count, bool(options and options.continuous_usage_stats)))
+                    yield sse_event(self._chunk(event, count, continuous))
             if options is not None and options.include_usage:
                 yield sse_event(GenerateStreamChunk(request_id=self.rsp_id, model=self.model, choices=[],
                                                     usage=self.usage(count)))
@@ -97,7 +112,7 @@ class DecodeCall:
         yield SSE_DONE
 
     def _chunk(self, event: DecodeEvent, count: int, with_usage: bool) -> GenerateStreamChunk:
-        choice = GenerateChoice(token_ids=list(event.token_ids), finish_reason=event.finish_reason,
+        choice = GenerateChoice(token_ids=list(event.token_ids), finish_reason=_finish(event.finish_reason),
                                 stop_reason=event.stop_reason)
         return GenerateStreamChunk(request_id=self.rsp_id, model=self.model, choices=[choice],
                                    usage=self.usage(count) if with_usage else None)
@@ -116,9 +131,11 @@ class DecodeApi:
                                  code="missing_kv_transfer_params")
         header = header_request_id(request)
         sampling = body.sampling_params.model_dump(exclude={"extra_args"})
-        events = self.service.decode(header or body.request_id, body.kv_transfer_params, sampling)
+        events = self.service.decode(header or body.request_id, body.kv_transfer_params, sampling,
+                                     list(body.token_ids))  # the prompt, for repetition penalties
         first = await anext(events)  # before any byte is sent: setup errors become plain HTTP errors
-        call = DecodeCall(body, response_id(body.request_id, header), body.model or self.model_id, events, first)
+        rsp_id = response_id(body.request_id, header)
+        call = DecodeCall(body, rsp_id, body.model or self.model_id, events, first)
         if body.stream:
             return sse_response(call.sse())
         return model_response(await call.collect())

@@ -20,11 +20,13 @@ class _Counts:
     """Output token counts and the seen set (prompt + output) over the vocab."""
 
     def __init__(self, vocab: int, device: torch.device, prompt_ids: Sequence[int]) -> None:
-        self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
-        self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)
-        prompt = [t for t in prompt_ids if 0 <= t < vocab]
-        if prompt:
-            self.seen[torch.tensor(prompt, device=device)] = True
+        # Allocated during a step (inference mode) but updated between steps: must be normal tensors.
+        with torch.inference_mode(False):
+            self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+            self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+            prompt = [t for t in prompt_ids if 0 <= t < vocab]
+            if prompt:
+                self.seen[torch.tensor(prompt, device=device)] = True
 
     def add(self, token_id: int) -> None:
         if 0 <= token_id < self.counts.shape[0]:

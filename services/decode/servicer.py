@@ -29,7 +29,9 @@ class DecodeServicer(rpc.DecodeServiceServicer):
     @rpc_stream
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
         kv_params = loads(request.kv_transfer_params_json)
-        async for event in self.service.decode(request.request_id, kv_params, sampling_from_pb(request.sampling)):
+        events = self.service.decode(request.request_id, kv_params, sampling_from_pb(request.sampling),
+                                     list(request.prompt_token_ids))
+        async for event in events:
             if event.finish_reason == "error":
                 from services.protocol.errors import InternalError
 

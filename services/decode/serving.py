@@ -19,6 +19,7 @@ from services.connectors.wiring import as_epd_error
 from services.protocol.errors import InvalidRequest
 
 from .engine import DecodeEngine
+from .errors import EngineFull
 from .params_from import decode_params
 from .stream import DecodeEvent
 
@@ -42,17 +43,22 @@ def _transfer_fields(kv_params: Any) -> tuple[dict, int, int, int]:
 class DecodeService:
     def __init__(self, engine: DecodeEngine, kv_store: TensorStore) -> None:
         self.engine, self.kv_store = engine, kv_store
+        # Read at scrape time: an aborted request's slot shows free as soon as the engine let it go.
+        SLOTS_USED.set_function(lambda: engine.stats().active)
+        QUEUED.set_function(lambda: engine.stats().queued)
 
-    async def decode(self, request_id: str, kv_params: Any, sampling: dict[str, Any]) -> AsyncIterator[DecodeEvent]:
+    async def decode(self, request_id: str, kv_params: Any, sampling: dict[str, Any],
+                     prompt_token_ids: list[int] | None = None) -> AsyncIterator[DecodeEvent]:
         params = decode_params(sampling)
         handle, prompt_len, rope_delta, first_token = _transfer_fields(kv_params)
+        self._check_room()  # before the KV is loaded (and released): a full instance leaves it for another
         kv = await asyncio.to_thread(self._load, handle)
-        stream = self.engine.submit(request_id, kv, prompt_len, rope_delta, first_token, params)
+        stream = self.engine.submit(request_id, kv, prompt_len, rope_delta, first_token, params,
+                                    prompt_token_ids=prompt_token_ids or None)
         finished = False
         try:
             async for event in stream.events():
                 TOKENS.inc(len(event.token_ids))
-                self.update_gauges()
                 if event.finished:
                     finished = True
                     FINISHED.labels(event.finish_reason or "unknown").inc()
@@ -61,7 +67,6 @@ class DecodeService:
             if not finished:
                 self.engine.abort(request_id)
                 FINISHED.labels("abort").inc()
-            self.update_gauges()
 
     def _load(self, handle: dict) -> Any:
         try:
@@ -76,7 +81,7 @@ class DecodeService:
     def abort(self, request_ids: list[str]) -> int:
         return sum(self.engine.abort(r) for r in request_ids)
 
-    def update_gauges(self) -> None:
-        stats = self.engine.stats()
-        SLOTS_USED.set(stats.active)
-        QUEUED.set(stats.queued)
+    def _check_room(self) -> None:
+        stats, engine = self.engine.stats(), self.engine
+        if stats.active + stats.queued >= engine.num_slots + engine.max_queued:
+            raise EngineFull(f"decode is full: {engine.num_slots} slots busy, {engine.max_queued} waiting")

@@ -21,7 +21,8 @@ async def build(config: EpdConfig) -> RoleServer:
     vision = adapter_for(path).load_vision(path, config.device, config.dtype)
     engine = EncodeEngine(vision, config.encode_max_batch_tokens)
     store = open_store(config, "ec")
-    service = EncodeService(engine, store, config.served_model_id(), config.request_timeout_s)
+    service = EncodeService(engine, store, config.served_model_id(), config.request_timeout_s,
+                            config.encode_max_queue)
     servicer = EncodeServicer(service)
 
     def register(server: grpc.aio.Server) -> None:

@@ -1,5 +1,9 @@
 """The encode engine: batches items from concurrent callers into vision-tower forwards.
 
+Each item's result is its EC entry, `VisionModel.encode_entries`: a dict of
+named tensors ({"embedding"} and, per family, more such as Qwen3-VL's
+"deepstack").
+
 Transport-free.  Any number of threads call `encode(items)`; one worker thread
 takes the waiting items in arrival order, as many as fit `max_batch_tokens`
 (embedding tokens, as `VisionModel.num_tokens` counts them; an item larger
@@ -35,10 +39,10 @@ class _Job:
         self.num_tokens = num_tokens
         self.done = threading.Event()
         self.cancelled = False
-        self.output: torch.Tensor | None = None
+        self.output: dict[str, torch.Tensor] | None = None
         self.error: BaseException | None = None
 
-    def finish(self, output: torch.Tensor | None = None, error: BaseException | None = None) -> None:
+    def finish(self, output: dict[str, torch.Tensor] | None = None, error: BaseException | None = None) -> None:
         self.output, self.error = output, error
         self.done.set()
 
@@ -65,8 +69,8 @@ class EncodeEngine:
         return len(self._pending)
 
     def encode(self, items: list[dict[str, torch.Tensor]],
-               timeout: float | None = None) -> list[torch.Tensor]:
-        """Embeddings of `items`, in order; blocks until done. Raises DeadlineExceeded after `timeout` s."""
+               timeout: float | None = None) -> list[dict[str, torch.Tensor]]:
+        """EC entries of `items`, in order; blocks until done. Raises DeadlineExceeded after `timeout` s."""
         jobs = [_Job(item, self.vision.num_tokens(item)) for item in items]  # bad metadata fails here, alone
         with self._wakeup:
             if self._closed:
@@ -125,7 +129,7 @@ class EncodeEngine:
     def _encode(self, batch: list[_Job]) -> None:
         self.num_forwards += 1
         try:
-            outputs = self.vision.encode([job.item for job in batch])
+            outputs = self.vision.encode_entries([job.item for job in batch])
         except Exception as exc:  # reported to the callers, never lost
             if len(batch) == 1:
                 batch[0].finish(error=exc)

@@ -1,4 +1,4 @@
-"""Encode's core: kwargs items -> embeddings in the EC store -> handles.
+"""Encode's core: kwargs items -> EC entries (embedding + family extras) in the EC store -> handles.
 
 An item whose mm_hash is already stored is not encoded again (counted as a
 cache hit); concurrent requests for the same item share one encode.
@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter, Gauge
 
-from services.connectors.base import ConnectorError, TensorStore
+from services.admission import Admission
+from services.connectors.base import ConnectorError, TensorStore, store_stat
 from services.connectors.ec import ec_key
 from services.connectors.wiring import as_epd_error
 from services.protocol.errors import InvalidRequest
@@ -37,9 +38,15 @@ class EncodedResult:
 
 
 class EncodeService:
-    def __init__(self, engine: EncodeEngine, store: TensorStore, model_id: str, timeout_s: float) -> None:
+    def __init__(self, engine: EncodeEngine, store: TensorStore, model_id: str, timeout_s: float,
+                 max_queue: int = 256) -> None:
         self.engine, self.store, self.model_id, self.timeout_s = engine, store, model_id, timeout_s
         self._inflight: dict[str, asyncio.Future[EncodedResult]] = {}
+        self.admission = Admission("encode", max_queue)  # items waiting for or in the tower
+        # Read at scrape time, so evictions and expiry show at once.
+        EC_BYTES.set_function(lambda: store_stat(store, "bytes_used"))
+        EC_ENTRIES.set_function(lambda: store_stat(store, "entries"))
+        FORWARDS.set_function(lambda: engine.num_forwards)
 
     async def encode(self, mm_hash: str, item: Item | None) -> EncodedResult:
         key = ec_key(self.model_id, mm_hash)
@@ -51,12 +58,14 @@ class EncodeService:
             raise InvalidRequest(f"item {mm_hash}: no kwargs_data and not in the encoder cache",
                                  code="missing_kwargs_data")
         pending = self._inflight.get(key)
-        if pending is not None:
+        if pending is not None:  # another request is encoding this item right now: not encoded twice
+            ITEMS.labels("cache_hit").inc()
             return await asyncio.shield(pending)
         future: asyncio.Future[EncodedResult] = asyncio.get_running_loop().create_future()
         self._inflight[key] = future
         try:
-            result = await self._encode(key, mm_hash, item)
+            with self.admission.admit():
+                result = await self._encode(key, mm_hash, item)
             future.set_result(result)
             return result
         except BaseException as exc:
@@ -74,17 +83,11 @@ class EncodeService:
 
     async def _encode(self, key: str, mm_hash: str, item: Item) -> EncodedResult:
         tensors = {name: to_torch(elem.data) for name, elem in item.items() if elem.data is not None}
-        [embedding] = await asyncio.to_thread(self.engine.encode, [tensors], self.timeout_s)
+        # One entry per item: the embedding plus whatever else the family's prefill needs (deepstack).
+        [entry] = await asyncio.to_thread(self.engine.encode, [tensors], self.timeout_s)
         try:
-            handle = await asyncio.to_thread(self.store.put, key, {"embedding": embedding})
+            handle = await asyncio.to_thread(self.store.put, key, entry)
         except ConnectorError as exc:
             raise as_epd_error(exc, "ec") from None
         ITEMS.labels("encoded").inc()
-        self.update_gauges()
         return EncodedResult(mm_hash, handle, False)
-
-    def update_gauges(self) -> None:
-        stats = self.store.stats()
-        EC_BYTES.set(stats.bytes_used)
-        EC_ENTRIES.set(stats.entries)
-        FORWARDS.set(self.engine.num_forwards)

@@ -5,13 +5,16 @@ Roles never touch a family's internals; they call an adapter chosen by
 split of a VLM into parts:
 
 - encode holds a `VisionModel`: kwargs items (decoded PROTOCOL.md items as
-  torch tensors) -> one embedding tensor per item, in the model dtype;
+  torch tensors) -> one embedding tensor per item, in the model dtype, stored
+  in the EC store as one entry of named tensors (`encode_entries`: the
+  "embedding" plus whatever else the family's language model needs, which
+  prefill hands back as `MultiModalInput.extras`);
 - prefill and decode hold a `LanguageModel`: token embeddings, the decoder
   stack (a Hugging Face module that accepts inputs_embeds, position_ids,
   attention_mask and a cache), the LM head, and the family's position rules.
 
 Per-request position state (Qwen-VL's rope_delta) is computed by prefill and
-carried to decode in kv_transfer_params; decode's position for a token is
+carried to decode in kv_transfer_params (0 for families with 1-D positions); decode's position for a token is
 "index of the token in the sequence + rope_delta" (prompt tokens count; for the
 first token fed to decode that index is the prompt length).
 
@@ -22,7 +25,8 @@ L, head_dim] (index 0 = keys, 1 = values) in `KVLayout.dtype`, the model dtype.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +52,12 @@ class PrefillInputs:
     inputs_embeds: torch.Tensor   # [1, L, hidden], model dtype
     position_ids: torch.Tensor    # family shaped, int64: [1, L] or [3, 1, L] (M-RoPE)
     rope_delta: int               # carried to decode; 0 for text-only prompts
+    # Family-specific extra forward kwargs for prompt tokens [start:] (Qwen3-VL: deepstack features).
+    extra_kwargs: Callable[[int], dict[str, Any]] | None = None
+
+    def forward_kwargs(self, start: int = 0) -> dict[str, Any]:
+        """Extra kwargs of the decoder-stack forward that runs prompt tokens [start:] (prefix-cache hits skip the rest)."""
+        return self.extra_kwargs(start) if self.extra_kwargs is not None else {}
 
 
 @dataclass
@@ -60,6 +70,7 @@ class MultiModalInput:
     metadata: dict[str, torch.Tensor]
     embedding: torch.Tensor  # [length, hidden]
     mm_hash: str | None = None  # content hash (PROTOCOL.md); keys prefix-cache blocks holding the item
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)  # the EC entry's other tensors (deepstack)
 
 
 class VisionModel(ABC):
@@ -75,6 +86,11 @@ class VisionModel(ABC):
     @abstractmethod
     def num_tokens(self, metadata: dict[str, torch.Tensor]) -> int:
         """Placeholder tokens an item occupies, from its metadata (e.g. image_grid_thw)."""
+
+    def encode_entries(self, items: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+        """What the EC store holds per item: {"embedding": [num_tokens, hidden]} plus any tensors the
+        family's language model also needs (Qwen3-VL: "deepstack" [num_deepstack_layers, num_tokens, hidden])."""
+        return [{"embedding": embedding} for embedding in self.encode(items)]
 
 
 class LanguageModel(ABC):
@@ -113,8 +129,34 @@ class LanguageModel(ABC):
         position_ids for one step: Qwen-VL gives [3, B, 1] (or [3, B, T])."""
 
 
+@dataclass(frozen=True)
+class RenderSpec:
+    """What render needs to know about a family: its image placeholder and how long each run is.
+
+    A prompt marks an image as start + a run of `image_token_id` + end (Qwen-VL) or as a bare run
+    (LLaVA's `<image>`: start/end None).  The run length is `tokens_per_image` when the family's
+    count is fixed (LLaVA), else it comes from image_grid_thw and `merge_size` (Qwen-VL).
+    `image_token_id` None means a text-only model: render refuses images.
+    """
+
+    family: str
+    image_token_id: int | None = None
+    start_token_id: int | None = None
+    end_token_id: int | None = None
+    metadata_keys: tuple[str, ...] = ()
+    tokens_per_image: int | None = None
+
+    @property
+    def accepts_images(self) -> bool:
+        return self.image_token_id is not None
+
+
 class ModelAdapter(ABC):
-    """One per family; chosen by `services.models.registry.adapter_for(model_path)`."""
+    """One per family; chosen by `services.models.registry.adapter_for(model_path)`.
+
+    Adapters are imported by render too: a module defining one must not import torch or
+    transformers at module level.
+    """
 
     family: str
     architectures: tuple[str, ...]
@@ -126,6 +168,10 @@ class ModelAdapter(ABC):
     @abstractmethod
     def load_language(self, path: str | Path, device: str = "cpu", dtype: str = "float32",
                       max_model_len: int | None = None) -> LanguageModel: ...
+
+    @abstractmethod
+    def render_spec(self, path: str | Path) -> RenderSpec:
+        """Placeholder tokens and metadata keys, read from the checkpoint's config.json (no torch)."""
 
     def has_vision(self) -> bool:
         return True

@@ -20,9 +20,11 @@ from services.models.base import (
     ModelAdapter,
     MultiModalInput,
     PrefillInputs,
+    RenderSpec,
     VisionModel,
 )
-from services.models.loading import InvalidMultiModalInput, eos_token_ids, load_part
+from services.models.items import checked_items, scatter
+from services.models.loading import InvalidMultiModalInput, eos_token_ids, load_part, read_config
 
 if TYPE_CHECKING:
     import torch
@@ -102,13 +104,9 @@ class QwenVLLanguage(LanguageModel):
         import torch
 
         ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
-        items = sorted(mm_items, key=lambda item: item.offset)
-        self._check_items(token_ids, items)
+        items = self._check_items(token_ids, mm_items)
         with torch.no_grad():
-            embeds = self.embed(ids)
-            for item in items:
-                rows = slice(item.offset, item.offset + item.length)
-                embeds[0, rows] = item.embedding.to(self.device, embeds.dtype)
+            embeds = scatter(self.embed(ids), items)
         position_ids, rope_delta = self._positions(ids, items)
         return PrefillInputs(inputs_embeds=embeds, position_ids=position_ids, rope_delta=rope_delta)
 
@@ -124,57 +122,49 @@ class QwenVLLanguage(LanguageModel):
         position_ids, deltas = self._base.get_rope_index(ids, token_types, image_grid_thw=grids)
         return position_ids, int(deltas.reshape(-1)[0])
 
-    def _check_items(self, token_ids: list[int], items: list[MultiModalInput]) -> None:
-        end = -1
-        for item in items:
-            self._check_item(token_ids, item)
-            if item.offset <= end:
-                # get_rope_index groups consecutive image tokens: touching items would merge into one image
-                raise InvalidMultiModalInput(f"multimodal item at offset {item.offset} overlaps or touches "
-                                             f"the previous one (ends at {end})")
-            end = item.offset + item.length
+    def _check_items(self, token_ids: list[int], mm_items: list[MultiModalInput]) -> list[MultiModalInput]:
+        # get_rope_index groups consecutive image tokens: touching items would merge into one image
+        items = checked_items(token_ids, mm_items, self.image_token_id, self.hidden_size, allow_touching=False)
         if self.video_token_id is not None and self.video_token_id in token_ids:
             raise InvalidMultiModalInput("video placeholders are not supported by this server")
-        covered = sum(item.length for item in items)
-        placeholders = sum(1 for token in token_ids if token == self.image_token_id)
-        if placeholders != covered:
-            raise InvalidMultiModalInput(
-                f"prompt has {placeholders} image placeholder tokens but the items cover {covered}")
-
-    def _check_item(self, token_ids: list[int], item: MultiModalInput) -> None:
-        where = f"{item.modality} item [{item.offset}, {item.offset + item.length})"
-        if item.modality != "image":
-            raise InvalidMultiModalInput(f"{where}: only image items are supported, not {item.modality!r}")
-        if item.offset < 0 or item.length <= 0 or item.offset + item.length > len(token_ids):
-            raise InvalidMultiModalInput(f"{where}: outside the prompt of {len(token_ids)} tokens")
-        if any(token != self.image_token_id for token in token_ids[item.offset:item.offset + item.length]):
-            raise InvalidMultiModalInput(f"{where}: range holds tokens other than the image token "
-                                         f"{self.image_token_id}")
-        if item.embedding.dim() != 2 or item.embedding.shape != (item.length, self.hidden_size):
-            raise InvalidMultiModalInput(f"{where}: embedding shape {tuple(item.embedding.shape)} != "
-                                         f"({item.length}, {self.hidden_size})")
         merge = self._base.config.vision_config.spatial_merge_size
-        if int(_grid(item.metadata).prod()) // merge**2 != item.length:
-            raise InvalidMultiModalInput(f"{where}: image_grid_thw {_grid(item.metadata).tolist()} "
-                                         f"does not give {item.length} tokens")
+        for item in items:
+            if int(_grid(item.metadata).prod()) // merge**2 != item.length:
+                raise InvalidMultiModalInput(f"image item at {item.offset}: image_grid_thw "
+                                             f"{_grid(item.metadata).tolist()} does not give {item.length} tokens")
+        return items
+
+
+def qwen_vl_render_spec(family: str, path: str | Path) -> RenderSpec:
+    """Qwen-VL prompts: <|vision_start|> + a run of <|image_pad|> + <|vision_end|> per image."""
+    config = read_config(path)
+    return RenderSpec(family=family, image_token_id=int(config.get("image_token_id", 151655)),
+                      start_token_id=int(config.get("vision_start_token_id", 151652)),
+                      end_token_id=int(config.get("vision_end_token_id", 151653)),
+                      metadata_keys=("image_grid_thw",))
 
 
 class Qwen2VLAdapter(ModelAdapter):
     family = "qwen2_vl"
     architectures: tuple[str, ...] = ("Qwen2VLForConditionalGeneration",)
     metadata_keys: tuple[str, ...] = ("image_grid_thw",)
+    vision_class: type[QwenVLVision] = QwenVLVision
+    language_class: type[QwenVLLanguage] = QwenVLLanguage
+
+    def render_spec(self, path: str | Path) -> RenderSpec:
+        return qwen_vl_render_spec(self.family, path)
 
     def load_vision(self, path: str | Path, device: str = "cpu", dtype: str = "float32") -> VisionModel:
         from services.models.hf_parts import part_classes
 
-        return QwenVLVision(load_part(part_classes(self.family)[0], path, device, dtype))
+        return self.vision_class(load_part(part_classes(self.family)[0], path, device, dtype))
 
     def load_language(self, path: str | Path, device: str = "cpu", dtype: str = "float32",
                       max_model_len: int | None = None) -> LanguageModel:
         from services.models.hf_parts import part_classes
 
         hf_model = load_part(part_classes(self.family)[1], path, device, dtype)
-        return QwenVLLanguage(hf_model, path, max_model_len)
+        return self.language_class(hf_model, path, max_model_len)
 
 
 class Qwen2_5_VLAdapter(Qwen2VLAdapter):

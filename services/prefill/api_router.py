@@ -29,6 +29,7 @@ from services.protocol.errors import InvalidRequest
 from services.protocol.features import FeatureItem
 from services.protocol.generate import (
     AbortRequest,
+    FinishReason,
     GenerateChoice,
     GenerateRequest,
     GenerateResponse,
@@ -64,23 +65,22 @@ def prefill_item(item: FeatureItem, ec_params: dict[str, Any], metadata_keys: Se
     else:
         raise InvalidRequest(f"{where.format('mm_metadata')}: prefill needs mm_metadata (or kwargs_data) "
                              "for every item", code="missing_mm_metadata")
-    return PrefillItem(item.modality, item.mm_hash, item.placeholder.offset, item.placeholder.length, metadata)
+    place = item.placeholder
+    return PrefillItem(item.modality, item.mm_hash, place.offset, place.length, metadata)
 
 
-def check_prompt(token_ids: Sequence[int], vocab_size: int, max_model_len: int) -> None:
-    bad = next((t for t in token_ids if t >= vocab_size), None)
-    if bad is not None:
-        raise InvalidRequest(f"token id {bad} is out of range [0, {vocab_size})", code="invalid_token_id")
+def check_prompt(token_ids: Sequence[int], max_model_len: int) -> None:
     if len(token_ids) >= max_model_len:
         raise InvalidRequest(f"This model's maximum context length is {max_model_len} tokens. However, the "
                              f"prompt has {len(token_ids)} tokens, leaving none for the completion.",
                              code="context_length_exceeded")
 
 
-def first_token_finish(first: int, sampling: dict[str, Any], eos_ids: Sequence[int]) -> tuple[str, int | None]:
+def first_token_finish(first: int, sampling: dict[str, Any],
+                       eos_ids: Sequence[int]) -> tuple[FinishReason, int | None]:
     """finish_reason of the one token prefill makes: "stop" on EOS or a stop id, else "length"."""
     finish, reason = StopChecker(decode_params(sampling), eos_ids, max_tokens=1).check_token(first, 1)
-    return finish or "length", reason
+    return ("stop" if finish == "stop" else "length"), reason
 
 
 class PrefillApi:
@@ -95,7 +95,7 @@ class PrefillApi:
         ec_params = body.ec_transfer_params or {}
         items = [prefill_item(item, ec_params, self.metadata_keys) for item in body.items()]
         lm = self.service.lm
-        check_prompt(body.token_ids, lm.vocab_size, lm.layout.max_model_len)
+        check_prompt(body.token_ids, lm.layout.max_model_len)
         rid = header_request_id(request) or body.request_id
         sampling = body.sampling_params.model_dump(exclude={"extra_args"})
         outcome = await self.service.prefill(rid, list(body.token_ids), items, ec_params, sampling,

@@ -14,6 +14,7 @@ async def build(config: EpdConfig) -> RoleServer:
     from services.rpc.v1 import epd_pb2_grpc as rpc
 
     from .engine import PrefillEngine
+    from .inline_encode import InlineEncoder
     from .prefix_cache import PrefixCache
     from .servicer import PrefillServicer
     from .serving import PrefillService
@@ -24,7 +25,8 @@ async def build(config: EpdConfig) -> RoleServer:
     engine = PrefillEngine(lm, PrefixCache(max_blocks=1024))
     ec_store = open_store(config, "ec", producer=False)
     kv_store = open_store(config, "kv")
-    service = PrefillService(engine, lm, ec_store, kv_store, config.instance_id)
+    inline = InlineEncoder(adapter, path, config.device, config.dtype) if config.prefill_inline_encode else None
+    service = PrefillService(engine, lm, ec_store, kv_store, config.instance_id, config.prefill_max_queue, inline)
     servicer = PrefillServicer(service)
 
     def register(server: grpc.aio.Server) -> None:

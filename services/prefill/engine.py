@@ -60,7 +60,7 @@ class PrefillEngine:
             cached = sum(block.shape[3] for block in hits)
             cache = cache_from_kv(torch.cat(hits, dim=3)) if hits else new_cache()
             out = self.lm.model(inputs_embeds=inputs.inputs_embeds[:, cached:], cache=cache, use_cache=True,
-                                position_ids=inputs.position_ids[..., cached:])
+                                position_ids=inputs.position_ids[..., cached:], **inputs.forward_kwargs(cached))
             logits = self.lm.lm_head(out.last_hidden_state[:, -1])[0].float()
             kv = kv_from_cache(cache)
             if self.prefix_cache is not None:

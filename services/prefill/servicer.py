@@ -19,7 +19,10 @@ def items_from_pb(items: list[pb.MultiModalItem]) -> list[PrefillItem]:
     for item in items:
         if not item.mm_metadata:
             raise InvalidRequest(f"item {item.mm_hash}: mm_metadata is required", code="missing_mm_metadata")
-        out.append(PrefillItem(item.modality, item.mm_hash, item.offset, item.length, decode_item(item.mm_metadata)))
+        # kwargs_data reaches prefill only when no encoder could take the item (inline_encode.py).
+        kwargs = decode_item(item.kwargs_data) if item.kwargs_data else None
+        out.append(PrefillItem(item.modality, item.mm_hash, item.offset, item.length, decode_item(item.mm_metadata),
+                               kwargs))
     return out
 
 
@@ -31,7 +34,7 @@ class PrefillServicer(rpc.PrefillServiceServicer):
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext):
         MM_BYTES.inc(sum(len(i.kwargs_data) + len(i.mm_metadata) for i in request.items))
         ec_params = loads(request.ec_transfer_params_json) or {}
-        if request.items and not ec_params:
+        if request.items and not ec_params and not all(i.kwargs_data for i in request.items):
             raise InvalidRequest("metadata-only multimodal items require ec_transfer_params",
                                  code="missing_ec_transfer_params")
         salt = request.cache_salt if request.HasField("cache_salt") else None

@@ -15,7 +15,8 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge
 
-from services.connectors.base import ConnectorError, TensorStore
+from services.admission import Admission
+from services.connectors.base import ConnectorError, TensorStore, store_stat
 from services.connectors.kv import kv_key
 from services.connectors.wiring import as_epd_error
 from services.decode.params_from import decode_params
@@ -26,6 +27,7 @@ from services.protocol.items import Item
 from services.protocol.tensors import to_torch
 
 from .engine import PrefillEngine
+from .inline_encode import InlineEncoder
 
 PROMPT_TOKENS = Counter("epd_prefill_prompt_tokens", "Prompt tokens prefilled")
 CACHED_TOKENS = Counter("epd_prefill_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache")
@@ -41,6 +43,7 @@ class PrefillItem:
     offset: int
     length: int
     metadata: Item
+    kwargs: Item | None = None  # only when no encoder could take the item (inline_encode.py)
 
 
 @dataclass
@@ -53,13 +56,25 @@ class PrefillOutcome:
 
 class PrefillService:
     def __init__(self, engine: PrefillEngine, lm: LanguageModel, ec_store: TensorStore, kv_store: TensorStore,
-                 instance_id: str) -> None:
+                 instance_id: str, max_queue: int = 32, inline: InlineEncoder | None = None) -> None:
         self.engine, self.lm, self.instance_id = engine, lm, instance_id
         self.ec_store, self.kv_store = ec_store, kv_store
+        self.inline = inline
+        self.admission = Admission("prefill", max_queue)
+        # Read at scrape time, so entries that decode released or that expired show at once.
+        KV_BYTES.set_function(lambda: store_stat(kv_store, "bytes_used"))
+        KV_ENTRIES.set_function(lambda: store_stat(kv_store, "entries"))
 
     async def prefill(self, request_id: str, token_ids: list[int], items: list[PrefillItem],
                       ec_params: dict[str, Any], sampling: dict[str, Any], cache_salt: str | None) -> PrefillOutcome:
+        """Refused at once (Overloaded) while `max_queue` prefills are already running or waiting."""
+        with self.admission.admit():
+            return await self._prefill(request_id, token_ids, items, ec_params, sampling, cache_salt)
+
+    async def _prefill(self, request_id: str, token_ids: list[int], items: list[PrefillItem],
+                       ec_params: dict[str, Any], sampling: dict[str, Any], cache_salt: str | None) -> PrefillOutcome:
         params = decode_params(sampling)
+        self._check_ids(token_ids)
         mm_inputs = await asyncio.to_thread(self._load_embeddings, items, ec_params)
         result = await asyncio.to_thread(self.engine.prefill, token_ids, mm_inputs, cache_salt)
         first = sample_first(result.first_logits, params, 0, self.lm.eos_token_ids, token_ids)
@@ -69,31 +84,40 @@ class PrefillService:
             raise as_epd_error(exc, "kv") from None
         PROMPT_TOKENS.inc(result.num_prompt_tokens)
         CACHED_TOKENS.inc(result.num_cached_tokens)
-        self._update_gauges()
         params_out = {"do_remote_prefill": True, "remote_engine_id": self.instance_id, "handle": handle,
                       "rope_delta": result.rope_delta, "num_prompt_tokens": result.num_prompt_tokens,
                       "first_token_id": first}
         return PrefillOutcome(first, params_out, result.num_prompt_tokens, result.num_cached_tokens)
 
+    def _check_ids(self, token_ids: list[int]) -> None:
+        # An id past the embedding table would fail inside the forward as an internal error.
+        bad = next((t for t in token_ids if not 0 <= t < self.lm.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"token id {bad} is out of range [0, {self.lm.vocab_size})",
+                                 code="invalid_token_id")
+
     def _load_embeddings(self, items: list[PrefillItem], ec_params: dict[str, Any]) -> list[MultiModalInput]:
         inputs = []
         for item in items:
             handle = ec_params.get(item.mm_hash)
+            if not isinstance(handle, dict) and item.kwargs is not None and self.inline is not None:
+                extras = self.inline.entry(item.kwargs)  # no encoder could take it: the last resort
+                embedding = extras.pop("embedding")
+                metadata = {k: to_torch(e.data) for k, e in item.metadata.items() if e.data is not None}
+                inputs.append(MultiModalInput(item.modality, item.offset, item.length, metadata, embedding,
+                                              mm_hash=item.mm_hash, extras=extras))
+                continue
             if not isinstance(handle, dict):
                 raise InvalidRequest(f"ec_transfer_params has no handle for mm_hash {item.mm_hash}",
                                      code="missing_ec_handle")
             try:
-                embedding = self.ec_store.get(handle)["embedding"]
+                extras = self.ec_store.get(handle)
+                embedding = extras.pop("embedding")  # the rest (e.g. Qwen3-VL deepstack) goes to the adapter
             except ConnectorError as exc:
                 raise as_epd_error(exc, "ec") from None
             except (KeyError, TypeError, ValueError) as exc:
                 raise InvalidRequest(f"bad EC handle for {item.mm_hash}: {exc}", code="invalid_ec_handle") from None
             metadata = {k: to_torch(e.data) for k, e in item.metadata.items() if e.data is not None}
             inputs.append(MultiModalInput(item.modality, item.offset, item.length, metadata, embedding,
-                                          mm_hash=item.mm_hash))
+                                          mm_hash=item.mm_hash, extras=extras))
         return inputs
-
-    def _update_gauges(self) -> None:
-        stats = self.kv_store.stats()
-        KV_BYTES.set(stats.bytes_used)
-        KV_ENTRIES.set(stats.entries)

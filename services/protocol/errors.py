@@ -51,6 +51,10 @@ class Overloaded(EpdError):
         429, "rate_limit_error", grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded"
     )
 
+    def __init__(self, message: str, code: str | None = None, retry_after_s: float | None = 1.0) -> None:
+        # A 429 always says when to come back (Retry-After), also when rebuilt from a gRPC status.
+        super().__init__(message, code, retry_after_s)
+
 
 class Unavailable(EpdError):
     status, type, grpc_code, default_code = (

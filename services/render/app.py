@@ -7,10 +7,11 @@ import grpc
 from services.config import EpdConfig
 from services.server import RoleServer
 
+from .api_router import routes
 from .limits import RenderLimits
 from .media import MediaPolicy
-from .serving import RenderService
 from .servicer import RenderServicer
+from .serving import RenderService
 
 
 def media_policy(config: EpdConfig) -> MediaPolicy:
@@ -38,4 +39,5 @@ async def build(config: EpdConfig) -> RoleServer:
 
         rpc.add_RenderServiceServicer_to_server(servicer, server)
 
-    return RoleServer(name="render", register_grpc=register, cleanup=service.close)
+    return RoleServer(name="render", register_grpc=register, cleanup=service.close,
+                      http_routes=routes(service))

@@ -1,13 +1,15 @@
 """Image placeholder runs in token ids: finding them and sizing them.
 
 A Qwen-VL prompt marks each image as ``<|vision_start|>`` + a run of
-``<|image_pad|>`` + ``<|vision_end|>``; the model needs one pad per image
-embedding (grid_t*grid_h*grid_w / merge**2).  The chat template emits runs of
-length 1; callers of the content_parts path may send them expanded already.
-`fit_runs` expands length-1 runs, keeps runs of the right length and rejects
-anything else, so both paths produce exactly what Qwen2VLProcessor produces.
-The placeholder of an item is its pad run only (not the start/end markers),
-as in vLLM.
+``<|image_pad|>`` + ``<|vision_end|>``; a LLaVA prompt as a bare run of
+``<image>`` (no markers: `VisionTokens.start_id`/`end_id` None).  The model
+needs one pad per image embedding (Qwen-VL: grid_t*grid_h*grid_w / merge**2;
+LLaVA: a fixed count).  The chat template emits runs of length 1; callers of
+the content_parts path may send them expanded already.  `fit_runs` expands
+length-1 runs, keeps runs of the right length and rejects anything else, so
+both paths produce exactly what the HF processor produces.  The placeholder of
+an item is its pad run only (not the start/end markers), as in vLLM.  Without
+markers two images must not touch (``<image><image>`` is one run).
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ from services.protocol.errors import InvalidRequest
 
 @dataclass(frozen=True)
 class VisionTokens:
-    start_id: int
+    start_id: int | None
     pad_id: int
-    end_id: int
+    end_id: int | None
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,7 @@ def find_runs(token_ids: Sequence[int], tokens: VisionTokens) -> list[Run]:
         j = i
         while j < n and token_ids[j] == tokens.pad_id:
             j += 1
-        if i == 0 or token_ids[i - 1] != tokens.start_id or j == n or token_ids[j] != tokens.end_id:
+        if not _enclosed(token_ids, i, j, tokens):
             raise InvalidRequest(
                 f"image placeholder at position {i} is not enclosed in vision start/end tokens",
                 code="invalid_placeholders",
@@ -50,6 +52,13 @@ def find_runs(token_ids: Sequence[int], tokens: VisionTokens) -> list[Run]:
         runs.append(Run(i, j - i))
         i = j
     return runs
+
+
+def _enclosed(token_ids: Sequence[int], i: int, j: int, tokens: VisionTokens) -> bool:
+    """Whether run [i, j) has the family's markers around it (always, for a family without markers)."""
+    starts = tokens.start_id is None or (i > 0 and token_ids[i - 1] == tokens.start_id)
+    ends = tokens.end_id is None or (j < len(token_ids) and token_ids[j] == tokens.end_id)
+    return starts and ends
 
 
 def fit_runs(token_ids: Sequence[int], tokens: VisionTokens,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import grpc
 
+from services.protocol.errors import InvalidRequest
 from services.protocol.openai import ChatCompletionRequest, CompletionRequest
 from services.protocol.parsing import parse_json, parse_model
-from services.protocol.errors import InvalidRequest
 from services.protocol.serialization import encode_item
 from services.rpc.convert import dumps
 from services.rpc.handlers import rpc_method

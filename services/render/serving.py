@@ -5,10 +5,13 @@ here and map `EpdError`s.  Render holds the tokenizer, chat template and HF
 image processor, never model weights, and never imports torch.
 
 Chat flow: model check -> normalise messages (chat.py) -> chat template
-(text, one ``<|vision_start|><|image_pad|><|vision_end|>`` per image) and,
-concurrently, image fetch + decode -> per-image processing and mm_hash in the
-thread pool -> tokenize -> size each pad run to the image's token count ->
-context-length check.  The result token ids equal Qwen2VLProcessor's.
+(text, one placeholder per image: ``<|vision_start|><|image_pad|><|vision_end|>``
+for Qwen-VL, ``<image>`` for LLaVA) and, concurrently, image fetch + decode ->
+per-image processing and mm_hash in the thread pool -> tokenize -> size each
+pad run to the image's token count -> context-length check.  The result token
+ids equal the family's HF processor's.  What a family's placeholders and
+metadata are comes from its adapter's `RenderSpec` (services.models); a
+text-only model has no image processor and answers 400 to any image.
 
 Threads: tokenizer calls go through a one-thread executor (HF fast tokenizers
 are not safe to call concurrently); image processing and hashing use a
@@ -24,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from services.models.base import RenderSpec
 from services.models.processing import load_tokenizer
 from services.protocol.common import fresh_id
 from services.protocol.errors import InvalidRequest
@@ -32,7 +36,7 @@ from services.protocol.openai import ChatCompletionRequest, CompletionRequest
 from services.protocol.parsing import validate_model
 from services.protocol.sampling import SamplingParams
 from services.render.chat import ImageRef, NormalizedChat, normalize_messages
-from services.render.features import QWEN_VL_METADATA_KEYS, RenderedItem
+from services.render.features import RenderedItem
 from services.render.limits import RenderLimits, check_context_length
 from services.render.media import MediaPolicy
 from services.render.multimodal import ImagePipeline, run_in
@@ -49,23 +53,25 @@ class RenderService:
 
     def __init__(self, model_path: str | Path, model_id: str, media_policy: MediaPolicy | None = None,
                  limits: RenderLimits | None = None, *, aliases: Sequence[str] = (),
-                 metadata_keys: Sequence[str] = QWEN_VL_METADATA_KEYS, num_workers: int = 2) -> None:
+                 metadata_keys: Sequence[str] | None = None, num_workers: int = 2,
+                 spec: RenderSpec | None = None) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         self.model_path = Path(model_path)
         self.model_id = model_id
         self.served_model_names = (model_id, *aliases)
         self.limits = limits or RenderLimits()
-        self.metadata_keys = tuple(metadata_keys)
+        self.spec = spec or _render_spec(model_path)
+        self.metadata_keys = tuple(self.spec.metadata_keys if metadata_keys is None else metadata_keys)
         self.tokenizer = load_tokenizer(model_path)
-        self.template = ChatTemplate(self.tokenizer)
-        self.vision = _vision_tokens(self.tokenizer)
+        self.template = ChatTemplate(self.tokenizer, text_only=not self.spec.accepts_images)
+        self.vision = _vision_tokens(self.tokenizer, self.spec)
         self.max_model_len = self.limits.max_model_len or _checkpoint_context(model_path, self.tokenizer)
         self.vocab_size = max(len(self.tokenizer), _checkpoint_vocab(model_path))
         self._tok_pool = ThreadPoolExecutor(1, thread_name_prefix="render-tok")
         self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="render-proc")
-        self.images = ImagePipeline(ImageProcessor(model_path), media_policy or MediaPolicy(), self.limits,
-                                    model_id, self._pool)
+        self.images = None if self.vision is None else ImagePipeline(
+            ImageProcessor(model_path, self.spec), media_policy or MediaPolicy(), self.limits, model_id, self._pool)
 
     # ---- public API -------------------------------------------------------------------------------
 
@@ -102,8 +108,12 @@ class RenderService:
         self.check_model(model)
         refs = [_image_ref(index, part) for index, part in enumerate(content_parts)]
         self._check_ids(token_ids)
-        ready = await self.images.process(await self.images.load(refs))
-        ids, items = self.images.place(token_ids, ready, self.vision, self.metadata_keys)
+        if self.images is None or self.vision is None:
+            self._refuse_images(len(refs))
+            ids, items = list(token_ids), []
+        else:
+            ready = await self.images.process(await self.images.load(refs))
+            ids, items = self.images.place(token_ids, ready, self.vision, self.metadata_keys)
         sampling = sampling_params or SamplingParams()
         check_context_length(len(ids), sampling.max_tokens, self.max_model_len)
         return RenderedPrompt(request_id or fresh_id(), ids, items, sampling, self.model_id, cache_salt)
@@ -145,6 +155,11 @@ class RenderService:
     async def _render_messages(self, chat: NormalizedChat, req: ChatCompletionRequest,
                                add_special_tokens: bool = False) -> tuple[str, list[int], list[RenderedItem]]:
         self.limits.check_image_count(len(chat.images))  # before any work is started
+        if self.images is None or self.vision is None:
+            self._refuse_images(len(chat.images))
+            text, ids = await run_in(self._tok_pool, self.template.render_and_encode, chat.messages, req,
+                                     add_special_tokens)
+            return text, ids, []
         # Template + tokenize run while the images are fetched.
         text_task = asyncio.ensure_future(run_in(self._tok_pool, self.template.render_and_encode,
                                                  chat.messages, req, add_special_tokens))
@@ -161,11 +176,17 @@ class RenderService:
     async def _completion_ids(self, prompt: str | list[int]) -> list[int]:
         ids = await self._encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
         self._check_ids(ids)
+        if self.vision is None:
+            return ids
         token_ids, _ = fit_runs(ids, self.vision, [])  # images need a chat or content_parts
         return token_ids
 
     async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return await run_in(self._tok_pool, self.template.encode, text, add_special_tokens)
+
+    def _refuse_images(self, count: int) -> None:
+        if count:
+            raise InvalidRequest(f"model {self.model_id} does not accept images", code="images_not_supported")
 
     def _check_ids(self, token_ids: Sequence[int]) -> None:
         if not token_ids:
@@ -192,11 +213,20 @@ def _image_ref(index: int, part: ContentPart | dict[str, Any]) -> ImageRef:
     return ImageRef(parsed.url, parsed.uuid)
 
 
-def _vision_tokens(tokenizer: Any) -> VisionTokens:
-    names = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
-    ids = tokenizer.convert_tokens_to_ids(list(names))
-    if any(i is None or i == tokenizer.unk_token_id for i in ids):
-        raise ValueError(f"tokenizer lacks the Qwen-VL vision tokens {names}")
+def _render_spec(model_path: str | Path) -> RenderSpec:
+    from services.models.registry import adapter_for
+
+    return adapter_for(model_path).render_spec(model_path)
+
+
+def _vision_tokens(tokenizer: Any, spec: RenderSpec) -> VisionTokens | None:
+    """The family's placeholder ids, checked against the tokenizer; None for a text-only model."""
+    if spec.image_token_id is None:
+        return None
+    ids = [spec.start_token_id, spec.image_token_id, spec.end_token_id]
+    names = tokenizer.convert_ids_to_tokens([i for i in ids if i is not None])
+    if any(name is None or name == tokenizer.unk_token for name in names):
+        raise ValueError(f"tokenizer lacks the {spec.family} placeholder tokens {ids}")
     return VisionTokens(*ids)
 
 

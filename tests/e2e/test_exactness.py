@@ -55,3 +55,12 @@ def test_eight_requests_in_flight_stay_exact(request, connector, expected):
         answers = list(pool.map(lambda n: _ask(cluster, CASES[n][0], _images(CASES[n][1])), names))
     for name, answer in zip(names, answers, strict=True):
         assert answer["choices"][0]["token_ids"] == expected[name], name
+
+
+def test_repetition_penalty_counts_the_prompt_like_generate(shm_cluster, reference):
+    """Decode gets the prompt ids when a penalty needs them, so the penalty matches HF's (prompt + output)."""
+    text = "Repeat after me: the the the the the"
+    body = chat(text, max_tokens=MAX_TOKENS, temperature=0, repetition_penalty=1.8, return_token_ids=True)
+    with shm_cluster.client() as client:
+        answer = client.post("/v1/chat/completions", json=body).json()
+    assert answer["choices"][0]["token_ids"] == reference.greedy(text, [], MAX_TOKENS, repetition_penalty=1.8)

@@ -16,7 +16,8 @@ class Reference:
         self.processor = load_processor(model_path)
         self.model = Qwen2VLForConditionalGeneration.from_pretrained(str(model_path)).eval()
 
-    def greedy(self, text: str, images: list[Image.Image] = (), max_new_tokens: int = 16) -> list[int]:
+    def greedy(self, text: str, images: list[Image.Image] = (), max_new_tokens: int = 16,
+               **generate_kwargs) -> list[int]:
         import torch
 
         content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
@@ -24,5 +25,5 @@ class Reference:
         prompt = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         inputs = self.processor(text=[prompt], images=list(images) or None, return_tensors="pt")
         with torch.no_grad():
-            out = self.model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)
+            out = self.model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens, **generate_kwargs)
         return out[0, inputs["input_ids"].shape[1]:].tolist()

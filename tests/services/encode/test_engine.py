@@ -60,7 +60,7 @@ def submit_all(engine: EncodeEngine, gated: GatedVision, items: list[dict]) -> l
 
     def call(index: int) -> None:
         try:
-            results[index] = engine.encode([items[index]], timeout=30)[0]
+            results[index] = engine.encode([items[index]], timeout=30)[0]["embedding"]
         except Exception as exc:
             results[index] = exc
 
@@ -108,7 +108,7 @@ def test_token_budget_bounds_each_forward(vision, items):
 
 def test_one_caller_many_items_keeps_order(vision, items):
     with EncodeEngine(vision, max_batch_tokens=100_000) as engine:
-        results = engine.encode(items, timeout=30)
+        results = [entry["embedding"] for entry in engine.encode(items, timeout=30)]
     assert [r.shape[0] for r in results] == [vision.num_tokens(item) for item in items]
     assert engine.num_forwards == 1
 

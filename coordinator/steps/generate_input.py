@@ -1,0 +1,125 @@
+"""Generate input: a GenerateRequest (POST /inference/v1/generate) -> ctx.rendered, as render would give.
+
+The three input paths of PROTOCOL.md end in the same RenderResponse, so the
+encode, prefill and decode steps run unchanged after this one (and the render
+step, seeing ctx.rendered set, skips):
+
+1. features (a render answer posted unchanged): built here, no call.  Each
+   item's kwargs_data goes only to encode (the encode step), only its
+   mm_metadata to prefill; an item without mm_metadata gets the light keys
+   taken from its kwargs_data.  EC handles the caller already holds
+   (ec_transfer_params) are used as is, so those items are not encoded again.
+2. content_parts: render's RenderContentParts fetches the media with the same
+   media policy as chat, processes and hashes it (a given uuid is the hash).
+3. token_ids only: the same call with no parts, so render checks the ids
+   (range, stray image placeholders) exactly as for chat.
+
+The request's own sampling params, cache_salt and model replace render's.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import time
+
+from services.config import EpdConfig
+from services.protocol.errors import InvalidRequest
+from services.protocol.features import FeatureItem
+from services.protocol.generate import GenerateRequest
+from services.protocol.items import metadata_only
+from services.protocol.serialization import decode_item, encode_item
+from services.rpc.convert import dumps, sampling_to_pb
+from services.rpc.v1 import epd_pb2 as pb
+
+from ..clients import call_unary
+from ..cluster import Cluster
+from ..context import RequestContext
+from .base import Step
+
+# The light fields PROTOCOL.md names (what the consumer of embeddings still needs).
+LIGHT_KEYS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts", "image_sizes")
+
+
+def _bytes(b64: str, where: str) -> bytes:
+    try:
+        return base64.b64decode(b64, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequest(f"{where}: not valid base64", code="invalid_base64") from None
+
+
+def _item(item: FeatureItem) -> pb.MultiModalItem:
+    where = f"features.{{}}.{item.modality}[{item.index}]"
+    kwargs = _bytes(item.kwargs_b64, where.format("kwargs_data")) if item.kwargs_b64 is not None else b""
+    if item.metadata_b64 is not None:
+        metadata = _bytes(item.metadata_b64, where.format("mm_metadata"))
+    elif kwargs:
+        metadata = encode_item(metadata_only(decode_item(kwargs), LIGHT_KEYS))
+    else:
+        raise InvalidRequest(f"{where.format('mm_metadata')}: an item needs kwargs_data or mm_metadata",
+                             code="missing_mm_metadata")
+    place = item.placeholder
+    return pb.MultiModalItem(modality=item.modality, mm_hash=item.mm_hash, offset=place.offset,
+                             length=place.length, kwargs_data=kwargs, mm_metadata=metadata)
+
+
+def rendered_from_features(req: GenerateRequest, model: str) -> pb.RenderResponse:
+    return pb.RenderResponse(request_id=req.request_id, token_ids=req.token_ids,
+                             items=[_item(item) for item in req.items()], model=model)
+
+
+def check_model(req: GenerateRequest, config: EpdConfig) -> None:
+    served = config.served_model_id()
+    if req.model is not None and req.model != served:
+        raise InvalidRequest(f"The model `{req.model}` does not exist (served: {served})",
+                             code="model_not_found")
+
+
+def check_fits(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
+    wanted = num_prompt_tokens + (max_tokens or 1)
+    if wanted > max_model_len:
+        raise InvalidRequest(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{wanted} tokens ({num_prompt_tokens} in the prompt, {max_tokens or 1} for the completion).",
+            code="context_length_exceeded")
+
+
+class GenerateInputStep(Step):
+    name = "generate_input"
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+
+    async def execute(self, ctx: RequestContext) -> None:
+        req = ctx.generate
+        if ctx.kind != "generate" or req is None or ctx.rendered is not None:
+            return
+        started = time.perf_counter()
+        check_model(req, self.cluster.config)
+        if req.features is not None:
+            ctx.rendered = rendered_from_features(req, self.cluster.config.served_model_id())
+            self._known_handles(ctx, req)
+        else:
+            ctx.rendered = await self._render_parts(ctx, req)
+        config = self.cluster.config
+        check_fits(len(ctx.rendered.token_ids), req.sampling_params.max_tokens, config.max_model_len)
+        if req.cache_salt is not None:
+            ctx.rendered.cache_salt = req.cache_salt
+        ctx.extra["sampling"] = sampling_to_pb(req.sampling_params.model_dump(exclude={"extra_args"}))
+        ctx.timings[self.name] = time.perf_counter() - started
+
+    async def _render_parts(self, ctx: RequestContext, req: GenerateRequest) -> pb.RenderResponse:
+        parts = [part.model_dump(exclude_none=True) for part in req.content_parts or []]
+        request = pb.RenderContentPartsRequest(request_id=ctx.request_id, token_ids=req.token_ids,
+                                               content_parts_json=dumps(parts))
+        reply, instance = await call_unary(self.cluster.render, ctx, "RenderContentParts", request)
+        ctx.instances["render"] = instance.address
+        return reply
+
+    @staticmethod
+    def _known_handles(ctx: RequestContext, req: GenerateRequest) -> None:
+        given = req.ec_transfer_params or {}
+        for item in req.items():
+            handle = given.get(item.mm_hash)
+            if isinstance(handle, dict):
+                ctx.ec_handles[item.mm_hash] = dumps(handle)

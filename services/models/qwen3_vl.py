@@ -1,0 +1,99 @@
+"""Qwen3-VL: a Qwen-VL split whose tower also yields "deepstack" features.
+
+The tower returns, besides the merged embedding, one feature map per
+`deepstack_visual_indexes` layer; the language model adds map k to the hidden
+states of the image tokens after decoder layer k.  Encode therefore stores one
+EC entry per item holding two tensors, "embedding" [n, hidden] and
+"deepstack" [num_deepstack_layers, n, hidden]; prefill receives the second as
+`MultiModalInput.extras["deepstack"]` and feeds it back through the text
+model's own `visual_pos_masks` / `deepstack_visual_embeds` arguments (what
+`mm_encoder_outputs` resolves to inside transformers).  Positions are
+Qwen2-VL's: M-RoPE from `get_rope_index`, rope_delta to decode.  Decode needs
+nothing new: deepstack touches prompt tokens only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from services.models.base import MultiModalInput, PrefillInputs
+from services.models.loading import InvalidMultiModalInput
+from services.models.qwen2_vl import Qwen2VLAdapter, QwenVLLanguage, QwenVLVision, _grid
+
+if TYPE_CHECKING:
+    import torch
+
+DEEPSTACK = "deepstack"
+
+
+class Qwen3VLVision(QwenVLVision):
+    """The Qwen3-VL tower: embeddings plus per-layer deepstack features."""
+
+    def encode(self, items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        return [entry["embedding"] for entry in self.encode_entries(items)]
+
+    def encode_entries(self, items: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+        import torch
+
+        if not items:
+            return []
+        grids = torch.stack([_grid(item) for item in items])
+        pixels = torch.cat([self._pixels(item, grid) for item, grid in zip(items, grids, strict=True)])
+        with torch.no_grad():
+            out = self._base.get_image_features(pixels.to(self.device), grids.to(self.device))
+        # deepstack_features: per layer, a tuple split per item -> per item, [layers, n, hidden]
+        stacks = [torch.stack(per_layer) for per_layer in zip(*out.deepstack_features, strict=True)]
+        return [{"embedding": embedding, DEEPSTACK: stack}
+                for embedding, stack in zip(out.pooler_output, stacks, strict=True)]
+
+
+class Qwen3VLLanguage(QwenVLLanguage):
+    """Qwen-VL positions and scatter, plus the deepstack features of the prompt's images."""
+
+    def __init__(self, hf_model: Any, path: str | Path, max_model_len: int | None) -> None:
+        super().__init__(hf_model, path, max_model_len)
+        self.num_deepstack = len(hf_model.config.vision_config.deepstack_visual_indexes)
+
+    def prefill_inputs(self, token_ids: list[int], mm_items: list[MultiModalInput]) -> PrefillInputs:
+        inputs = super().prefill_inputs(token_ids, mm_items)
+        items = sorted(mm_items, key=lambda item: item.offset)
+        if items and self.num_deepstack:
+            inputs.extra_kwargs = self._deepstack_kwargs(len(token_ids), items)
+        return inputs
+
+    def _deepstack_kwargs(self, num_tokens: int, items: list[MultiModalInput]):
+        import torch
+
+        for item in items:
+            self._check_deepstack(item)
+        mask = torch.zeros(1, num_tokens, dtype=torch.bool, device=self.device)
+        for item in items:
+            mask[0, item.offset:item.offset + item.length] = True
+        # one [num_visual_tokens, hidden] tensor per deepstack layer, rows in prompt order (= mask order)
+        layers = torch.cat([item.extras[DEEPSTACK] for item in items], dim=1).to(self.device)
+
+        def kwargs(start: int) -> dict[str, Any]:
+            skipped = int(mask[:, :start].sum())
+            if skipped == layers.shape[1]:
+                return {}  # every image token is in the cached prefix
+            return {"visual_pos_masks": mask[:, start:], "deepstack_visual_embeds": list(layers[:, skipped:])}
+
+        return kwargs
+
+    def _check_deepstack(self, item: MultiModalInput) -> None:
+        stack = item.extras.get(DEEPSTACK)
+        expected = (self.num_deepstack, item.length, self.hidden_size)
+        if stack is None or tuple(stack.shape) != expected:
+            got = None if stack is None else tuple(stack.shape)
+            raise InvalidMultiModalInput(f"image item at {item.offset}: EC entry lacks deepstack features "
+                                         f"of shape {expected} (got {got})")
+
+
+class Qwen3VLAdapter(Qwen2VLAdapter):
+    """Qwen-VL split; the EC entry carries the deepstack features with the embedding."""
+
+    family = "qwen3_vl"
+    architectures = ("Qwen3VLForConditionalGeneration",)
+    vision_class = Qwen3VLVision
+    language_class = Qwen3VLLanguage

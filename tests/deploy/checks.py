@@ -1,0 +1,240 @@
+"""Semantic checks over rendered manifests, shared by the kustomize and Helm tests.
+
+Schema validation proves each object is well formed; these prove the objects fit together and fit epd:
+every EPD_* variable is a real setting with a valid value, probes hit the ports the process listens on,
+the coordinator's addresses lead to the right role, every workload has its PDB and HPA, pods run
+hardened, and the connector wiring matches the layout.  Each check returns a list of problems.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from services.config import ConfigError, EpdConfig, from_args, schema
+
+from .manifests import (
+    REF,
+    ROLES,
+    Doc,
+    containers,
+    effective_env,
+    epd_containers,
+    name_of,
+    of_kind,
+    port_number,
+    selects,
+)
+
+SETTINGS = {entry["env"] for entry in schema()}
+
+
+def pod_hygiene(docs: list[Doc]) -> list[str]:
+    problems = []
+    for deployment in of_kind(docs, "Deployment"):
+        pod, where = deployment["spec"]["template"]["spec"], name_of(deployment)
+        if pod.get("enableServiceLinks") is not False:
+            problems.append(f"{where}: enableServiceLinks must be false (Service `epd` would set EPD_PORT)")
+        if pod.get("automountServiceAccountToken") is not False:
+            problems.append(f"{where}: automountServiceAccountToken must be false")
+        if not (pod.get("securityContext") or {}).get("runAsNonRoot"):
+            problems.append(f"{where}: pod securityContext.runAsNonRoot must be true")
+        for c in pod["containers"]:
+            problems += _container_hygiene(f"{where}/{c['name']}", c)
+    return problems
+
+
+def _container_hygiene(where: str, c: Doc) -> list[str]:
+    problems = []
+    resources = c.get("resources") or {}
+    for kind in ("requests", "limits"):
+        if not {"cpu", "memory"} <= set(resources.get(kind) or {}):
+            problems.append(f"{where}: resources.{kind} needs cpu and memory")
+    for probe in ("readinessProbe", "livenessProbe"):
+        if probe not in c:
+            problems.append(f"{where}: no {probe}")
+    sc = c.get("securityContext") or {}
+    if sc.get("readOnlyRootFilesystem") is not True or sc.get("allowPrivilegeEscalation") is not False:
+        problems.append(f"{where}: needs readOnlyRootFilesystem and no privilege escalation")
+    return problems
+
+
+def epd_settings(docs: list[Doc]) -> list[str]:
+    """Every EPD_* variable an epd container sees is a setting, and together they form a valid config."""
+    problems = []
+    for deployment, container, command in epd_containers(docs):
+        where = f"{name_of(deployment)}/{container['name']}"
+        env = {k: v for k, v in effective_env(docs, container).items() if k.startswith("EPD_")}
+        unknown = sorted(set(env) - SETTINGS)
+        if unknown:
+            problems.append(f"{where}: not epd settings: {unknown}")
+            continue
+        problems += [f"{where}: {p}" for p in _config_problems(env, command)]
+    return problems
+
+
+def _config_problems(env: dict[str, str], command: str) -> list[str]:
+    plain = {k: v for k, v in env.items() if v != REF}  # run-time values: their names were checked above
+    try:
+        config = from_args(argparse.Namespace(), plain)
+    except ConfigError as exc:
+        return [f"invalid configuration: {exc}"]
+    if command in ROLES and not (config.grpc_port and config.http_port):
+        return ["a role in a container needs fixed EPD_GRPC_PORT and EPD_HTTP_PORT"]
+    if config.host != "0.0.0.0":
+        return [f"EPD_HOST is {config.host!r}: probes and peers reach the pod IP, bind 0.0.0.0"]
+    return []
+
+
+def probes_match_ports(docs: list[Doc]) -> list[str]:
+    """Role: liveness is gRPC health on EPD_GRPC_PORT, readiness HTTP /health on EPD_HTTP_PORT."""
+    problems = []
+    for deployment, c, command in epd_containers(docs):
+        env, where = effective_env(docs, c), f"{name_of(deployment)}/{c['name']}"
+        declared = {p["containerPort"] for p in c.get("ports") or []}
+        if command in ROLES:
+            grpc_port, http_port = int(env["EPD_GRPC_PORT"]), int(env["EPD_HTTP_PORT"])
+            live, ready = c["livenessProbe"], c["readinessProbe"]
+            if (live.get("grpc") or {}).get("port") != grpc_port:
+                problems.append(f"{where}: livenessProbe must be a grpc probe on {grpc_port}")
+            if (c.get("startupProbe") or {}).get("grpc", {}).get("port") != grpc_port:
+                problems.append(f"{where}: startupProbe must be a grpc probe on {grpc_port}")
+            get = ready.get("httpGet") or {}
+            if get.get("path") != "/health" or port_number(c, get.get("port", 0)) != http_port:
+                problems.append(f"{where}: readinessProbe must GET /health on {http_port}")
+            if not {grpc_port, http_port} <= declared:
+                problems.append(f"{where}: containerPorts {declared} miss {grpc_port}/{http_port}")
+        elif command == "coordinator":
+            port = int(env.get("EPD_PORT", "8000"))
+            get = c["readinessProbe"].get("httpGet") or {}
+            if get.get("path") != "/health" or port_number(c, get["port"]) != port or port not in declared:
+                problems.append(f"{where}: readiness must GET /health on EPD_PORT {port}")
+    return problems
+
+
+def coordinator_wiring(docs: list[Doc]) -> list[str]:
+    """Each EPD_<ROLE>_URLS address reaches a container running that role on that gRPC port."""
+    problems = []
+    for deployment, c, command in epd_containers(docs):
+        if command != "coordinator":
+            continue
+        env = effective_env(docs, c)
+        for role in ROLES:
+            for address in filter(None, env.get(f"EPD_{role.upper()}_URLS", "").split(",")):
+                host, port = address.rsplit(":", 1)
+                if not _reaches(docs, deployment, host, int(port), role):
+                    problems.append(f"{name_of(deployment)}: {role} address {address} reaches no {role}")
+    return problems
+
+
+def registration_wiring(docs: list[Doc]) -> list[str]:
+    """A role that announces itself (EPD_COORDINATOR_URL) names a Service in front of a coordinator's
+    EPD_PORT, and advertises an address (EPD_ADVERTISE_HOST) the coordinator can reach."""
+    problems = []
+    for deployment, c, command in epd_containers(docs):
+        env = effective_env(docs, c)
+        if command not in ROLES or not env.get("EPD_COORDINATOR_URL"):
+            continue
+        where = f"{name_of(deployment)}/{c['name']}"
+        host, _, port = env["EPD_COORDINATOR_URL"].split("://", 1)[-1].rstrip("/").partition(":")
+        if not _reaches_coordinator(docs, host, int(port or 80)):
+            problems.append(f"{where}: EPD_COORDINATOR_URL {env['EPD_COORDINATOR_URL']} reaches no coordinator")
+        if env.get("EPD_ADVERTISE_HOST", env.get("EPD_HOST")) in (None, "0.0.0.0", "127.0.0.1"):
+            problems.append(f"{where}: announces itself without EPD_ADVERTISE_HOST (the pod IP)")
+    return problems
+
+
+def _reaches_coordinator(docs: list[Doc], host: str, port: int) -> bool:
+    for service in of_kind(docs, "Service"):
+        ports = {p["port"]: p.get("targetPort", p["port"]) for p in service["spec"]["ports"]}
+        if service["metadata"]["name"] != host or port not in ports:
+            continue
+        return any(selects(service["spec"]["selector"], d["spec"]["template"]["metadata"]["labels"])
+                   and any(cmd == "coordinator" and port_number(c, ports[port]) == int(
+                       effective_env(docs, c).get("EPD_PORT", "8000")) for _, c, cmd in epd_containers([d]))
+                   for d in of_kind(docs, "Deployment"))
+    return False
+
+
+def _reaches(docs: list[Doc], source: Doc, host: str, port: int, role: str) -> bool:
+    if host in ("127.0.0.1", "localhost"):
+        return any(_serves(docs, c, role, port) for c in containers(source))
+    for service in of_kind(docs, "Service"):
+        if service["metadata"]["name"] != host:
+            continue
+        ports = {p["port"]: p.get("targetPort", p["port"]) for p in service["spec"]["ports"]}
+        if port not in ports:
+            return False
+        return any(selects(service["spec"]["selector"], d["spec"]["template"]["metadata"]["labels"])
+                   and any(_serves(docs, c, role, port_number(c, ports[port])) for c in containers(d))
+                   for d in of_kind(docs, "Deployment"))
+    return False
+
+
+def _serves(docs: list[Doc], container: Doc, role: str, port: int) -> bool:
+    args = container.get("args") or []
+    return bool(args) and args[0] == role and effective_env(docs, container).get("EPD_GRPC_PORT") == str(port)
+
+
+def budgets_and_autoscalers(docs: list[Doc], autoscaled: bool = True) -> list[str]:
+    """Every epd workload (all but Redis) has a PodDisruptionBudget and, if autoscaled, an HPA."""
+    problems = []
+    pdbs, hpas = of_kind(docs, "PodDisruptionBudget"), of_kind(docs, "HorizontalPodAutoscaler")
+    for d in of_kind(docs, "Deployment"):
+        if not list(epd_containers([d])):
+            continue
+        labels = d["spec"]["template"]["metadata"]["labels"]
+        if not any(selects(p["spec"]["selector"]["matchLabels"], labels) for p in pdbs):
+            problems.append(f"{name_of(d)}: no PodDisruptionBudget selects it")
+        target = [h for h in hpas if h["spec"]["scaleTargetRef"]["name"] == d["metadata"]["name"]]
+        if autoscaled and not target:
+            problems.append(f"{name_of(d)}: no HorizontalPodAutoscaler targets it")
+        if target and "replicas" in d["spec"]:
+            problems.append(f"{name_of(d)}: sets replicas although an HPA owns the count")
+    return problems
+
+
+def connector_wiring(docs: list[Doc]) -> list[str]:
+    """shm: the producing and consuming roles share one pod and a memory-backed /dev/shm.
+    redis: every role can reach Redis (a Service in the render, or a URL from a Secret)."""
+    problems = []
+    for deployment, c, command in epd_containers(docs):
+        config = from_args(argparse.Namespace(), {k: v for k, v in effective_env(docs, c).items()
+                                                   if k.startswith("EPD_") and v != REF})
+        if command not in ("encode", "prefill", "decode"):
+            continue
+        where = f"{name_of(deployment)}/{c['name']}"
+        if "shm" in (config.ec_connector, config.kv_connector):
+            problems += [f"{where}: {p}" for p in _shm_problems(deployment, c)]
+        if "redis" in (config.ec_connector, config.kv_connector):
+            problems += [f"{where}: {p}" for p in _redis_problems(docs, c, config)]
+    return problems
+
+
+def _shm_problems(deployment: Doc, c: Doc) -> list[str]:
+    roles_here = {(x.get("args") or [""])[0] for x in containers(deployment)}
+    problems = [] if {"encode", "prefill", "decode"} <= roles_here else [
+        "shm connector but encode, prefill and decode are not in one pod (an emptyDir is per pod)"]
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"].get("volumes") or []}
+    mount = [m for m in c.get("volumeMounts") or [] if m["mountPath"] == "/dev/shm"]
+    empty_dir = volumes.get(mount[0]["name"], {}).get("emptyDir") if mount else None
+    if not empty_dir or empty_dir.get("medium") != "Memory" or not empty_dir.get("sizeLimit"):
+        problems.append("shm connector needs an emptyDir {medium: Memory, sizeLimit} at /dev/shm")
+    return problems
+
+
+def _redis_problems(docs: list[Doc], c: Doc, config: EpdConfig) -> list[str]:
+    if effective_env(docs, c).get("EPD_REDIS_URL") == REF:
+        return []
+    host = config.redis_url.split("://", 1)[-1].rsplit("@", 1)[-1].split("/")[0].split(":")[0]
+    if "." in host or any(s["metadata"]["name"] == host for s in of_kind(docs, "Service")):
+        return []  # a Service of this deployment, or a host outside it (a dotted name or an address)
+    return [f"redis connector, but EPD_REDIS_URL host {host!r} is no Service here"]
+
+
+ALL = (pod_hygiene, epd_settings, probes_match_ports, coordinator_wiring, registration_wiring,
+       connector_wiring)
+
+
+def run_all(docs: list[Doc], autoscaled: bool = True) -> list[str]:
+    problems = [p for check in ALL for p in check(docs)]
+    return problems + budgets_and_autoscalers(docs, autoscaled)
