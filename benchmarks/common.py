@@ -12,6 +12,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -20,6 +21,11 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = ROOT / "benchmarks" / "results"
+
+
+def results_dir(quick: bool) -> Path:
+    """Full runs keep their JSON in the tree (benchmarks/results/); quick runs (smoke tests) in /tmp."""
+    return Path(tempfile.gettempdir()) / "epd-bench-results" if quick else RESULTS_DIR
 
 
 @dataclass

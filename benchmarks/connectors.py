@@ -121,7 +121,7 @@ def redis_figure(nbytes: int, repeats: int) -> Figure:
     name = f"redis connector {nbytes // MIB} MiB put+get vs redis-benchmark SET+GET"
     process, port = start_redis()
     try:
-        baseline = redis_benchmark_seconds(port, nbytes, max(repeats, 10))
+        baseline = redis_benchmark_seconds(port, nbytes, max(repeats, 5 if repeats < 10 else 30))
         ours = store_seconds("redis", nbytes, repeats, redis_url=f"redis://127.0.0.1:{port}/0")
     finally:
         stop_process(process)
@@ -137,7 +137,7 @@ def redis_figure(nbytes: int, repeats: int) -> Figure:
 
 def run(quick: bool = False) -> list[Figure]:
     nbytes = 16 * MIB
-    repeats = 5 if quick else 30
+    repeats = 3 if quick else 30
     return [shm_figure(nbytes, repeats), redis_figure(nbytes, repeats)]
 
 

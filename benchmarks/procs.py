@@ -49,6 +49,13 @@ class Server:
         with urllib.request.urlopen(url + "/metrics", timeout=10) as reply:
             return reply.read().decode()
 
+    def model_id(self) -> str:
+        """The first model id the server lists at /v1/models."""
+        import json
+
+        with urllib.request.urlopen(self.url + "/v1/models", timeout=10) as reply:
+            return str(json.loads(reply.read())["data"][0]["id"])
+
     def log_tail(self, lines: int = 30) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
@@ -60,6 +67,8 @@ class Server:
 
 
 def stop_process(process: subprocess.Popen) -> None:
+    if process.pid < 0:
+        return
     if process.poll() is None:
         _signal_group(process, signal.SIGTERM)
         try:
@@ -132,6 +141,30 @@ def start_epd(model: str, *flags: str, threads: int | None = None, timeout_s: fl
         time.sleep(0.25)
     server.stop()
     raise ServerError(f"epd serve did not become ready:\n{server.log_tail()}")
+
+
+def attach_epd(url: str) -> Server:
+    """A running epd cluster (not started, so never stopped here): its roles from GET /cluster."""
+    import json
+
+    with urllib.request.urlopen(url.rstrip("/") + "/cluster", timeout=10) as reply:
+        cluster = json.loads(reply.read())
+    server = Server("epd", url.rstrip("/"), _NotOurs(), Path(os.devnull))
+    for instance in cluster["instances"]:
+        server.roles.setdefault(instance["role"], []).append(instance["http_url"])
+    return server
+
+
+class _NotOurs:
+    """Stands in for the Popen of a server someone else started: stop() leaves it alone."""
+
+    pid = -1
+
+    def poll(self) -> int:
+        return 0
+
+    def wait(self, timeout: float | None = None) -> int:
+        return 0
 
 
 def start_transformers_serve(model_folder: Path, *flags: str, threads: int | None = None,

@@ -174,9 +174,15 @@ class CoordinatorApp:
         return Starlette(routes=self.routes(), lifespan=self.lifespan, middleware=[admission])
 
     def decode_saturated(self) -> str | None:
-        """Why no new request can start now (every healthy decode holds slots + queue streams), or None."""
-        capacity = self.config.decode_slots + self.config.decode_queue
-        healthy = self.cluster.decode.healthy() if hasattr(self.cluster, "decode") else []
-        if healthy and all(i.inflight >= capacity for i in healthy):
-            return f"every decode instance is full ({capacity} streams each); retry later"
+        """Why no new request can start now, or None.
+
+        Every running request will hold one decode stream; admitting no more than the healthy decode
+        instances have slots + queue for means decode never refuses a request that was already
+        rendered, encoded and prefilled (whose KV would then wait for its TTL).
+        """
+        per_instance = self.config.decode_slots + self.config.decode_queue
+        healthy = len(self.cluster.decode.healthy()) if hasattr(self.cluster, "decode") else 0
+        if healthy and len(self.inflight) >= healthy * per_instance:
+            return (f"the decode instances are full ({healthy} x {per_instance} slots + queue); "
+                    "retry later")
         return None

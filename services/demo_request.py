@@ -1,4 +1,5 @@
-"""A ready-to-paste request with a real (tiny, generated) image, for the ready banner and the README."""
+"""A ready-to-paste request for the ready banner and the README: with a real (tiny, generated) image for a
+vision-language model, a question with a known answer for a text-only one."""
 
 from __future__ import annotations
 
@@ -17,13 +18,16 @@ def tiny_png_data_url(size: int = 56) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
-def chat_body(model: str) -> dict:
+def chat_body(model: str, images: bool = True) -> dict:
+    if not images:
+        return {"model": model, "max_tokens": 16, "temperature": 0,
+                "messages": [{"role": "user", "content": "What is the capital of France?"}]}
     return {"model": model, "max_tokens": 16, "temperature": 0,
             "messages": [{"role": "user", "content": [
                 {"type": "image_url", "image_url": {"url": tiny_png_data_url()}},
                 {"type": "text", "text": "What is in this image?"}]}]}
 
 
-def curl_example(url: str, model: str) -> str:
-    body = json.dumps(chat_body(model))
+def curl_example(url: str, model: str, images: bool = True) -> str:
+    body = json.dumps(chat_body(model, images))
     return f"curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'"

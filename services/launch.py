@@ -113,12 +113,12 @@ def remove_segments(instance_prefix: str) -> list[str]:
     return removed
 
 
-def print_ready(config: EpdConfig, children: list[Child]) -> None:
+def print_ready(config: EpdConfig, children: list[Child], has_vision: bool = True) -> None:
     url = f"http://{config.host}:{config.port}"
     roles = "; ".join(f"{c.role} http://{config.host}:{c.http_port} grpc {c.grpc_address}"
                       for c in children if c.role != "coordinator")
     print(f"epd ready: {url} (model {config.served_model_id()}) — {roles}", flush=True)
-    print("try:\n" + curl_example(url, config.served_model_id()), flush=True)
+    print("try:\n" + curl_example(url, config.served_model_id(), has_vision), flush=True)
 
 
 def serve(config: EpdConfig) -> int:
@@ -127,7 +127,8 @@ def serve(config: EpdConfig) -> int:
 
     sweep_stale_segments()
     model_path = str(resolve_model(config.model))  # builds the demo checkpoint once, before the children
-    roles = plan(config, adapter_for(model_path).has_vision())
+    has_vision = adapter_for(model_path).has_vision()
+    roles = plan(config, has_vision)
     coordinator = coordinator_child(config, roles)
     children = [*roles, coordinator]
     stopping = {"now": False}
@@ -147,7 +148,7 @@ def serve(config: EpdConfig) -> int:
                                     **{f"EPD_{r.upper()}_HTTP_URLS": _http_urls(roles, r, config.host)
                                        for r in ("render", "encode", "prefill", "decode")}})
         wait_healthy([coordinator], config.host, time.monotonic() + 60)
-        print_ready(config, children)
+        print_ready(config, children, has_vision)
         while not stopping["now"]:
             time.sleep(0.2)
         return 0

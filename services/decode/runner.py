@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from services.compute_metrics import compute_timer
 from services.decode.sampler import RowSampling, Sampler
 from services.decode.slot_cache import SlotCache
 from services.models.base import LanguageModel
@@ -47,10 +48,15 @@ class DecodeRunner:
         for row in range(num_rows):
             self.cache.lengths[row] = 0
 
-    @torch.inference_mode()
     def step(self, last_tokens: Sequence[int], rope_deltas: Sequence[int], rows: Sequence[RowSampling]
              ) -> list[int]:
         """Feed each row's last token at its own position; returns one sampled token per row."""
+        with compute_timer("decode_step"):
+            return self._step(last_tokens, rope_deltas, rows)
+
+    @torch.inference_mode()
+    def _step(self, last_tokens: Sequence[int], rope_deltas: Sequence[int], rows: Sequence[RowSampling]
+              ) -> list[int]:
         num_rows = len(last_tokens)
         positions, mask = self.cache.begin_step(num_rows)
         deltas = torch.tensor(rope_deltas, dtype=torch.long, device=self.device)

@@ -24,6 +24,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
+from services.compute_metrics import compute_timer
 from services.models.base import VisionModel
 from services.protocol.errors import DeadlineExceeded, Unavailable
 
@@ -129,7 +130,8 @@ class EncodeEngine:
     def _encode(self, batch: list[_Job]) -> None:
         self.num_forwards += 1
         try:
-            outputs = self.vision.encode_entries([job.item for job in batch])
+            with compute_timer("encode"):
+                outputs = self.vision.encode_entries([job.item for job in batch])
         except Exception as exc:  # reported to the callers, never lost
             if len(batch) == 1:
                 batch[0].finish(error=exc)

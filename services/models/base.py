@@ -56,7 +56,7 @@ class PrefillInputs:
     extra_kwargs: Callable[[int], dict[str, Any]] | None = None
 
     def forward_kwargs(self, start: int = 0) -> dict[str, Any]:
-        """Extra kwargs of the decoder-stack forward that runs prompt tokens [start:] (prefix-cache hits skip the rest)."""
+        """Extra kwargs of the forward over prompt tokens [start:] (a prefix-cache hit skips the rest)."""
         return self.extra_kwargs(start) if self.extra_kwargs is not None else {}
 
 

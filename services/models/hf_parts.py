@@ -30,9 +30,9 @@ from transformers.conversion_mapping import (
 class FamilyClasses:
     """The transformers classes of one VLM family."""
 
-    full: type        # XForConditionalGeneration
-    base: type        # XModel (vision modules + language_model)
-    pretrained: type  # XPreTrainedModel
+    full: Any         # XForConditionalGeneration (a class)
+    base: Any         # XModel (vision modules + language_model)
+    pretrained: Any   # XPreTrainedModel
     vision: Callable[[Any], dict[str, nn.Module]]  # config -> the base model's vision modules, by attribute
     text: Callable[[Any], nn.Module]               # config -> the text decoder stack
     vision_attrs: tuple[str, ...] = ("visual",)    # attribute names `vision` returns (checkpoint prefixes)
@@ -94,7 +94,7 @@ def _inherit_renames(lookups: tuple[str, ...], classes: tuple[type, ...]) -> Non
                 break
 
 
-def _qwen_family(full: type, base: type, pretrained: type, vision: type, text: type) -> FamilyClasses:
+def _qwen_family(full: Any, base: Any, pretrained: Any, vision: Any, text: Any) -> FamilyClasses:
     return FamilyClasses(full, base, pretrained,
                          vision=lambda config: {"visual": vision._from_config(config.vision_config)},
                          text=lambda config: text._from_config(config.text_config))

@@ -31,10 +31,12 @@ SEED = 1234
 VOCAB = 151936
 IMAGE_PAD, VIDEO_PAD, VISION_START, VISION_END, IM_END, ENDOFTEXT = 151655, 151656, 151652, 151653, 151645, 151643
 LLAVA_IMAGE_TOKEN = "<image>"
-QWEN_IDS = {"image_token_id": IMAGE_PAD, "video_token_id": VIDEO_PAD, "vision_start_token_id": VISION_START,
-            "vision_end_token_id": VISION_END, "eos_token_id": IM_END, "tie_word_embeddings": False}
-TEXT = {**TINY_TEXT, "vocab_size": VOCAB, "initializer_range": 0.1, "rms_norm_eps": 1e-6, "head_dim": 16,
-        "eos_token_id": IM_END, "bos_token_id": ENDOFTEXT, "tie_word_embeddings": False}
+QWEN_IDS: dict[str, Any] = {
+    "image_token_id": IMAGE_PAD, "video_token_id": VIDEO_PAD, "vision_start_token_id": VISION_START,
+    "vision_end_token_id": VISION_END, "eos_token_id": IM_END, "tie_word_embeddings": False}
+TEXT: dict[str, Any] = {
+    **TINY_TEXT, "vocab_size": VOCAB, "initializer_range": 0.1, "rms_norm_eps": 1e-6, "head_dim": 16,
+    "eos_token_id": IM_END, "bos_token_id": ENDOFTEXT, "tie_word_embeddings": False}
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
@@ -65,7 +67,7 @@ def tiny_model_path(family: str, cache_dir: Path | None = None) -> Path:
     return cached_build(folder, FAMILIES[family])
 
 
-def cached_build(folder: Path, build: Callable[[Path], None]) -> Path:
+def cached_build(folder: Path, build: Callable[[Path], object]) -> Path:
     """`build(folder)` once across processes; a DONE marker makes a half-written folder rebuild."""
     if (folder / "DONE").exists():
         return folder
@@ -142,7 +144,7 @@ def build_llava(folder: Path) -> None:
                        "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": LLAVA_IMAGE_SIZE,
                        "patch_size": LLAVA_PATCH, "projection_dim": 32, "initializer_range": 0.1},
         image_token_index=tokenizer.convert_tokens_to_ids(LLAVA_IMAGE_TOKEN), vision_feature_layer=-2,
-        vision_feature_select_strategy="default", initializer_range=0.1, tie_word_embeddings=False)
+        vision_feature_select_strategy="default", tie_word_embeddings=False)  # projector init: text's 0.1
     processor = {"image_processor_type": "CLIPImageProcessor", "processor_class": "LlavaProcessor",
                  "size": {"shortest_edge": LLAVA_IMAGE_SIZE},
                  "crop_size": {"height": LLAVA_IMAGE_SIZE, "width": LLAVA_IMAGE_SIZE}, "do_center_crop": True,

@@ -19,6 +19,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from services.compute_metrics import compute_timer
 from services.models.base import LanguageModel, MultiModalInput
 from services.models.kv import cache_from_kv, kv_from_cache, new_cache
 from services.prefill.prefix_cache import PrefixCache, block_hashes
@@ -54,7 +55,7 @@ class PrefillEngine:
 
         self._check_length(token_ids)
         items = mm_items or []
-        with self._lock, torch.no_grad():
+        with self._lock, torch.no_grad(), compute_timer("prefill"):
             inputs = self.lm.prefill_inputs(token_ids, items)
             keys, hits = self._lookup(token_ids, items, cache_salt)
             cached = sum(block.shape[3] for block in hits)

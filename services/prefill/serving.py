@@ -78,16 +78,30 @@ class PrefillService:
         mm_inputs = await asyncio.to_thread(self._load_embeddings, items, ec_params)
         result = await asyncio.to_thread(self.engine.prefill, token_ids, mm_inputs, cache_salt)
         first = sample_first(result.first_logits, params, 0, self.lm.eos_token_ids, token_ids)
-        try:
-            handle = await asyncio.to_thread(self.kv_store.put, kv_key(request_id), {"kv": result.kv})
-        except ConnectorError as exc:
-            raise as_epd_error(exc, "kv") from None
+        handle = await self._store_kv(kv_key(request_id), result.kv)
         PROMPT_TOKENS.inc(result.num_prompt_tokens)
         CACHED_TOKENS.inc(result.num_cached_tokens)
         params_out = {"do_remote_prefill": True, "remote_engine_id": self.instance_id, "handle": handle,
                       "rope_delta": result.rope_delta, "num_prompt_tokens": result.num_prompt_tokens,
                       "first_token_id": first}
         return PrefillOutcome(first, params_out, result.num_prompt_tokens, result.num_cached_tokens)
+
+    async def _store_kv(self, key: str, kv: Any) -> dict[str, Any]:
+        """Put the KV; if the caller gives up meanwhile, the entry nobody will read is deleted at once."""
+        put = asyncio.ensure_future(asyncio.to_thread(self.kv_store.put, key, {"kv": kv}))
+        try:
+            return await asyncio.shield(put)
+        except ConnectorError as exc:
+            raise as_epd_error(exc, "kv") from None
+        except asyncio.CancelledError:
+            put.add_done_callback(lambda done: done.cancelled() or done.exception() or self._drop(key))
+            raise
+
+    def _drop(self, key: str) -> None:
+        try:
+            self.kv_store.delete(key)
+        except ConnectorError:
+            pass  # the TTL removes it
 
     def _check_ids(self, token_ids: list[int]) -> None:
         # An id past the embedding table would fail inside the forward as an internal error.

@@ -21,6 +21,7 @@ from PIL import Image
 
 from services.models.base import RenderSpec
 from services.models.processing import load_image_processor
+from services.protocol.errors import InvalidRequest
 from services.render.hashing import output_kwargs
 
 
@@ -42,7 +43,11 @@ class ImageProcessor:
         self.hash_kwargs: dict[str, Any] = output_kwargs(self.hf.to_dict())
 
     def process(self, image: Image.Image) -> ProcessedImage:
-        out = self.hf(images=[image], return_tensors="np")
+        try:
+            out = self.hf(images=[image], return_tensors="np")
+        except ValueError as exc:  # e.g. an aspect ratio the processor cannot resize: the input's fault
+            raise InvalidRequest(f"image of {image.width}x{image.height} px cannot be processed: {exc}",
+                                 code="invalid_image") from None
         arrays = {key: np.asarray(value) for key, value in out.items()}
         if self.tokens_per_image is not None:
             return ProcessedImage(arrays, self.tokens_per_image)

@@ -110,7 +110,7 @@ class RenderService:
         self._check_ids(token_ids)
         if self.images is None or self.vision is None:
             self._refuse_images(len(refs))
-            ids, items = list(token_ids), []
+            ids, items = list(token_ids), []  # type: tuple[list[int], list[RenderedItem]]
         else:
             ready = await self.images.process(await self.images.load(refs))
             ids, items = self.images.place(token_ids, ready, self.vision, self.metadata_keys)
@@ -227,7 +227,7 @@ def _vision_tokens(tokenizer: Any, spec: RenderSpec) -> VisionTokens | None:
     names = tokenizer.convert_ids_to_tokens([i for i in ids if i is not None])
     if any(name is None or name == tokenizer.unk_token for name in names):
         raise ValueError(f"tokenizer lacks the {spec.family} placeholder tokens {ids}")
-    return VisionTokens(*ids)
+    return VisionTokens(spec.start_token_id, spec.image_token_id, spec.end_token_id)
 
 
 def _read_config(model_path: str | Path) -> dict[str, Any]:

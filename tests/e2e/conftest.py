@@ -28,3 +28,43 @@ def reference(demo_model_path):
     from tests.support.reference import Reference
 
     return Reference(demo_model_path)
+
+
+class PoolCluster:
+    """Two instances of each role, small queues: shared by the admission and failover tests.
+
+    Failover tests kill instances; `intact()` gives a cluster with every instance alive, starting a fresh
+    one if an earlier test damaged it (so the modules pass in any order).
+    """
+
+    FLAGS = ("--encode-instances", "2", "--prefill-instances", "2", "--decode-instances", "2",
+             "--decode-slots", "4", "--decode-queue", "4", "--prefill-max-queue", "8",
+             "--max-inflight-requests", "24", "--max-model-len", "1024", "--ec-capacity-mb", "1",
+             "--kv-capacity-mb", "32", "--instance-forget-after-s", "2")
+
+    def __init__(self) -> None:
+        self.cluster = None
+        self.damaged = False
+        self.instance_id = ""
+
+    def intact(self):
+        if self.cluster is None or self.damaged or self.cluster.process.poll() is not None:
+            self.stop()
+            import uuid
+
+            self.instance_id = "pool" + uuid.uuid4().hex[:6]
+            self.cluster = start_cluster(*self.FLAGS, "--instance-id", self.instance_id)
+            self.damaged = False
+        return self.cluster
+
+    def stop(self) -> None:
+        if self.cluster is not None and self.cluster.process.poll() is None:
+            self.cluster.stop()
+        self.cluster = None
+
+
+@pytest.fixture(scope="session")
+def pool_clusters(demo_model_path):
+    holder = PoolCluster()
+    yield holder
+    holder.stop()

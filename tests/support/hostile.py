@@ -95,10 +95,10 @@ def coordinator_cases() -> list[Case]:
         Case("max_tokens_string", "coordinator", CHAT, chat_with(max_tokens="ten")),
         Case("max_tokens_huge", "coordinator", CHAT, chat_with(max_tokens=10**30)),
         Case("max_tokens_negative", "coordinator", CHAT, chat_with(max_tokens=-1)),
-        Case("temperature_huge", "coordinator", CHAT, chat_with(temperature=1e308)),
+        Case("temperature_negative_huge", "coordinator", CHAT, chat_with(temperature=-1e308)),
         Case("top_p_out_of_range", "coordinator", CHAT, chat_with(top_p=2.5)),
         Case("seed_beyond_int64", "coordinator", CHAT, chat_with(seed=2**70)),
-        Case("stop_too_many", "coordinator", CHAT, chat_with(stop=["x"] * 10_000)),
+        Case("stop_ten_thousand", "coordinator", CHAT, chat_with(stop=["x"] * 10_000), may_succeed=True),
         Case("stream_not_bool", "coordinator", CHAT, chat_with(stream="yes")),
         Case("n_two", "coordinator", CHAT, chat_with(n=2)),
         Case("enormous_string", "coordinator", CHAT,
@@ -123,7 +123,20 @@ def coordinator_cases() -> list[Case]:
         Case("prompt_ids_out_of_vocab", "coordinator", "/v1/completions", {"prompt": [2**31 - 1], "max_tokens": 2}),
         Case("prompt_ids_negative", "coordinator", "/v1/completions", {"prompt": [-5, 3], "max_tokens": 2}),
     ]
-    return cases + ssrf_cases() + generate_cases()
+    return cases + ssrf_cases() + generate_cases() + control_cases()
+
+
+def control_cases() -> list[Case]:
+    return [
+        Case("announce_unknown_role", "coordinator", "/v1/instances", {"role": "oracle", "grpc_address": "a:1"}),
+        Case("announce_bad_address", "coordinator", "/v1/instances", {"role": "encode", "grpc_address": "a b"}),
+        Case("announce_port_out_of_range", "coordinator", "/v1/instances",
+             {"role": "encode", "grpc_address": "10.0.0.1:70000"}),
+        Case("announce_url_with_path", "coordinator", "/v1/instances",
+             {"role": "encode", "grpc_address": "10.0.0.1:5", "http_url": "http://x:1/../../admin"}),
+        Case("abort_ids_not_a_list", "coordinator", "/abort_requests", {"request_ids": "all"}),
+        Case("abort_malformed", "coordinator", "/abort_requests", b"\xff"),
+    ]
 
 
 def ssrf_cases() -> list[Case]:

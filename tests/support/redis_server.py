@@ -50,7 +50,9 @@ class RedisServer:
         while time.monotonic() < deadline:
             if self.ping():
                 return self
-            time.sleep(0.05)
+            if self.process.poll() is not None:
+                break
+            time.sleep(0.02)
         self.stop()
         raise RuntimeError(f"redis-server did not answer on port {self.port}")
 

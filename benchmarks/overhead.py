@@ -1,0 +1,179 @@
+"""Orchestration overhead: epd's TTFT minus the compute its stages report, one request at a time.
+
+For each one-image request (unique image, so encode runs) the script reads every role's
+/metrics before and after it, so each request's own stage times are the counter deltas:
+
+- compute = render (the render role's RenderChat time: template, tokenizer, image decoding
+  and processing — it moves no tensors) + encode (`epd_stage_compute_seconds{stage="encode"}`,
+  the vision forward) + prefill (`{stage="prefill"}`, the decoder forward);
+- in-role transfers = (Encode RPC - encode forward) + (Prefill RPC - prefill forward): the
+  EC put, EC get, KV put and the handlers;
+- the rest: HTTP in and out, the coordinator's steps, four gRPC hops, decode's KV get.
+
+TTFT is client-side: send -> the first chunk that carries the answer's token (max_tokens=1,
+so a token whose text is empty still counts).  The coordinator's own TTFT
+(`epd_coordinator_ttft_seconds`) is reported beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from benchmarks.common import Figure, percentile, print_figures
+from benchmarks.procs import Server, attach_epd, metric_sum, running, start_epd
+
+# (role, metric, label filter) of every counter the script follows.
+COUNTERS = {
+    "render": ("render", "epd_rpc_seconds_sum", 'method="RenderChat"'),
+    "encode_rpc": ("encode", "epd_rpc_seconds_sum", 'method="Encode"'),
+    "encode": ("encode", "epd_stage_compute_seconds_sum", 'stage="encode"'),
+    "prefill_rpc": ("prefill", "epd_rpc_seconds_sum", 'method="Prefill"'),
+    "prefill": ("prefill", "epd_stage_compute_seconds_sum", 'stage="prefill"'),
+    "coordinator_ttft": ("coordinator", "epd_coordinator_ttft_seconds_sum", ""),
+    **{f"coordinator_{stage}": ("coordinator", "epd_coordinator_stage_seconds_sum", f'stage="{stage}"')
+       for stage in ("render", "encode", "prefill")},
+}
+
+
+@dataclass
+class Sample:
+    ttft_s: float
+    stages: dict[str, float]
+
+    @property
+    def compute_s(self) -> float:
+        return self.stages["render"] + self.stages["encode"] + self.stages["prefill"]
+
+    @property
+    def transfers_s(self) -> float:
+        return (self.stages["encode_rpc"] - self.stages["encode"]) + (self.stages["prefill_rpc"]
+                                                                       - self.stages["prefill"])
+
+
+async def _scrape(session: aiohttp.ClientSession, server: Server) -> dict[str, float]:
+    urls = {"coordinator": server.url, **{role: urls[0] for role, urls in server.roles.items()}}
+    texts: dict[str, str] = {}
+    for role in {role for role, _, _ in COUNTERS.values()}:
+        async with session.get(urls[role] + "/metrics") as reply:
+            texts[role] = await reply.text()
+    return {name: metric_sum(texts[role], metric, labels) for name, (role, metric, labels) in COUNTERS.items()}
+
+
+async def _first_token_s(session: aiohttp.ClientSession, url: str, body: bytes) -> float:
+    """Send -> the first SSE chunk with content or a finish_reason (the answer's first token)."""
+    started = time.perf_counter()
+    async with session.post(url + "/v1/chat/completions", data=body,
+                            headers={"Content-Type": "application/json"}) as reply:
+        if reply.status != 200:
+            raise RuntimeError(f"HTTP {reply.status}: {(await reply.text())[:200]}")
+        async for line in reply.content:
+            if line.startswith(b"data: {") and _is_token_chunk(json.loads(line[6:])):
+                elapsed = time.perf_counter() - started
+                await reply.read()  # drain the rest of the stream so the connection is reused
+                return elapsed
+    raise RuntimeError("the stream ended without a token")
+
+
+def _is_token_chunk(chunk: dict[str, Any]) -> bool:
+    for choice in chunk.get("choices") or ():
+        if (choice.get("delta") or {}).get("content") or choice.get("finish_reason"):
+            return True
+    return False
+
+
+def _bodies(model: str, count: int, seed: int) -> list[bytes]:
+    from services.bench import WorkloadConfig
+    from services.bench.workloads import make_workload
+
+    workload = make_workload(WorkloadConfig(input_len=64, output_len=1, seed=seed))
+    return [r.payload(model, {"temperature": 0.0}) for r in workload.build_many(0, count)]
+
+
+async def measure(server: Server, model: str, count: int, warmup: int = 2) -> list[Sample]:
+    bodies = _bodies(model, count + warmup, seed=random.randrange(1 << 30))  # new images: encode runs
+    samples: list[Sample] = []
+    async with aiohttp.ClientSession() as session:
+        for i, body in enumerate(bodies):
+            before = await _scrape(session, server)
+            ttft = await _first_token_s(session, server.url, body)
+            after = await _scrape(session, server)
+            if i >= warmup:
+                samples.append(Sample(ttft, {k: after[k] - before[k] for k in after}))
+    return samples
+
+
+def summarize(samples: list[Sample]) -> dict[str, float]:
+    def p50(values: list[float]) -> float:
+        return percentile(values, 50) * 1e3
+
+    return {"ttft_ms": p50([s.ttft_s for s in samples]),
+            "coordinator_ttft_ms": p50([s.stages["coordinator_ttft"] for s in samples]),
+            "compute_ms": p50([s.compute_s for s in samples]),
+            **{f"{k}_ms": p50([s.stages[k] for s in samples]) for k in ("render", "encode", "prefill")},
+            "transfers_and_handlers_ms": p50([s.transfers_s for s in samples]),
+            "overhead_ms": p50([s.ttft_s - s.compute_s for s in samples]),
+            "overhead_p90_ms": percentile([s.ttft_s - s.compute_s for s in samples], 90) * 1e3,
+            "overhead_server_ms": p50([s.stages["coordinator_ttft"] - s.compute_s for s in samples]),
+            "overhead_excl_transfers_ms": p50([s.ttft_s - s.compute_s - s.transfers_s for s in samples]),
+            **breakdown(samples),
+            "requests": len(samples)}
+
+
+def breakdown(samples: list[Sample]) -> dict[str, float]:
+    """Where the overhead sits (p50 ms): each gRPC hop seen from the coordinator minus the role's own
+    time, the coordinator's time outside the three calls (decode open included), and the client side."""
+    def p50(fn: Any) -> float:
+        return percentile([fn(s.stages, s) for s in samples], 50) * 1e3
+
+    return {
+        "hop_render_ms": p50(lambda st, s: st["coordinator_render"] - st["render"]),
+        "hop_encode_ms": p50(lambda st, s: st["coordinator_encode"] - st["encode_rpc"]),
+        "hop_prefill_ms": p50(lambda st, s: st["coordinator_prefill"] - st["prefill_rpc"]),
+        "coordinator_rest_ms": p50(lambda st, s: st["coordinator_ttft"] - st["coordinator_render"]
+                                   - st["coordinator_encode"] - st["coordinator_prefill"]),
+        "client_side_ms": p50(lambda st, s: s.ttft_s - st["coordinator_ttft"]),
+    }
+
+
+def figure_from(server: Server, model_name: str, count: int) -> Figure:
+    samples = asyncio.run(measure(server, model_name, count))
+    s = summarize(samples)
+    return Figure("orchestration overhead: TTFT - stage compute, p50 (tiny model, one at a time)",
+                  s["overhead_ms"], 5.0, "le", unit="ms", detail=s,
+                  note=f"TTFT {s['ttft_ms']:.1f} ms = compute {s['compute_ms']:.1f} (render {s['render_ms']:.1f}, "
+                       f"encode {s['encode_ms']:.1f}, prefill {s['prefill_ms']:.1f}) + overhead; of which "
+                       f"in-role transfers {s['transfers_and_handlers_ms']:.1f}; server-side overhead "
+                       f"{s['overhead_server_ms']:.1f} ms; {s['requests']} requests")
+
+
+def run(quick: bool = False, server: Server | None = None, count: int | None = None) -> list[Figure]:
+    count = count or (4 if quick else 60)
+    if server is not None:
+        return [figure_from(server, server.model_id(), count)]
+    with running(start_epd("demo")) as (epd,):
+        return [figure_from(epd, epd.model_id(), count)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--epd-url", help="measure a running tiny-model cluster instead of starting one")
+    parser.add_argument("--requests", type=int, help="measured requests (default 60, quick 5)")
+    args = parser.parse_args(argv)
+    server = attach_epd(args.epd_url) if args.epd_url else None
+    figures = run(args.quick, server, args.requests)
+    print_figures(figures, "orchestration overhead")
+    print(json.dumps(figures[0].detail, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
