@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from benchmarks import connectors, decode_scaling, overhead, payload, reuse, vs_transformers_serve
 from benchmarks.common import (ROOT, Figure, machine, markdown_table, print_figures, replace_block, results_dir,
@@ -58,35 +60,66 @@ def _medium(quick: bool) -> list[Figure]:
         servers.stop()
 
 
-def _quick_clusters(only: set[str]) -> list[Figure]:
+def _quick_clusters(only: set[str], servers: vs_transformers_serve.Servers) -> list[Figure]:
     """--quick: one tiny epd cluster and one tiny peer serve the tiny and medium groups."""
     setup = vs_transformers_serve.SideBySide.quick()
-    servers = vs_transformers_serve.start_both(setup)
     figures: list[Figure] = []
-    try:
-        if "tiny" in only:
-            figures += overhead.run(True, servers.epd) + payload.run(True, servers.epd)
-        if "medium" in only:
-            side, doc = vs_transformers_serve.run(setup, servers)
-            write_json({"figures": side, "bench": doc}, results_dir(True) / "vs_transformers_serve_quick.json")
-            figures += side
-            figures += reuse.run(reuse.ReuseSetup.quick(), servers.epd)
-    finally:
-        servers.stop()
+    started = time.monotonic()
+    if "tiny" in only:
+        figures += overhead.run(True, servers.epd) + payload.run(True, servers.epd)
+    if "medium" in only:
+        side, doc = vs_transformers_serve.run(setup, servers)
+        write_json({"figures": side, "bench": doc}, results_dir(True) / "vs_transformers_serve_quick.json")
+        figures += side
+        figures += reuse.run(reuse.ReuseSetup.quick(), servers.epd)
+    _log(f"tiny + medium (quick, one tiny cluster) done in {time.monotonic() - started:.0f} s")
     return figures
+
+
+def _log(message: str) -> None:
+    print(f"[targets] {message}", file=sys.stderr, flush=True)
+
+
+def _start_in_background(setup: vs_transformers_serve.SideBySide) -> tuple[threading.Thread, dict[str, Any]]:
+    """Quick mode boots the servers while the in-process groups run (their figures are not the point)."""
+    box: dict[str, Any] = {}
+
+    def start() -> None:
+        try:
+            box["servers"] = vs_transformers_serve.start_both(setup)
+        except Exception as exc:  # re-raised by the caller
+            box["error"] = exc
+
+    thread = threading.Thread(target=start, daemon=True)
+    thread.start()
+    return thread, box
 
 
 def run(quick: bool, only: set[str]) -> list[Figure]:
     steps: dict[str, Callable[[bool], list[Figure]]] = {"connectors": _connectors, "decode": _decode,
                                                         "tiny": _tiny, "medium": _medium}
+    clusters = quick and bool(only & {"tiny", "medium"})
+    booting = _start_in_background(vs_transformers_serve.SideBySide.quick()) if clusters else None
     figures: list[Figure] = []
-    for name in GROUPS:
-        if name in only and not (quick and name in ("tiny", "medium")):
-            started = time.monotonic()
-            figures += steps[name](quick)
-            print(f"[targets] {name} done in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
-    if quick and only & {"tiny", "medium"}:
-        figures += _quick_clusters(only)
+    try:
+        for name in GROUPS:
+            if name in only and not (quick and name in ("tiny", "medium")):
+                started = time.monotonic()
+                figures += steps[name](quick)
+                _log(f"{name} done in {time.monotonic() - started:.0f} s")
+    finally:
+        if booting is not None:
+            waited = time.monotonic()
+            booting[0].join()
+            _log(f"servers ready (waited {time.monotonic() - waited:.0f} s more)")
+    if booting is not None:
+        box = booting[1]
+        if "error" in box:
+            raise box["error"]
+        try:
+            figures += _quick_clusters(only, box["servers"])
+        finally:
+            box["servers"].stop()
     return figures
 
 

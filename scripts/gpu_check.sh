@@ -21,7 +21,7 @@ print('cuda:', ok, torch.cuda.get_device_name(0) if ok else '', 'torch', torch._
 [tiny_model_path(f) for f in ['qwen2_vl', *FAMILIES]]"
 
 timeout 200 "$PYTHON" -m pytest -x -q -p no:cacheprovider \
-  tests/services/connectors/test_cuda.py tests/e2e/test_families.py 2>&1 | tee "$OUT_DIR/pytest.txt"
+  tests/services/connectors/test_cuda.py tests/e2e/test_model_families.py 2>&1 | tee "$OUT_DIR/pytest.txt"
 
 timeout 60 "$PYTHON" scripts/cuda_ipc_bandwidth.py --sizes-mb 16 64 256 --repeats 20 | tee "$OUT_DIR/bandwidth.md"
 echo "gpu_check: done in $(( $(date +%s) - start )) s"

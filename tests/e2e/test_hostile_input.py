@@ -58,9 +58,14 @@ def test_the_corpus_is_large_and_covers_every_http_api():
     assert {case.target for case in cases} == {"coordinator", "render", "encode", "prefill", "decode"}
 
 
+@pytest.fixture(scope="module")
+def corpus(rendered) -> dict[str, Case]:
+    return {case.name: case for case in coordinator_cases() + role_cases(rendered)}
+
+
 @pytest.mark.parametrize("name", CASE_NAMES)
-def test_hostile_input_gets_a_4xx_json_error(shm_cluster, rendered, name):
-    case = next(c for c in coordinator_cases() + role_cases(rendered) if c.name == name)
+def test_hostile_input_gets_a_4xx_json_error(shm_cluster, corpus, name):
+    case = corpus[name]
     reply = _send(shm_cluster, case)
     if case.may_succeed and reply.status_code == 200:
         return

@@ -104,6 +104,7 @@ class LoadRun:
     hook_results: dict[int, Any] = field(default_factory=dict)
     path: str = "/v1/chat/completions"
     timeout_s: float = 60.0
+    pace_s: float = 0.0    # each worker waits at least this long between the starts of its requests
 
     async def _one(self, session: aiohttp.ClientSession, index: int) -> Outcome:
         outcome, started = Outcome(index), time.monotonic()
@@ -124,10 +125,12 @@ class LoadRun:
         async with aiohttp.ClientSession(timeout=timeout) as session:
             async def worker() -> None:
                 for index in pending:
+                    started = time.monotonic()
                     results.append(await self._one(session, index))
                     hook = self.hooks.get(len(results))
                     if hook is not None:
                         tasks[len(results)] = asyncio.create_task(hook())
+                    await asyncio.sleep(max(0.0, self.pace_s - (time.monotonic() - started)))
             await asyncio.gather(*(worker() for _ in range(self.concurrency)))
             for done, task in tasks.items():
                 self.hook_results[done] = await task

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import functools
 import io
 import pickle
 import struct
@@ -58,10 +59,11 @@ def _png_chunk(kind: bytes, data: bytes) -> bytes:
     return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
 
 
+@functools.lru_cache(maxsize=2)
 def png_bomb(width: int = 20000, height: int = 20000) -> bytes:
-    """A valid grey PNG claiming width x height pixels, compressed row by row (never held in memory)."""
-    compressor, row = zlib.compressobj(9), b"\0" * (width + 1)
-    idat = b"".join(compressor.compress(row) for _ in range(height)) + compressor.flush()
+    """A valid grey PNG claiming width x height pixels (1.2 MB; 400 MB once decoded), built 100 rows at a time."""
+    compressor, rows = zlib.compressobj(1), b"\0" * ((width + 1) * 100)
+    idat = b"".join(compressor.compress(rows) for _ in range(height // 100)) + compressor.flush()
     header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
     return b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", header) + _png_chunk(b"IDAT", idat) + _png_chunk(b"IEND", b"")
 
