@@ -103,7 +103,8 @@ def bench_config(servers: Servers, setup: SideBySide, concurrency: int, requests
         workload=WorkloadConfig(input_len=setup.input_len, output_len=setup.output_len,
                                 image_sizes=(ImageSize(width, height),), seed=concurrency),
         load=LoadConfig(concurrency=concurrency, num_requests=requests, warmup=setup.warmup, timeout_s=1800),
-        round_size=max(concurrency, min(requests, 2 * concurrency)), show_progress=False)
+        # Rounds of one concurrency's worth of requests: A B, B A, ... so the two sides alternate.
+        round_size=concurrency if requests >= 2 * concurrency else requests, show_progress=False)
 
 
 def run_levels(servers: Servers, setup: SideBySide) -> dict[str, Any]:

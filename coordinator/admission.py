@@ -10,6 +10,9 @@
   awaits: each role aborts its part (decode frees the slot before its next step).
 - Cleanup: what steps registered with inflight.on_close runs when the request
   ends, however it ends.
+- A backstop bound: a request still running `max_request_s` after it arrived
+  (the pipeline enforces the request deadline itself; this catches a client
+  that stopped reading a stream) is cancelled.
 
 Other paths pass through untouched.
 """
@@ -24,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from services.observability import request_id_var
-from services.protocol.errors import Aborted, EpdError, Overloaded
+from services.protocol.errors import Aborted, DeadlineExceeded, EpdError, Overloaded
 
 from .inflight import InflightRegistry, InflightRequest, current_request
 from .metrics import CoordinatorMetrics
@@ -76,9 +79,9 @@ class Exchange:
 
 class AdmissionMiddleware:
     def __init__(self, app: Any, registry: InflightRegistry, max_inflight: int, metrics: CoordinatorMetrics,
-                 saturated: Callable[[], str | None] = lambda: None) -> None:
+                 saturated: Callable[[], str | None] = lambda: None, max_request_s: float | None = None) -> None:
         self.app, self.registry, self.max_inflight = app, registry, max_inflight
-        self.metrics, self.saturated = metrics, saturated
+        self.metrics, self.saturated, self.max_request_s = metrics, saturated, max_request_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in GENERATION_PATHS:
@@ -109,6 +112,8 @@ class AdmissionMiddleware:
         try:
             record.task = asyncio.create_task(self.app(scope, exchange.receive, exchange.send))
             watcher = asyncio.create_task(exchange.watch_disconnect(record))
+            timer = None if self.max_request_s is None else \
+                asyncio.get_running_loop().call_later(self.max_request_s, record.cancel, "deadline")
             try:
                 await asyncio.shield(record.task)
             except asyncio.CancelledError:
@@ -118,6 +123,8 @@ class AdmissionMiddleware:
                 await self._after_cancel(scope, exchange, record)
             finally:
                 watcher.cancel()
+                if timer is not None:
+                    timer.cancel()
         finally:
             current_request.reset(token)
             await record.close()
@@ -131,8 +138,10 @@ class AdmissionMiddleware:
         if exchange.disconnected or exchange.complete:
             self.metrics.requests.labels(scope["path"], "499").inc()
             return  # nobody is listening any more
-        err = Aborted(f"request {record.request_id or ''} was aborted".replace("  ", " "), code="aborted")
+        err = _cancel_error(reason, record.request_id)
         self._count(scope["path"], err)
+        if reason == "deadline" and exchange.started:
+            return  # the client stopped reading: sending more would block again; the server closes it
         if not exchange.started:
             await _send_error(exchange.send, err)
         else:  # a stream already running: end it with an in-stream error, as any late failure
@@ -149,6 +158,13 @@ class AdmissionMiddleware:
         status = "client gone" if exchange.disconnected and not exchange.complete else exchange.status
         log.info("%s %s -> %s in %.3f s", scope["method"], scope["path"], status, time.monotonic() - record.started)
         request_id_var.reset(token)
+
+
+def _cancel_error(reason: str, request_id: str | None) -> EpdError:
+    name = f"request {request_id}" if request_id else "the request"
+    if reason == "deadline":
+        return DeadlineExceeded(f"{name} ran past its deadline", code="deadline_exceeded")
+    return Aborted(f"{name} was aborted", code="aborted")
 
 
 async def _send_error(send: Send, err: EpdError) -> None:

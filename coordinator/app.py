@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
@@ -25,6 +24,7 @@ from starlette.routing import Route
 from services.config import EpdConfig
 from services.observability import request_id_var
 from services.protocol.errors import EpdError, InvalidRequest, as_epd_error
+from services.protocol.parsing import parse_json
 
 from .admission import AdmissionMiddleware
 from .cluster import Cluster
@@ -64,9 +64,9 @@ async def read_json(request: Request) -> tuple[bytes, dict[str, Any]]:
         raise InvalidRequest(f"request body not received within {BODY_READ_TIMEOUT_S:g} s",
                              code="body_timeout") from None
     try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError) as exc:
-        raise InvalidRequest(f"malformed JSON body: {exc}", code="invalid_json") from None
+        body = parse_json(raw)
+    except InvalidRequest as exc:
+        raise InvalidRequest(exc.message, code="invalid_json") from None
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object", code="invalid_json")
     return bytes(raw), body
@@ -170,7 +170,8 @@ class CoordinatorApp:
 
     def build(self) -> Starlette:
         admission = Middleware(AdmissionMiddleware, registry=self.inflight, metrics=self.cluster.metrics,
-                               max_inflight=self.config.max_inflight_requests, saturated=self.decode_saturated)
+                               max_inflight=self.config.max_inflight_requests, saturated=self.decode_saturated,
+                               max_request_s=self.config.request_timeout_s + BODY_READ_TIMEOUT_S + 5.0)
         return Starlette(routes=self.routes(), lifespan=self.lifespan, middleware=[admission])
 
     def decode_saturated(self) -> str | None:

@@ -13,6 +13,7 @@ rebuilt as the same typed error and not retried.
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 import grpc
@@ -21,6 +22,7 @@ from services.protocol.errors import (
     ERROR_CODE_METADATA_KEY,
     EpdError,
     InternalError,
+    InvalidRequest,
     Overloaded,
     Unavailable,
     from_grpc,
@@ -51,7 +53,14 @@ def is_transport_failure(exc: grpc.aio.AioRpcError) -> bool:
     return not any(k == ERROR_CODE_METADATA_KEY for k, _ in exc.trailing_metadata() or ())
 
 
+_METADATA_SAFE = re.compile(r"[\x20-\x7e]{1,256}")
+
+
 def call_metadata(ctx: RequestContext) -> list[tuple[str, str]]:
+    """The request id travels as gRPC metadata, which takes printable ASCII only (and little of it)."""
+    if not _METADATA_SAFE.fullmatch(ctx.request_id):
+        raise InvalidRequest("request id (X-Request-Id or request_id) must be 1-256 printable ASCII characters",
+                             code="invalid_request_id")
     return [("x-request-id", ctx.request_id)]
 
 

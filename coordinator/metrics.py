@@ -9,13 +9,21 @@ from a cache, how often calls were retried or failed over.
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+import functools
+from typing import Any
+
+from prometheus_client import REGISTRY, CollectorRegistry
+from prometheus_client import Counter as _Counter
+from prometheus_client import Gauge as _Gauge
+from prometheus_client import Histogram as _Histogram
 
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
 class CoordinatorMetrics:
-    def __init__(self) -> None:
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        # A registry per instance lets tests build several clusters in one process.
+        Counter, Gauge, Histogram = _bound(registry)  # noqa: N806 - the metric classes, bound to `registry`
         self.requests = Counter("epd_coordinator_requests", "Requests by endpoint and HTTP status",
                                 ["endpoint", "status"])
         self.errors = Counter("epd_coordinator_errors", "Error answers by endpoint and epd error code",
@@ -27,7 +35,8 @@ class CoordinatorMetrics:
         self.ec_known_hits = Counter("epd_coordinator_ec_known_hits",
                                      "Items whose embedding the coordinator knew was stored (not sent)")
         self.mm_items = Counter("epd_coordinator_mm_items", "Image items by where the embedding came from: "
-                                "known (handle remembered here), cache_hit (encoder had it), encoded",
+                                "known (handle remembered here), cache_hit (encoder had it), encoded, "
+                                "inline (no encoder could: prefill encoded it)",
                                 ["source"])
         self.failovers = Counter("epd_coordinator_failovers",
                                  "Calls retried on another instance after a transport failure", ["role"])
@@ -50,7 +59,12 @@ class CoordinatorMetrics:
         _remove(self.instance_healthy, role, address)
 
 
-def _remove(metric: Counter | Gauge, *labels: str) -> None:
+def _bound(registry: CollectorRegistry) -> tuple[Any, Any, Any]:
+    return (functools.partial(_Counter, registry=registry), functools.partial(_Gauge, registry=registry),
+            functools.partial(_Histogram, registry=registry))
+
+
+def _remove(metric: _Counter | _Gauge, *labels: str) -> None:
     try:
         metric.remove(*labels)
     except KeyError:

@@ -15,6 +15,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
+from prometheus_client import Counter
 from pydantic import BaseModel
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -29,6 +30,8 @@ M = TypeVar("M", bound=BaseModel)
 # A render answer with a few large images is tens of MB of base64; gRPC allows the same.
 MAX_BODY_BYTES = 256 * 1024 * 1024
 Handler = Callable[..., Awaitable[Response]]
+HTTP_REQUESTS = Counter("epd_http_requests", "HTTP API calls served by route and result code (ok or the epd "
+                        "error code)", ["path", "code"])
 
 
 async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
@@ -83,13 +86,17 @@ def endpoint(handler: Handler) -> Handler:
         request: Request = args[-1]
         request_id_var.set(header_request_id(request) or "-")
         try:
-            return await handler(*args)
+            response = await handler(*args)
         except ClientDisconnect:
+            HTTP_REQUESTS.labels(request.url.path, "client_gone").inc()
             return Response(status_code=499)
         except Exception as exc:  # noqa: BLE001 - mapped to the one error taxonomy
             err = as_epd_error(exc)
             if err.status >= 500:
                 log.exception("request failed")
+            HTTP_REQUESTS.labels(request.url.path, err.code).inc()
             return error_response(err)
+        HTTP_REQUESTS.labels(request.url.path, "ok").inc()
+        return response
 
     return wrapper

@@ -8,6 +8,7 @@ its union-branch labels are translated here, once, so callers never see them.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
@@ -119,12 +120,31 @@ def _refuse_constant(name: str) -> Any:
 
 
 def parse_json(body: bytes | bytearray | memoryview | str) -> Any:
-    """Decode a JSON body; malformed JSON (or NaN/Infinity literals) -> InvalidRequest."""
+    """Decode a JSON body; malformed JSON (NaN/Infinity literals, lone surrogates) -> InvalidRequest."""
     try:
         text = bytes(body) if isinstance(body, memoryview) else body
-        return json.loads(text, parse_constant=_refuse_constant)
+        obj = json.loads(text, parse_constant=_refuse_constant)
     except (ValueError, RecursionError, UnicodeDecodeError) as exc:
         raise InvalidRequest(f"malformed JSON body: {exc}") from None
+    _refuse_lone_surrogates(text, obj)
+    return obj
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+_SURROGATE_ESCAPE_BYTES = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _refuse_lone_surrogates(text: bytes | bytearray | str, obj: Any) -> None:
+    # JSON may spell a lone UTF-16 surrogate ("\ud800"): Python accepts it, but it is not text and
+    # fails later (protobuf, hashing, logs) as an internal error.  Only bodies with such an escape pay.
+    pattern = _SURROGATE_ESCAPE if isinstance(text, str) else _SURROGATE_ESCAPE_BYTES
+    if pattern.search(text) is None:
+        return
+    try:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest("malformed JSON body: a string holds a lone UTF-16 surrogate "
+                             "(a \\uD800-\\uDFFF escape without its pair)") from None
 
 
 def validate_model(cls: type[M], data: Any) -> M:

@@ -24,10 +24,11 @@ def _base_url(cluster, target: str) -> str:
 
 def _send(cluster, case: Case) -> httpx.Response:
     url = _base_url(cluster, case.target) + case.path
+    headers = [("Content-Type", b"application/json"), *case.headers]
     with httpx.Client(timeout=60) as client:
         if isinstance(case.body, bytes):
-            return client.post(url, content=case.body, headers={"Content-Type": "application/json"})
-        return client.post(url, json=case.body)
+            return client.post(url, content=case.body, headers=headers)
+        return client.post(url, json=case.body, headers=headers)
 
 
 @pytest.fixture(scope="module")

@@ -214,3 +214,25 @@ def test_registering_an_address_that_never_answers_gives_it_no_work(pool):
         assert bad.status_code == 400
     assert metric_value(coordinator_metrics(pool), "epd_coordinator_instance_calls_total", f'instance="{dead}"') == 0
     assert _wait(lambda: dead not in _instances(pool), 10.0, 0.1) < 10.0
+
+
+EXPECTED_METRICS = {
+    "coordinator": ("epd_coordinator_requests_total", "epd_coordinator_errors_total", "epd_coordinator_stage_seconds",
+                    "epd_coordinator_inflight_requests", "epd_coordinator_rejected_requests_total",
+                    "epd_coordinator_retries_total", "epd_coordinator_failovers_total",
+                    "epd_coordinator_mm_items_total", "epd_coordinator_instance_healthy",
+                    "epd_coordinator_cancelled_requests_total", "epd_coordinator_ttft_seconds"),
+    "render": ("epd_rpc_requests_total", "epd_rpc_seconds", "epd_http_requests_total"),
+    "encode": ("epd_rpc_requests_total", "epd_rpc_seconds", "epd_role_queue_depth", "epd_encode_items_total",
+               "epd_ec_store_bytes", "epd_ec_store_entries"),
+    "prefill": ("epd_rpc_requests_total", "epd_rpc_seconds", "epd_role_queue_depth", "epd_kv_store_bytes",
+                "epd_kv_store_entries", "epd_prefill_prefix_cache_hit_tokens_total"),
+    "decode": ("epd_rpc_requests_total", "epd_rpc_seconds", "epd_decode_slots_used", "epd_decode_queued"),
+}
+
+
+def test_every_service_exposes_the_metrics_operators_need(pool):
+    for role, names in EXPECTED_METRICS.items():
+        text = coordinator_metrics(pool) if role == "coordinator" else pool.metrics(role)
+        missing = [name for name in names if f"# TYPE {name} " not in text]
+        assert missing == [], (role, missing)

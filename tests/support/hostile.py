@@ -36,6 +36,7 @@ class Case:
     path: str
     body: Any              # bytes: sent raw; otherwise JSON
     may_succeed: bool = False
+    headers: tuple[tuple[str, bytes], ...] = ()
 
 
 def b64(data: bytes) -> str:
@@ -177,6 +178,14 @@ def generate_cases() -> list[Case]:
               "ec_transfer_params": {"h": {"backend": "shm"}}}),
         Case("generate_ssrf_content_part", "coordinator", GENERATE,
              {**base, "content_parts": [{"type": "image_url", "url": "http://[::1]:9/x.png"}]}),
+        Case("generate_request_id_unicode", "coordinator", GENERATE, {**base, "request_id": "caf\u00e9\u2603"}),
+        Case("generate_request_id_newline", "coordinator", GENERATE, {**base, "request_id": "a\nb"}),
+        Case("generate_request_id_huge", "coordinator", GENERATE, {**base, "request_id": "x" * 100_000}),
+        Case("generate_cache_salt_lone_surrogate", "coordinator", GENERATE,
+             b'{"token_ids": [1, 2], "cache_salt": "\\udafe"}'),
+        Case("chat_lone_surrogate", "coordinator", CHAT,
+             b'{"messages": [{"role": "user", "content": "\\ud800 hi"}], "max_tokens": 2}'),
+        Case("x_request_id_latin1", "coordinator", CHAT, chat_with(), headers=(("X-Request-Id", b"caf\xe9"),)),
     ]
 
 

@@ -1,0 +1,135 @@
+"""The admission middleware on a real uvicorn server: 429 at the limit, cancellation on disconnect and abort."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+from prometheus_client import CollectorRegistry
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from coordinator import inflight
+from coordinator.admission import AdmissionMiddleware
+from coordinator.inflight import InflightRegistry
+from coordinator.metrics import CoordinatorMetrics
+from services.server import free_port
+
+
+class App:
+    def __init__(self) -> None:
+        self.registry = InflightRegistry()
+        self.closed: list[str] = []
+
+    async def generate(self, request: Request):
+        body = json.loads(await request.body())
+        request_id = request.headers["x-request-id"]
+        inflight.bind(request_id)
+        inflight.on_close(lambda: self.closed.append(request_id))
+        if body.get("stream"):
+            async def events():
+                for i in range(1000):
+                    yield f"data: {i}\n\n"
+                    await asyncio.sleep(0.01)
+            return StreamingResponse(events(), media_type="text/event-stream")
+        await asyncio.sleep(body.get("sleep", 0))
+        return JSONResponse({"ok": True})
+
+    async def other(self, _: Request):
+        return JSONResponse({"other": True})
+
+    def build(self) -> Starlette:
+        admission = Middleware(AdmissionMiddleware, registry=self.registry, max_inflight=2,
+                               metrics=CoordinatorMetrics(CollectorRegistry()))
+        return Starlette(routes=[Route("/v1/chat/completions", self.generate, methods=["POST"]),
+                                 Route("/other", self.other, methods=["POST"])], middleware=[admission])
+
+
+@pytest.fixture(scope="module")
+def served():
+    app = App()
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app.build(), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    yield app, f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(5)
+
+
+def _post(url: str, request_id: str, body: dict, timeout: float = 10) -> httpx.Response:
+    return httpx.post(url + "/v1/chat/completions", json=body, headers={"x-request-id": request_id},
+                      timeout=timeout)
+
+
+def _until(predicate, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_beyond_the_limit_requests_get_429_with_retry_after_at_once(served):
+    app, url = served
+    threads = [threading.Thread(target=_post, args=(url, f"hold{i}", {"sleep": 1.0})) for i in range(2)]
+    for t in threads:
+        t.start()
+    assert _until(lambda: len(app.registry) == 2)
+    started = time.monotonic()
+    reply = _post(url, "extra", {})
+    assert reply.status_code == 429 and reply.headers["retry-after"] == "1"
+    assert reply.json()["error"]["type"] == "rate_limit_error"
+    assert time.monotonic() - started < 0.5
+    assert httpx.post(url + "/other", timeout=5).status_code == 200  # other paths are not limited
+    for t in threads:
+        t.join()
+
+
+def test_a_client_that_disconnects_cancels_its_request_and_cleanups_run(served):
+    app, url = served
+    with pytest.raises(httpx.ReadTimeout):
+        _post(url, "leaver", {"sleep": 30}, timeout=0.5)
+    assert _until(lambda: "leaver" in app.closed, 2.0)
+    assert _until(lambda: len(app.registry) == 0, 2.0)
+
+
+def test_abort_by_id_answers_499_to_the_waiting_client(served):
+    app, url = served
+    answer = {}
+    thread = threading.Thread(target=lambda: answer.update(reply=_post(url, "victim", {"sleep": 30})))
+    thread.start()
+    assert _until(lambda: app.registry.abort(["victim"]) == 1)
+    thread.join(5)
+    assert answer["reply"].status_code == 499
+    assert answer["reply"].json()["error"]["code"] == "aborted"
+    assert "victim" in app.closed
+
+
+def test_an_aborted_stream_ends_with_an_error_event(served):
+    app, url = served
+    lines: list[str] = []
+
+    def consume():
+        with httpx.stream("POST", url + "/v1/chat/completions", json={"stream": True}, timeout=10,
+                          headers={"x-request-id": "streamer"}) as reply:
+            lines.extend(line for line in reply.iter_lines() if line)
+
+    thread = threading.Thread(target=consume)
+    thread.start()
+    assert _until(lambda: app.registry.abort(["streamer"]) == 1)
+    thread.join(5)
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2].removeprefix("data: "))["error"]["code"] == "aborted"
