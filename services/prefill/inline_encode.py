@@ -43,7 +43,8 @@ class InlineEncoder:
 
     def entry(self, kwargs: Item) -> dict[str, torch.Tensor]:
         """{"embedding": ..., extras} for one item's kwargs_data (blocking: call from a thread)."""
-        tensors = {name: to_torch(elem.data) for name, elem in kwargs.items() if elem.data is not None}
+        tensors = {name: to_torch(elem.data) for name, elem in kwargs.items()  # type: ignore[arg-type]
+                   if elem.data is not None}
         with self._lock:  # one forward at a time; the first caller also loads the tower
             vision = self._load()
             try:

@@ -94,10 +94,12 @@ class PrefillService:
         except ConnectorError as exc:
             raise as_epd_error(exc, "kv") from None
         except asyncio.CancelledError:
-            put.add_done_callback(lambda done: done.cancelled() or done.exception() or self._drop(key))
+            put.add_done_callback(lambda done: self._drop_unread(done, key))
             raise
 
-    def _drop(self, key: str) -> None:
+    def _drop_unread(self, put: asyncio.Future, key: str) -> None:
+        if put.cancelled() or put.exception() is not None:
+            return
         try:
             self.kv_store.delete(key)
         except ConnectorError:
@@ -113,25 +115,27 @@ class PrefillService:
     def _load_embeddings(self, items: list[PrefillItem], ec_params: dict[str, Any]) -> list[MultiModalInput]:
         inputs = []
         for item in items:
-            handle = ec_params.get(item.mm_hash)
-            if not isinstance(handle, dict) and item.kwargs is not None and self.inline is not None:
-                extras = self.inline.entry(item.kwargs)  # no encoder could take it: the last resort
-                embedding = extras.pop("embedding")
-                metadata = {k: to_torch(e.data) for k, e in item.metadata.items() if e.data is not None}
-                inputs.append(MultiModalInput(item.modality, item.offset, item.length, metadata, embedding,
-                                              mm_hash=item.mm_hash, extras=extras))
-                continue
-            if not isinstance(handle, dict):
-                raise InvalidRequest(f"ec_transfer_params has no handle for mm_hash {item.mm_hash}",
-                                     code="missing_ec_handle")
-            try:
-                extras = self.ec_store.get(handle)
-                embedding = extras.pop("embedding")  # the rest (e.g. Qwen3-VL deepstack) goes to the adapter
-            except ConnectorError as exc:
-                raise as_epd_error(exc, "ec") from None
-            except (KeyError, TypeError, ValueError) as exc:
-                raise InvalidRequest(f"bad EC handle for {item.mm_hash}: {exc}", code="invalid_ec_handle") from None
+            extras = self._entry(item, ec_params)
+            embedding = extras.pop("embedding")  # the rest (e.g. Qwen3-VL deepstack) goes to the adapter
             metadata = {k: to_torch(e.data) for k, e in item.metadata.items() if e.data is not None}
             inputs.append(MultiModalInput(item.modality, item.offset, item.length, metadata, embedding,
                                           mm_hash=item.mm_hash, extras=extras))
         return inputs
+
+    def _entry(self, item: PrefillItem, ec_params: dict[str, Any]) -> dict[str, Any]:
+        """The item's EC entry: from the EC store by handle, or encoded here when no encoder could."""
+        handle = ec_params.get(item.mm_hash)
+        if not isinstance(handle, dict) and item.kwargs is not None and self.inline is not None:
+            return self.inline.entry(item.kwargs)
+        if not isinstance(handle, dict):
+            raise InvalidRequest(f"ec_transfer_params has no handle for mm_hash {item.mm_hash}",
+                                 code="missing_ec_handle")
+        try:
+            extras = self.ec_store.get(handle)
+            if "embedding" not in extras:
+                raise KeyError("embedding")
+            return extras
+        except ConnectorError as exc:
+            raise as_epd_error(exc, "ec") from None
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidRequest(f"bad EC handle for {item.mm_hash}: {exc}", code="invalid_ec_handle") from None

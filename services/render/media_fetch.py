@@ -228,6 +228,9 @@ async def _resolve_checked(host: str, port: int, policy: MediaPolicy) -> tuple[t
     except OSError as exc:
         message = f"cannot resolve media host {host!r}: {exc.strerror or exc}"
         raise InvalidRequest(message, code=FETCH_FAILED) from None
+    except UnicodeError as exc:  # the resolver's IDNA step: e.g. a label over 63 characters
+        raise InvalidRequest(f"media host {host[:80]!r} is not a valid host name: {exc}",
+                             code=FETCH_FAILED) from None
     addresses = tuple(dict.fromkeys((int(fam), str(sockaddr[0])) for fam, _, _, _, sockaddr in infos))
     if not addresses:
         raise InvalidRequest(f"media host {host!r} has no address", code=FETCH_FAILED)

@@ -158,6 +158,7 @@ def ssrf_cases() -> list[Case]:
         "ssrf_redirect_via_loopback": "http://127.0.0.1:9/redirect?to=http://169.254.169.254/",
         "ssrf_file_scheme": "file:///etc/passwd",
         "ssrf_gopher_scheme": "gopher://127.0.0.1:6379/_FLUSHALL",
+        "url_host_label_too_long": "http://" + "a" * 300 + ".invalid/x.png",
     }
     return [Case(name, "coordinator", CHAT, chat_with(image_part(url))) for name, url in urls.items()]
 
@@ -214,7 +215,14 @@ def role_cases(rendered: dict) -> list[Case]:
                     "offset": 0, "length": 8, "checksum": None, "tensors": []}
     bad_kv = {"handle": bogus_handle, "num_prompt_tokens": 3, "rope_delta": 0, "first_token_id": 1}
     decode = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2}}
+    no_pixels = _with_kwargs(rendered, _features(rendered)["mm_metadata"]["image"][0])
+    _features(no_pixels)["mm_hashes"]["image"][0] = "no-pixels-" + hash0
     return [
+        Case("generate_features_unknown_hash_no_handle", "coordinator", GENERATE, {**meta_only, "features": {
+            **_features(meta_only), "mm_hashes": {"image": ["unknown-" + hash0]}}}),
+        Case("generate_kwargs_without_pixels", "coordinator", GENERATE, no_pixels),
+        Case("generate_bogus_ec_handle", "coordinator", GENERATE, {**meta_only, "ec_transfer_params": {
+            hash0: bogus_handle}}),
         Case("render_malformed_json", "render", "/v1/chat/completions/render", b"{]"),
         Case("render_ssrf", "render", "/v1/chat/completions/render", chat_with(image_part("http://[::1]:9/x"))),
         Case("render_bomb", "render", "/v1/chat/completions/render", chat_with(image_part(png_url(png_bomb())))),
