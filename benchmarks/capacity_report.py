@@ -15,7 +15,7 @@ def _ms(seconds: float | None) -> str:
 def costs_table(costs: dict[str, Any]) -> str:
     rows = ["| stage | input | seconds per unit (ms) |", "|---|---|---|"]
     for size, s in costs["render_s"].items():
-        rows.append(f"| render (image processing) | one {size} image | {_ms(s)} |")
+        rows.append(f"| render (whole request) | 64 words + one {size} image | {_ms(s)} |")
     for size, s in costs["encode_s"].items():
         rows.append(f"| encode (vision forward) | one {size} image = {costs['image_tokens'][size]} tokens | {_ms(s)} |")
     for tokens, s in costs["prefill_s"].items():

@@ -86,10 +86,12 @@ def print_figures(figures: Sequence[Figure], title: str, out: Any = sys.stdout) 
 
 
 def markdown_table(figures: Iterable[Figure]) -> str:
-    rows = ["| figure | measured | target | verdict | how |", "|---|---|---|---|---|"]
+    rows = ["| figure | measured | target | verdict | details | measured at (load avg) |", "|---|---|---|---|---|---|"]
     for f in figures:
+        when = f.detail.get("measured") or {}
+        at = f"{when.get('time', '-')} ({', '.join(str(x) for x in when.get('loadavg', []))})" if when else "-"
         rows.append(f"| {f.name} | {format_value(f.value, f.unit)} | {f.target_text()} | {f.verdict} | "
-                    f"{f.note or '-'} |")
+                    f"{f.note or '-'} | {at} |")
     return "\n".join(rows)
 
 

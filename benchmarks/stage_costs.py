@@ -1,6 +1,7 @@
 """Per-stage costs measured in process, with the roles' own code: the inputs of the capacity model.
 
-- render: the checkpoint's image processor on one image of a size (what the render role runs);
+- render: the render role's `render_chat` on a one-image request of 64 words (decoding, image
+  processor, hashing, template, tokenizer);
 - encode: one vision-tower forward of one image (`VisionModel.encode`, as the encode engine);
 - prefill: one prompt of L tokens through `PrefillEngine.prefill`;
 - decode: one `DecodeRunner.step` with B active rows at context C;
@@ -58,6 +59,25 @@ def _noise_image(width: int, height: int) -> Any:
     return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
 
 
+def render_seconds(path: Any, width: int, height: int, repeats: int) -> float:
+    """The render role's whole job for a one-image chat request of 64 words: data-URL and JPEG
+    decoding, the image processor, hashing, chat template and tokenizer (`RenderService.render_chat`)."""
+    import asyncio
+    import json
+
+    from services.bench import WorkloadConfig
+    from services.bench.config import ImageSize
+    from services.bench.workloads import make_workload
+    from services.protocol.openai import ChatCompletionRequest
+    from services.render.serving import RenderService
+
+    service = RenderService(path, "bench")
+    config = WorkloadConfig(input_len=64, image_sizes=(ImageSize(width, height),), seed=width)
+    bodies = [json.loads(r.payload("bench")) for r in make_workload(config).build_many(0, repeats + 1)]
+    requests = iter([ChatCompletionRequest.model_validate(b) for b in bodies])
+    return _median_s(lambda: asyncio.run(service.render_chat(next(requests))), repeats)
+
+
 def measure_images(costs: StageCosts, path: Any, sizes: list[tuple[int, int]], repeats: int) -> None:
     import torch
 
@@ -71,7 +91,7 @@ def measure_images(costs: StageCosts, path: Any, sizes: list[tuple[int, int]], r
         image = _noise_image(width, height)
         processed = processor.process(image)
         item = {k: torch.from_numpy(v) for k, v in processed.arrays.items()}
-        costs.render_s[key] = _median_s(lambda: processor.process(image), repeats)
+        costs.render_s[key] = render_seconds(path, width, height, repeats)
         costs.encode_s[key] = _median_s(lambda: vision.encode([item]), repeats)
         costs.image_tokens[key] = processed.num_tokens
         costs.pixel_bytes[key] = int(processed.arrays["pixel_values"].nbytes)

@@ -21,6 +21,7 @@ unless --no-docs).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import threading
 import time
@@ -76,6 +77,21 @@ def _quick_clusters(only: set[str], servers: vs_transformers_serve.Servers) -> l
     return figures
 
 
+def _stamped(figures: list[Figure], group: str, where: dict[str, Any]) -> list[Figure]:
+    """Each figure keeps when it was measured and how loaded the shared machine was."""
+    for figure in figures:
+        figure.detail["measured"] = {"group": group, "time": where["time"], "loadavg": where["loadavg_at_start"]}
+    return figures
+
+
+def merged(previous: list[dict[str, Any]], new: list[Figure]) -> list[Figure]:
+    """`--only` reruns replace their own figures and keep the others of the last full run, in order."""
+    fresh = {f.name: f for f in new}
+    kept = [fresh.pop(p["name"], None) or Figure(**{k: p[k] for k in ("name", "value", "target", "op", "unit",
+                                                                     "detail", "note")}) for p in previous]
+    return kept + list(fresh.values())
+
+
 def _log(message: str) -> None:
     print(f"[targets] {message}", file=sys.stderr, flush=True)
 
@@ -104,8 +120,8 @@ def run(quick: bool, only: set[str]) -> list[Figure]:
     try:
         for name in GROUPS:
             if name in only and not (quick and name in ("tiny", "medium")):
-                started = time.monotonic()
-                figures += steps[name](quick)
+                started, where = time.monotonic(), machine()
+                figures += _stamped(steps[name](quick), name, where)
                 _log(f"{name} done in {time.monotonic() - started:.0f} s")
     finally:
         if booting is not None:
@@ -140,11 +156,14 @@ def main(argv: list[str] | None = None) -> int:
     print_figures(figures, "issue 4 targets" + (" (quick: tiny model, not the targets' setup)" if args.quick else ""))
     command = "python -m benchmarks.targets " + " ".join(argv)
     doc = {"command": command.strip(), "machine": where, "seconds": time.monotonic() - started, "figures": figures}
-    write_json(doc, results_dir(args.quick) / f"targets{'_quick' if args.quick else ''}.json")
+    path = results_dir(args.quick) / f"targets{'_quick' if args.quick else ''}.json"
+    if args.only and not args.quick and path.exists():
+        doc["figures"] = figures = merged(json.loads(path.read_text())["figures"], figures)
+    write_json(doc, path)
     if not args.quick and not args.no_docs:
-        body = (f"Command: `{command.strip()}` ({where['time']}, {where['cpus']} CPUs shared with other jobs, "
-                f"load average at start {where['loadavg_at_start']}, {doc['seconds'] / 60:.0f} minutes).\n\n"
-                + markdown_table(figures))
+        body = (f"Command: `python -m benchmarks.targets` (figures refreshed with `--only` say so in their "
+                f"row), {where['cpus']} CPUs shared with other jobs; the last column gives when each group ran "
+                f"and the 1/5/15-minute load average then.\n\n" + markdown_table(figures))
         replace_block(ROOT / "docs" / "benchmarks.md", "targets", body)
     return 0
 

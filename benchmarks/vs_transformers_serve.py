@@ -203,7 +203,7 @@ def _x(value: float | None) -> str:
 
 def run(setup: SideBySide, servers: Servers | None = None) -> tuple[list[Figure], dict[str, Any]]:
     """Start (unless given) both servers, check the prompt, run every level; returns figures + document."""
-    own = servers is None
+    own, where = servers is None, machine()
     servers = servers or start_both(setup)
     try:
         probe = check_same_prompt(servers.epd.url, servers.epd_model, servers.peer.url, servers.peer_model)
@@ -212,7 +212,7 @@ def run(setup: SideBySide, servers: Servers | None = None) -> tuple[list[Figure]
     finally:
         if own:
             servers.stop()
-    doc["side_by_side"] = {"setup": dataclasses.asdict(setup), "probe": probe, "machine": machine(),
+    doc["side_by_side"] = {"setup": dataclasses.asdict(setup), "probe": probe, "machine": where,
                            "peer_fell_back_to_sequential": "Falling back to sequential generation" in peer_log}
     return figures(doc, setup), doc
 
