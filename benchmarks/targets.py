@@ -53,7 +53,7 @@ def _medium(quick: bool) -> list[Figure]:
     setup = vs_transformers_serve.SideBySide()
     servers = vs_transformers_serve.start_both(setup)
     try:
-        side, doc = vs_transformers_serve.run(setup, servers)
+        side, doc = vs_transformers_serve.run(setup, servers, plots=vs_transformers_serve.IMG)
         vs_transformers_serve.write_docs(doc, setup, "python -m benchmarks.targets --only medium")
         write_json({"figures": side, "bench": doc}, results_dir(False) / "vs_transformers_serve.json")
         return side + reuse.run(reuse.ReuseSetup(), servers.epd)

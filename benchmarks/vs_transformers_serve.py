@@ -107,17 +107,18 @@ def bench_config(servers: Servers, setup: SideBySide, concurrency: int, requests
         round_size=concurrency if requests >= 2 * concurrency else requests, show_progress=False)
 
 
-def run_levels(servers: Servers, setup: SideBySide) -> dict[str, Any]:
-    """One compare run per level; returns an epd-bench/1 document holding every level."""
+def run_levels(servers: Servers, setup: SideBySide, plots: Path | None) -> dict[str, Any]:
+    """One compare run per level (latency CDFs into `plots`); returns one epd-bench/1 document."""
     from services.bench import run_bench
     from services.bench.plots import latency_cdfs
     from services.bench.report import to_json
 
     doc: dict[str, Any] | None = None
-    IMG.mkdir(parents=True, exist_ok=True)
     for concurrency, requests in setup.levels:
         outcome = run_bench(bench_config(servers, setup, concurrency, requests))
-        latency_cdfs(outcome.levels[0], str(IMG / f"vs_transformers_serve_cdf_c{concurrency}.png"))
+        if plots is not None:
+            plots.mkdir(parents=True, exist_ok=True)
+            latency_cdfs(outcome.levels[0], str(plots / f"vs_transformers_serve_cdf_c{concurrency}.png"))
         level_doc = to_json(outcome)
         if doc is None:
             doc = level_doc
@@ -201,13 +202,14 @@ def _x(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f}x"
 
 
-def run(setup: SideBySide, servers: Servers | None = None) -> tuple[list[Figure], dict[str, Any]]:
+def run(setup: SideBySide, servers: Servers | None = None, plots: Path | None = None
+        ) -> tuple[list[Figure], dict[str, Any]]:
     """Start (unless given) both servers, check the prompt, run every level; returns figures + document."""
     own, where = servers is None, machine()
     servers = servers or start_both(setup)
     try:
         probe = check_same_prompt(servers.epd.url, servers.epd_model, servers.peer.url, servers.peer_model)
-        doc = run_levels(servers, setup)
+        doc = run_levels(servers, setup, plots)
         peer_log = servers.peer.log_tail(400)
     finally:
         if own:
@@ -225,16 +227,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", type=int)
     parser.add_argument("--threads", type=int, help="OMP threads per server process")
     parser.add_argument("--no-docs", action="store_true", help="do not rewrite docs/benchmarks.md and docs/img")
+    parser.add_argument("--tag", default="", help="suffix of the results file (variants of the main run)")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     setup = SideBySide.quick() if args.quick else SideBySide()
     changes = {k: v for k, v in {"model": args.model, "output_len": args.output_len, "threads": args.threads,
                                  "levels": _levels(args.levels)}.items() if v is not None}
     setup = replace(setup, **changes)
-    figs, doc = run(setup)
+    figs, doc = run(setup, plots=None if args.no_docs else IMG)
     print_figures(figs, "epd vs transformers serve")
-    write_json({"figures": figs, "bench": doc},
-               results_dir(args.quick) / f"vs_transformers_serve{'_quick' if args.quick else ''}.json")
+    name = "vs_transformers_serve" + ("_quick" if args.quick else "") + (f"_{args.tag}" if args.tag else "")
+    write_json({"figures": figs, "bench": doc}, results_dir(args.quick) / f"{name}.json")
     if not args.no_docs:
         write_docs(doc, setup, "python -m benchmarks.vs_transformers_serve " + " ".join(argv))
     return 0

@@ -153,12 +153,13 @@ def test_the_request_id_reaches_every_role_log(pool):
 
 
 def test_an_evicted_embedding_is_encoded_again(pool):
-    """EC stores hold 1 MiB each: 40 distinct 448 px images evict the first; asking for it again re-encodes."""
+    """EC stores hold 1 MiB (16 embeddings of 448 px) each: 90 distinct images spread over 2 encoders by
+    affinity evict the first wherever it lives; asking for it again re-encodes."""
     first = noise_image(448, 448, seed=9000)
     with pool.client() as client:
         reference = client.post("/v1/chat/completions", json=chat("What?", [first], max_tokens=4, temperature=0))
         assert reference.status_code == 200
-        for seed in range(9001, 9041):
+        for seed in range(9001, 9091):
             assert client.post("/v1/chat/completions",
                                json=chat("x", [noise_image(448, 448, seed=seed)], max_tokens=1)).status_code == 200
         before = metric_value(coordinator_metrics(pool), "epd_coordinator_retries_total", 'reason="ec_entry_missing"')
