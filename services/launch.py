@@ -148,6 +148,9 @@ def serve(config: EpdConfig) -> int:
                                     **{f"EPD_{r.upper()}_HTTP_URLS": _http_urls(roles, r, config.host)
                                        for r in ("render", "encode", "prefill", "decode")}})
         wait_healthy([coordinator], config.host, time.monotonic() + 60)
+        time.sleep(0.5)  # a coordinator that lost its port to another server exits at once; don't trust that /health
+        if coordinator.process is not None and coordinator.process.poll() is not None:
+            raise RuntimeError(f"coordinator exited with {coordinator.process.returncode} (port {config.port} taken?)")
         print_ready(config, children, has_vision)
         while not stopping["now"]:
             time.sleep(0.2)
