@@ -91,10 +91,12 @@ def measured_check(server: Server, model: CostModel, workload: Workload, concurr
     done = max(summary["completed"], 1)
     batch = delta["decode_tokens"] / max(delta["decode_steps"], 1)
     prompt = summary["prompt_tokens"] / done
+    steps = max(delta["decode_steps"], 1)
     measured = {"render_s": delta["render"] / done, "encode_s": delta["encode"] / done,
-                "prefill_s": delta["prefill"] / done, "decode_step_s": delta["decode_step"] / max(delta["decode_steps"], 1),
+                "prefill_s": delta["prefill"] / done, "decode_step_s": delta["decode_step"] / steps,
                 "decode_batch": batch, "request_rate": summary["request_throughput"], "prompt_tokens": prompt}
-    predicted = {"render_s": model.costs.render_s[workload.image_size], "encode_s": model.costs.encode_s[workload.image_size],
+    size = workload.image_size
+    predicted = {"render_s": model.costs.render_s[size], "encode_s": model.costs.encode_s[size],
                  "prefill_s": model.prefill_s(prompt), "decode_step_s": model.decode_step_s(batch),
                  "request_rate": shared_machine_rate(model, workload, batch)}
     return {"concurrency": concurrency, "requests": requests, "measured": measured, "predicted": predicted,
@@ -117,7 +119,7 @@ def run(quick: bool) -> dict[str, Any]:
 
     size = "tiny" if quick else "medium"
     threads = torch.get_num_threads()   # what each role process uses by default
-    costs = measure(size, repeats=1 if quick else 3, threads=threads,
+    costs = measure(size, repeats=1 if quick else 6, threads=threads,
                     prompt_lens=[64, 256] if quick else [128, 256, 512],
                     batches=[1, 8] if quick else [1, 4, 8, 16])
     model = CostModel.from_costs(costs)

@@ -5,8 +5,9 @@
 
 py-spy (pip install py-spy) samples each process without stopping it (`--nonblocking`) and
 writes collapsed stacks; `summarize` turns them into the share of samples per function
-(inclusive) and per leaf frame (self).  Raw stacks and summaries go to
-benchmarks/results/profiles/ (they feed docs/benchmarks.md's "why" sections).
+(inclusive) and per leaf frame (self), optionally only over stacks that pass through one frame
+(`focus`, e.g. the decode step).  Raw stacks go to /tmp/epd-bench-profiles/, summaries to
+benchmarks/results/profiles/ (they back docs/benchmarks.md's "why" sections).
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from benchmarks.common import RESULTS_DIR, ROOT
 
-OUT = RESULTS_DIR / "profiles"
+OUT = Path(tempfile.gettempdir()) / "epd-bench-profiles"
+SUMMARIES = RESULTS_DIR / "profiles"
 
 
 def py_spy() -> str:
@@ -53,19 +56,22 @@ def record(pid: int, seconds: int, out: Path, rate: int = 200) -> subprocess.Pop
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
-def summarize(path: Path, top: int = 25, skip: tuple[str, ...] = ("select", "wait", "_bootstrap")) -> str:
-    """Inclusive and self shares of the busiest frames (idle frames like epoll select are counted, shown last)."""
+def summarize(path: Path, top: int = 25, skip: tuple[str, ...] = ("select", "wait", "_bootstrap"),
+              focus: str | None = None) -> str:
+    """Inclusive and self shares of the busiest frames; with `focus`, only stacks through that frame."""
     inclusive: collections.Counter[str] = collections.Counter()
     leaf: collections.Counter[str] = collections.Counter()
     total = 0
     for line in path.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
+        if focus is not None and focus not in stack:
+            continue
         frames, n = stack.split(";"), int(count)
         total += n
         for frame in set(frames):
             inclusive[frame] += n
         leaf[frames[-1]] += n
-    lines = [f"{path.name}: {total} samples"]
+    lines = [f"{path.name}: {total} samples" + (f" through {focus}" if focus else "")]
     lines += ["  self:"] + [f"    {n / total:6.1%}  {frame}" for frame, n in leaf.most_common(top)]
     busy = [(f, n) for f, n in inclusive.most_common(200) if not any(s in f for s in skip)]
     lines += ["  inclusive:"] + [f"    {n / total:6.1%}  {frame}" for frame, n in busy[:top]]
@@ -107,10 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=int, default=45)
     args = parser.parse_args(argv)
     paths = profile_overhead(args.requests, args.seconds) if args.what == "overhead" else profile_decode(args.seconds)
+    focus = "DecodeEngine._step" if args.what == "decode" else None
+    SUMMARIES.mkdir(parents=True, exist_ok=True)
     for path in paths:
         if path.exists():
-            text = summarize(path)
-            path.with_suffix(".summary.txt").write_text(text + "\n")
+            text = summarize(path, focus=focus)
+            (SUMMARIES / path.with_suffix(".summary.txt").name).write_text(text + "\n")
             print(text)
     return 0
 

@@ -78,10 +78,11 @@ def figures_from(runs: dict[str, list[dict[str, Any]]], setup: ReuseSetup) -> li
     calls_ok = (reuse["encoded"] == reuse["distinct_images"] and none["encoded"] == none["distinct_images"])
     what = f"{setup.model} model, c{setup.concurrency}, {setup.halves}x{setup.requests_per_half} requests each"
     return [
-        Figure("80% vs 0% image reuse: encoder calls / distinct images", ratio(reuse["encoded"], reuse["distinct_images"]),
-               1.0, "eq", detail=detail,
-               note=f"80%: {reuse['encoded']} encoded of {reuse['images']} images, {reuse['distinct_images']} distinct; "
-                    f"0%: {none['encoded']} encoded of {none['distinct_images']} distinct; both equal: {calls_ok}"),
+        Figure("80% vs 0% image reuse: encoder calls / distinct images",
+               ratio(reuse["encoded"], reuse["distinct_images"]), 1.0, "eq", detail=detail,
+               note=f"80%: {reuse['encoded']} encoded of {reuse['images']} images, {reuse['distinct_images']} "
+                    f"distinct; 0%: {none['encoded']} encoded of {none['distinct_images']} distinct; "
+                    f"both equal: {calls_ok}"),
         Figure(f"80% vs 0% image reuse: p50 TTFT ({what})", ratio(reuse["ttft_p50_ms"], none["ttft_p50_ms"]),
                0.7, "le", detail=detail, note=f"{reuse['ttft_p50_ms']:.0f} vs {none['ttft_p50_ms']:.0f} ms"),
     ]

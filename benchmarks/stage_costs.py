@@ -8,7 +8,9 @@
 - bytes: pixel_values, embedding and KV sizes per image / token.
 
 Costs are seconds of one process with the torch threads it was given (`threads`, default 1:
-"core-seconds", which is what an instance count divides).  Each is the median of `repeats`.
+"core-seconds", which is what an instance count divides).  Each is the best of `repeats` runs
+(as `timeit` advises): on a machine shared with other jobs the minimum is the estimate of the
+stage's own cost, the rest is other people's load.  Rounds interleave all probes (`best_of_rounds`).
 """
 
 from __future__ import annotations
@@ -17,8 +19,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-
-from benchmarks.common import median
 
 
 @dataclass
@@ -40,15 +40,22 @@ class StageCosts:
                 for k, v in self.__dict__.items()}
 
 
-def _median_s(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    samples = []
+Probe = Callable[[], Any]
+
+
+def best_of_rounds(probes: dict[tuple[str, Any], Probe], repeats: int) -> dict[tuple[str, Any], float]:
+    """Best time of each probe over `repeats` rounds that call every probe once, after one warm-up
+    round: each probe's samples are spread over the whole measurement, so a busy spell of other
+    jobs cannot spoil all of one stage's samples."""
+    for probe in probes.values():
+        probe()
+    best = {name: float("inf") for name in probes}
     for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - started)
-    return median(samples)
+        for name, probe in probes.items():
+            started = time.perf_counter()
+            probe()
+            best[name] = min(best[name], time.perf_counter() - started)
+    return best
 
 
 def _noise_image(width: int, height: int) -> Any:
@@ -59,74 +66,82 @@ def _noise_image(width: int, height: int) -> Any:
     return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
 
 
-def render_seconds(path: Any, width: int, height: int, repeats: int) -> float:
+def render_probe(service: Any, width: int, height: int) -> Probe:
     """The render role's whole job for a one-image chat request of 64 words: data-URL and JPEG
     decoding, the image processor, hashing, chat template and tokenizer (`RenderService.render_chat`)."""
     import asyncio
+    import itertools
     import json
 
     from services.bench import WorkloadConfig
     from services.bench.config import ImageSize
     from services.bench.workloads import make_workload
     from services.protocol.openai import ChatCompletionRequest
-    from services.render.serving import RenderService
 
-    service = RenderService(path, "bench")
     config = WorkloadConfig(input_len=64, image_sizes=(ImageSize(width, height),), seed=width)
-    bodies = [json.loads(r.payload("bench")) for r in make_workload(config).build_many(0, repeats + 1)]
-    requests = iter([ChatCompletionRequest.model_validate(b) for b in bodies])
-    return _median_s(lambda: asyncio.run(service.render_chat(next(requests))), repeats)
+    bodies = [json.loads(r.payload("bench")) for r in make_workload(config).build_many(0, 8)]
+    requests = itertools.cycle([ChatCompletionRequest.model_validate(b) for b in bodies])
+    return lambda: asyncio.run(service.render_chat(next(requests)))
 
 
-def measure_images(costs: StageCosts, path: Any, sizes: list[tuple[int, int]], repeats: int) -> None:
+def image_probes(costs: StageCosts, path: Any, sizes: list[tuple[int, int]]) -> dict[tuple[str, Any], Probe]:
     import torch
 
     from services.models.registry import adapter_for
     from services.render.processor import ImageProcessor
+    from services.render.serving import RenderService
 
     processor = ImageProcessor(path)
+    service = RenderService(path, "bench")
     vision = adapter_for(path).load_vision(path, "cpu", "float32")
+    costs.embedding_bytes_per_token = vision.hidden_size * 4
+    probes: dict[tuple[str, Any], Probe] = {}
     for width, height in sizes:
         key = f"{width}x{height}"
-        image = _noise_image(width, height)
-        processed = processor.process(image)
+        processed = processor.process(_noise_image(width, height))
         item = {k: torch.from_numpy(v) for k, v in processed.arrays.items()}
-        costs.render_s[key] = render_seconds(path, width, height, repeats)
-        costs.encode_s[key] = _median_s(lambda: vision.encode([item]), repeats)
         costs.image_tokens[key] = processed.num_tokens
         costs.pixel_bytes[key] = int(processed.arrays["pixel_values"].nbytes)
-        costs.embedding_bytes_per_token = vision.hidden_size * 4
+        probes[("render", key)] = render_probe(service, width, height)
+        probes[("encode", key)] = lambda item=item: vision.encode([item])
+    return probes
 
 
-def measure_language(costs: StageCosts, path: Any, prompt_lens: list[int], batches: list[int], context: int,
-                     repeats: int) -> None:
+def language_probes(costs: StageCosts, path: Any, prompt_lens: list[int], batches: list[int], context: int
+                    ) -> dict[tuple[str, Any], Probe]:
     import torch
 
+    from services.decode.params import DecodeParams
     from services.decode.runner import DecodeRunner
     from services.decode.sampler import RowSampling, Sampler
-    from services.decode.params import DecodeParams
     from services.models.registry import adapter_for
     from services.prefill.engine import PrefillEngine
 
     lm = adapter_for(path).load_language(path, "cpu", "float32", max(max(prompt_lens), context) + 64)
-    engine = PrefillEngine(lm)
-    gen = torch.Generator().manual_seed(0)
-    for length in prompt_lens:
-        ids = torch.randint(0, 150000, (length,), generator=gen).tolist()
-        costs.prefill_s[length] = _median_s(lambda: engine.prefill(ids), repeats)
     layout = lm.layout
     costs.kv_bytes_per_token = layout.num_layers * 2 * layout.num_kv_heads * layout.head_dim * 4
     costs.decode_context = context
-    runner = DecodeRunner(lm, max(batches), context + 32 * repeats + 64, Sampler(0))
+    engine = PrefillEngine(lm)
+    gen = torch.Generator().manual_seed(0)
+    probes: dict[tuple[str, Any], Probe] = {}
+    for length in prompt_lens:
+        ids = torch.randint(0, 150000, (length,), generator=gen).tolist()
+        probes[("prefill", length)] = lambda ids=ids: engine.prefill(ids)
+    runner = DecodeRunner(lm, max(batches), context + 8, Sampler(0))
     kv = torch.randn(layout.num_layers, 2, layout.num_kv_heads, context, layout.head_dim, dtype=layout.dtype)
     for row in range(max(batches)):
         runner.load(row, kv)
     greedy = DecodeParams(temperature=0.0)
+
+    def step(batch: int, rows: list[Any]) -> None:
+        runner.step([100] * batch, [0] * batch, rows)
+        for row in range(batch):   # back to `context` tokens: every sample sees the same context
+            runner.cache.lengths[row] = context
+
     for batch in batches:
         rows = [RowSampling(greedy, ()) for _ in range(batch)]
-        costs.decode_step_s[batch] = _median_s(lambda: runner.step([100] * batch, [0] * batch, rows), repeats * 4)
-        for row in range(batch):   # back to `context` tokens, so every batch size sees the same context
-            runner.cache.lengths[row] = context
+        probes[("decode", batch)] = lambda b=batch, r=rows: step(b, r)
+    return probes
 
 
 def measure(model: str = "tiny", sizes: list[tuple[int, int]] | None = None, prompt_lens: list[int] | None = None,
@@ -140,8 +155,12 @@ def measure(model: str = "tiny", sizes: list[tuple[int, int]] | None = None, pro
     try:
         path = demo_model_path(model)
         costs = StageCosts(model, threads)
-        measure_images(costs, path, sizes or [(224, 224), (448, 448)], repeats)
-        measure_language(costs, path, prompt_lens or [128, 512], batches or [1, 4, 16], context, repeats)
+        probes = {**image_probes(costs, path, sizes or [(224, 224), (448, 448)]),
+                  **language_probes(costs, path, prompt_lens or [128, 512], batches or [1, 4, 16], context)}
+        tables = {"render": costs.render_s, "encode": costs.encode_s, "prefill": costs.prefill_s,
+                  "decode": costs.decode_step_s}
+        for (stage, key), seconds in best_of_rounds(probes, repeats).items():
+            tables[stage][key] = seconds
         return costs
     finally:
         torch.set_num_threads(previous)

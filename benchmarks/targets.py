@@ -29,8 +29,16 @@ from collections.abc import Callable
 from typing import Any
 
 from benchmarks import connectors, decode_scaling, overhead, payload, reuse, vs_transformers_serve
-from benchmarks.common import (ROOT, Figure, machine, markdown_table, print_figures, replace_block, results_dir,
-                               write_json)
+from benchmarks.common import (
+    ROOT,
+    Figure,
+    machine,
+    markdown_table,
+    print_figures,
+    replace_block,
+    results_dir,
+    write_json,
+)
 from benchmarks.procs import running, start_epd
 
 GROUPS = ("connectors", "decode", "tiny", "medium")
@@ -161,9 +169,9 @@ def main(argv: list[str] | None = None) -> int:
         doc["figures"] = figures = merged(json.loads(path.read_text())["figures"], figures)
     write_json(doc, path)
     if not args.quick and not args.no_docs:
-        body = (f"Command: `python -m benchmarks.targets` (figures refreshed with `--only` say so in their "
-                f"row), {where['cpus']} CPUs shared with other jobs; the last column gives when each group ran "
-                f"and the 1/5/15-minute load average then.\n\n" + markdown_table(figures))
+        body = (f"Command: `python -m benchmarks.targets` ({where['cpus']} CPUs shared with other jobs; a group "
+                f"rerun with `--only GROUP` replaces its own rows and keeps the others). The last column gives "
+                f"when each group ran and the 1/5/15-minute load average then.\n\n" + markdown_table(figures))
         replace_block(ROOT / "docs" / "benchmarks.md", "targets", body)
     return 0
 

@@ -183,8 +183,8 @@ def markdown(doc: dict[str, Any], setup: SideBySide, probe: dict[str, Any], comm
         f"(1 render, 1 encode, 1 prefill, 1 decode with 16 slots, shm connectors), B = `transformers serve "
         f"--continuous-batching --cb-num-blocks {setup.cb_num_blocks} --cb-max-batch-tokens "
         f"{setup.cb_max_batch_tokens}`. Same prompt check: image request prompt_tokens epd "
-        f"{image['epd_prompt_tokens']} / peer {image['peer_prompt_tokens']}, same greedy text: "
-        f"{image['same_text']}.",
+        f"{image['epd_prompt_tokens']} / peer {image['peer_prompt_tokens']}, same greedy text (ignoring the "
+        f"leading space the peer strips): {image['same_text']}.",
         "",
         *rows,
         "",
