@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -95,6 +95,10 @@ class StoreStats:
     puts: int
 
 
+TensorSpec = tuple[Any, tuple[int, ...]]
+"""(torch.dtype, shape) of one tensor that `TensorStore.put_into` reserves."""
+
+
 def check_key(key: str) -> str:
     """Keys are non-empty strings; raise ValueError otherwise (a caller bug, not a store error)."""
     if not isinstance(key, str) or not key or len(key) > 1024:
@@ -119,6 +123,19 @@ class TensorStore(ABC):
     @abstractmethod
     def put(self, key: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
         """Store `tensors` (each in its own dtype) under `key`, replacing any entry; return the handle."""
+
+    def put_into(self, key: str, specs: dict[str, TensorSpec], fill: Callable[[dict[str, torch.Tensor]], None]
+                 ) -> dict[str, Any]:
+        """Store tensors written in place: reserve one tensor per spec, let `fill` write every element
+        (the producer's one copy, e.g. from its KV blocks), publish them under `key`; return the handle.
+
+        Backends override this to hand `fill` views of their own memory (shm: the pool segment) so the
+        entry costs exactly one copy; this default fills fresh tensors and then calls `put` (two)."""
+        import torch
+
+        tensors = {name: torch.empty(shape, dtype=dtype) for name, (dtype, shape) in specs.items()}
+        fill(tensors)
+        return self.put(key, tensors)
 
     @abstractmethod
     def lookup(self, key: str) -> dict[str, Any] | None:

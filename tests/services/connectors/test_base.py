@@ -42,3 +42,20 @@ def test_package_import_is_light():
             "print(sorted(m for m in ('torch', 'numpy', 'redis') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=30)
     assert out.stdout.strip() == "[]", out.stderr
+
+
+
+@pytest.mark.parametrize("backend", ["shm", "redis"])
+def test_put_into_stores_what_fill_wrote(backend, make_store):
+    import torch
+
+    store = make_store(backend, "kv")
+    source = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4)
+
+    def fill(views):
+        views["kv"].copy_(source)
+        views["n"].fill_(7)
+
+    handle = store.put_into("req|a", {"kv": (torch.float32, (2, 3, 4)), "n": (torch.int64, (1,))}, fill)
+    got = store.get(handle)
+    assert torch.equal(got["kv"], source) and got["n"].tolist() == [7]
