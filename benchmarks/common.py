@@ -23,9 +23,27 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 
 
+RESULTS_ENV = "EPD_BENCH_RESULTS_DIR"
+
+
 def results_dir(quick: bool) -> Path:
-    """Full runs keep their JSON in the tree (benchmarks/results/); quick runs (smoke tests) in /tmp."""
-    return Path(tempfile.gettempdir()) / "epd-bench-results" if quick else RESULTS_DIR
+    """Full runs keep their JSON in the tree (benchmarks/results/).  Quick runs (smoke tests) write to
+    $EPD_BENCH_RESULTS_DIR, else to a fresh temporary folder of this process: never to a fixed shared path,
+    where two runs at once would overwrite each other."""
+    if not quick:
+        return RESULTS_DIR
+    return Path(os.environ[RESULTS_ENV]) if os.environ.get(RESULTS_ENV) else scratch_dir("epd-bench-results-")
+
+
+_SCRATCH: dict[str, Path] = {}
+
+
+def scratch_dir(prefix: str) -> Path:
+    """One private temporary folder per prefix and process (created on first use, announced once)."""
+    if prefix not in _SCRATCH:
+        _SCRATCH[prefix] = Path(tempfile.mkdtemp(prefix=prefix))
+        print(f"[benchmarks] writing to {_SCRATCH[prefix]}", file=sys.stderr, flush=True)
+    return _SCRATCH[prefix]
 
 
 @dataclass

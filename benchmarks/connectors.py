@@ -4,7 +4,8 @@
   out, by handle, in a consumer store) against an in-process `copy_` into a preallocated
   buffer.  `put` + `view` (the zero-copy read) is reported next to it.
 - redis: the same put + get against `redis-benchmark` SET + GET of the same value size on the
-  same server, one client, no pipelining (`-c 1 -P 1`).
+  same server, one client, no pipelining (`-c 1 -P 1`); without redis-benchmark on PATH, against
+  the same SET + GET sent from a raw socket (benchmarks/resp_baseline.py; the figure says which).
 
 Each figure is the median of `repeats` timed rounds after warm-up rounds.  Bandwidth ratio =
 baseline time / our time (higher is better), so 0.5 means half the baseline's bandwidth.
@@ -13,10 +14,6 @@ baseline time / our time (higher is better), so 0.5 means half the baseline's ba
 from __future__ import annotations
 
 import argparse
-import csv
-import io
-import shutil
-import subprocess
 import time
 import uuid
 from collections.abc import Callable
@@ -24,6 +21,7 @@ from typing import Any
 
 from benchmarks.common import Figure, median, print_figures
 from benchmarks.procs import start_redis, stop_process
+from benchmarks.resp_baseline import baseline_seconds
 
 MIB = 1 << 20
 
@@ -84,27 +82,6 @@ def store_seconds(backend: str, nbytes: int, repeats: int, redis_url: str | None
         producer.close()
 
 
-def redis_benchmark_seconds(port: int, nbytes: int, requests: int) -> dict[str, float] | None:
-    """Seconds per SET and per GET from `redis-benchmark`, or None when it is not installed."""
-    binary = shutil.which("redis-benchmark")
-    if binary is None:
-        return None
-    cmd = [binary, "-h", "127.0.0.1", "-p", str(port), "-t", "set,get", "-d", str(nbytes), "-n", str(requests),
-           "-c", "1", "-P", "1", "--csv"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True).stdout
-    rates = {row[0].split()[0].upper(): float(row[1]) for row in csv.reader(io.StringIO(out))
-             if row and row[0] not in ("test",) and _is_float(row[1])}
-    return {"set_s": 1.0 / rates["SET"], "get_s": 1.0 / rates["GET"]}
-
-
-def _is_float(text: str) -> bool:
-    try:
-        float(text)
-        return True
-    except ValueError:
-        return False
-
-
 def shm_figure(nbytes: int, repeats: int) -> Figure:
     shm = store_seconds("shm", nbytes, repeats)
     copy_s = shm["copy"]
@@ -118,19 +95,17 @@ def shm_figure(nbytes: int, repeats: int) -> Figure:
 
 
 def redis_figure(nbytes: int, repeats: int) -> Figure:
-    name = f"redis connector {nbytes // MIB} MiB put+get vs redis-benchmark SET+GET"
     process, port = start_redis()
     try:
-        baseline = redis_benchmark_seconds(port, nbytes, max(repeats, 5 if repeats < 10 else 30))
+        which, baseline = baseline_seconds(port, nbytes, max(repeats, 5 if repeats < 10 else 30))
         ours = store_seconds("redis", nbytes, repeats, redis_url=f"redis://127.0.0.1:{port}/0")
     finally:
         stop_process(process)
-    if baseline is None:
-        return Figure(name, None, 0.5, "ge", note="redis-benchmark is not installed (Debian: redis-tools)")
     base_s = baseline["set_s"] + baseline["get_s"]
-    detail = {"bytes": nbytes, **{f"ours_{k}_ms": v * 1e3 for k, v in ours.items()},
-              "redis_benchmark_set_ms": baseline["set_s"] * 1e3, "redis_benchmark_get_ms": baseline["get_s"] * 1e3}
-    return Figure(name, base_s / ours["put_get"], 0.5, "ge", detail=detail,
+    detail = {"bytes": nbytes, "baseline": which, **{f"ours_{k}_ms": v * 1e3 for k, v in ours.items()},
+              "baseline_set_ms": baseline["set_s"] * 1e3, "baseline_get_ms": baseline["get_s"] * 1e3}
+    return Figure(f"redis connector {nbytes // MIB} MiB put+get vs {which} SET+GET", base_s / ours["put_get"], 0.5,
+                  "ge", detail=detail,
                   note=f"put {ours['put'] * 1e3:.1f} + get {ours['get'] * 1e3:.1f} ms vs SET "
                        f"{baseline['set_s'] * 1e3:.1f} + GET {baseline['get_s'] * 1e3:.1f} ms")
 

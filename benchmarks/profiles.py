@@ -6,7 +6,8 @@
 py-spy (pip install py-spy) samples each process without stopping it (`--nonblocking`) and
 writes collapsed stacks; `summarize` turns them into the share of samples per function
 (inclusive) and per leaf frame (self), optionally only over stacks that pass through one frame
-(`focus`, e.g. the decode step).  Raw stacks go to /tmp/epd-bench-profiles/, summaries to
+(`focus`, e.g. the decode step).  Raw stacks go to a fresh temporary folder
+(printed; $EPD_BENCH_PROFILES_DIR to choose one), summaries to
 benchmarks/results/profiles/ (they back docs/benchmarks.md's "why" sections).
 """
 
@@ -18,14 +19,18 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import RESULTS_DIR, ROOT
+from benchmarks.common import RESULTS_DIR, ROOT, scratch_dir
 
-OUT = Path(tempfile.gettempdir()) / "epd-bench-profiles"
 SUMMARIES = RESULTS_DIR / "profiles"
+
+
+def out_dir() -> Path:
+    """Where raw stacks go: $EPD_BENCH_PROFILES_DIR, else a private temporary folder of this run."""
+    chosen = os.environ.get("EPD_BENCH_PROFILES_DIR")
+    return Path(chosen) if chosen else scratch_dir("epd-bench-profiles-")
 
 
 def py_spy() -> str:
@@ -82,21 +87,23 @@ def profile_overhead(requests: int, seconds: int) -> list[Path]:
     from benchmarks import overhead
     from benchmarks.procs import running, start_epd
 
-    OUT.mkdir(parents=True, exist_ok=True)
+    out = out_dir()
+    out.mkdir(parents=True, exist_ok=True)
     with running(start_epd("demo")) as (epd,):
         roles = children(epd.process.pid)
-        spies = {pid: record(pid, seconds, OUT / f"overhead_{cmd.split()[-1]}.txt") for pid, cmd in roles.items()}
+        spies = {pid: record(pid, seconds, out / f"overhead_{cmd.split()[-1]}.txt") for pid, cmd in roles.items()}
         time.sleep(1.0)
         figure = overhead.run(server=epd, count=requests)[0]
         for spy in spies.values():
             spy.wait(timeout=seconds + 60)
     print(figure.name, figure.value, figure.note)
-    return [OUT / f"overhead_{cmd.split()[-1]}.txt" for cmd in roles.values()]
+    return [out / f"overhead_{cmd.split()[-1]}.txt" for cmd in roles.values()]
 
 
 def profile_decode(seconds: int) -> list[Path]:
-    OUT.mkdir(parents=True, exist_ok=True)
-    out = OUT / "decode_16_streams.txt"
+    folder = out_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    out = folder / "decode_16_streams.txt"
     script = ("from benchmarks.decode_scaling import DecodeSetup, load_engine, run_streams\n"
               "s = DecodeSetup(output_len=256); e = load_engine(s)\n"
               "[print(run_streams(e, s, 16, f'p{i}')) for i in range(3)]\ne.close()\n")

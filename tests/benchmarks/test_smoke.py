@@ -14,34 +14,40 @@ import sys
 
 import pytest
 
-from benchmarks.common import ROOT, Figure, markdown_table, replace_block, results_dir
+from benchmarks.common import RESULTS_ENV, ROOT, Figure, markdown_table, replace_block
 
 pytestmark = pytest.mark.timeout(240)
 
 
-def _run(module: str, *args: str, timeout: float = 200) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """This run's own results folder: concurrent runs of the suite never share one."""
+    return tmp_path_factory.mktemp("bench-results")
+
+
+def _run(module: str, results, *args: str, timeout: float = 200) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), RESULTS_ENV: str(results)}
     proc = subprocess.run([sys.executable, "-m", module, "--quick", *args], cwd=ROOT, env=env, timeout=timeout,
                           capture_output=True, text=True)
     assert proc.returncode == 0, f"{module} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
 
 
-def test_targets_quick_measures_every_figure():
-    _run("benchmarks.targets", "--no-docs")
-    doc = json.loads((results_dir(True) / "targets_quick.json").read_text())
+def test_targets_quick_measures_every_figure(results):
+    _run("benchmarks.targets", results, "--no-docs")
+    doc = json.loads((results / "targets_quick.json").read_text())
     figures = {f["name"]: f for f in doc["figures"]}
     assert len(figures) == 9, sorted(figures)
     missing = [name for name, f in figures.items() if f["value"] is None]
     assert not missing, missing
-    side = json.loads((results_dir(True) / "vs_transformers_serve_quick.json").read_text())["bench"]
+    side = json.loads((results / "vs_transformers_serve_quick.json").read_text())["bench"]
     probe = side["side_by_side"]["probe"]["image"]
     assert probe["epd_prompt_tokens"] == probe["peer_prompt_tokens"]   # the peer saw the image
 
 
-def test_side_by_side_table_renders_from_the_quick_run(tmp_path):
+def test_side_by_side_table_renders_from_the_quick_run(results):
     from benchmarks.vs_transformers_serve import SideBySide, markdown
 
-    path = results_dir(True) / "vs_transformers_serve_quick.json"
+    path = results / "vs_transformers_serve_quick.json"
     if not path.exists():
         pytest.skip("needs test_targets_quick_measures_every_figure's output")
     doc = json.loads(path.read_text())["bench"]
@@ -49,9 +55,9 @@ def test_side_by_side_table_renders_from_the_quick_run(tmp_path):
     assert "| 4 |" in text and "prompt_tokens" in text
 
 
-def test_capacity_quick_plans_and_gpu_example():
-    _run("benchmarks.capacity")
-    doc = json.loads((results_dir(True) / "capacity_quick.json").read_text())
+def test_capacity_quick_plans_and_gpu_example(results):
+    _run("benchmarks.capacity", results)
+    doc = json.loads((results / "capacity_quick.json").read_text())
     assert doc["plans"] and all(min(p["instances"].values()) >= 1 for p in doc["plans"])
     assert doc["gpu_example"]["plans"]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 
 from tests.support.cluster import start_cluster
 
@@ -36,13 +37,14 @@ def _alive(pid: int) -> bool:
 
 
 def test_serve_runs_five_processes_and_cleans_up(demo_model_path):
-    cluster = start_cluster("--instance-id", "proctest", "--ec-capacity-mb", "16", "--kv-capacity-mb", "16")
+    instance_id = "proc" + uuid.uuid4().hex[:6]  # shm names carry it: concurrent suites must not share one
+    cluster = start_cluster("--instance-id", instance_id, "--ec-capacity-mb", "16", "--kv-capacity-mb", "16")
     try:
         children = _children(cluster.process.pid)
         roles = sorted(_cmdline(pid).split()[-1] for pid in children)
         assert roles == ["coordinator", "decode", "encode", "prefill", "render"]
         assert len(set(children)) == 5
-        segments = [n for n in os.listdir("/dev/shm") if "proctest" in n]
+        segments = [n for n in os.listdir("/dev/shm") if instance_id in n]
         assert segments, "the shm connectors should own segments while serving"
         with cluster.client() as client:
             assert client.get("/health").status_code == 200
@@ -52,4 +54,4 @@ def test_serve_runs_five_processes_and_cleans_up(demo_model_path):
     while any(_alive(p) for p in children) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [p for p in children if _alive(p)]
-    assert [n for n in os.listdir("/dev/shm") if "proctest" in n] == []
+    assert [n for n in os.listdir("/dev/shm") if instance_id in n] == []

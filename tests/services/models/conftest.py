@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
-
-os.environ.setdefault("EPD_CACHE_DIR", "/tmp/epdcache")
 
 
 @pytest.fixture(scope="module")
