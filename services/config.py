@@ -20,6 +20,7 @@ DEVICES_PREFIXES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
 DEMO_ALIASES = {"demo": "epd-demo-qwen2-vl", "epd-demo-qwen2-vl": "epd-demo-qwen2-vl",
                 "demo-medium": "epd-demo-qwen2-vl-medium"}
+LINEAR_KERNELS = ("auto", "prepacked", "default")   # services.models.prepack.MODES (checked by a test)
 ROLES = ("coordinator", "render", "encode", "prefill", "decode")
 # The names of coordinator.routing.policies.POLICIES (checked by a test): config cannot import the coordinator.
 ROUTING_POLICIES = ("affinity", "least_loaded", "round_robin")
@@ -62,6 +63,8 @@ class EpdConfig:
                                roles="coordinator")
     device: str = _f("cpu", "torch device of model roles: cpu, cuda, cuda:N")
     dtype: str = _f("float32", "model dtype: float32 | bfloat16 | float16")
+    linear_kernel: str = _f("auto", "matmuls of model roles: auto (time F.linear against oneDNN prepacked "
+                            "weights at start-up, keep the faster) | prepacked | default")
     max_model_len: int = _f(8192, "context length (prompt + output tokens)")
     decode_slots: int = _f(16, "concurrent sequences one decode instance runs (continuous batching)")
     decode_queue: int = _f(64, "requests waiting for a decode slot before new ones are refused")
@@ -100,6 +103,7 @@ class EpdConfig:
         _check(self.ec_connector in CONNECTORS, f"ec_connector must be one of {', '.join(CONNECTORS)}")
         _check(self.kv_connector in CONNECTORS, f"kv_connector must be one of {', '.join(CONNECTORS)}")
         _check(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}")
+        _check(self.linear_kernel in LINEAR_KERNELS, f"linear_kernel must be one of {', '.join(LINEAR_KERNELS)}")
         _check(self.device.split(":")[0] in DEVICES_PREFIXES, "device must be cpu, cuda or cuda:N")
         for name in ("encode_instances", "prefill_instances", "decode_instances", "decode_slots",
                      "max_model_len", "ec_capacity_mb", "kv_capacity_mb", "max_images_per_request",

@@ -10,6 +10,7 @@ from services.server import RoleServer
 
 async def build(config: EpdConfig) -> RoleServer:
     from services.connectors.wiring import open_store
+    from services.models.prepack import export, prepack_language
     from services.models.processing import load_tokenizer
     from services.models.registry import adapter_for, resolve_model
     from services.rpc.v1 import epd_pb2_grpc as rpc
@@ -20,6 +21,7 @@ async def build(config: EpdConfig) -> RoleServer:
 
     path = resolve_model(config.model)
     lm = adapter_for(path).load_language(path, config.device, config.dtype, config.max_model_len)
+    export(prepack_language(lm, config.linear_kernel), "language")
     engine = DecodeEngine(lm, load_tokenizer(path), config.decode_slots, config.max_model_len,
                           max_queued=config.decode_queue, stream_timeout=config.request_timeout_s)
     kv_store = open_store(config, "kv", producer=False)

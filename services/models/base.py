@@ -78,6 +78,7 @@ class VisionModel(ABC):
 
     hidden_size: int    # embedding width = the language model's hidden size
     dtype: Any          # torch.dtype of the embeddings `encode` returns
+    tower: Any = None   # the nn.Module holding the vision weights (services.models.prepack swaps its linears)
 
     @abstractmethod
     def encode(self, items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
@@ -102,8 +103,8 @@ class LanguageModel(ABC):
     attention_mask ([B, 1, q, L], additive float) is used as is.
     """
 
-    model: Any          # the HF decoder stack
-    lm_head: Any        # hidden -> logits
+    model: Any          # the HF decoder stack (its nn.Linear layers may be swapped at load: prepack.py)
+    lm_head: Any        # hidden -> logits (an nn.Linear, or prepack.PackedLinear after the swap)
     layout: KVLayout
     eos_token_ids: tuple[int, ...]
     vocab_size: int

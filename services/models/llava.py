@@ -39,6 +39,7 @@ class LlavaVision(VisionModel):
 
     def __init__(self, hf_model: Any) -> None:
         self._base = hf_model.model
+        self.tower = hf_model.model  # the module holding the vision weights (load-time kernel swaps)
         config = hf_model.config
         self.image_size = int(config.vision_config.image_size)
         self.feature_layer = config.vision_feature_layer

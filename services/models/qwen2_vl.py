@@ -41,6 +41,7 @@ class QwenVLVision(VisionModel):
 
     def __init__(self, hf_model: Any) -> None:
         self._base = hf_model.model
+        self.tower = hf_model.model  # the module holding the vision weights (load-time kernel swaps)
         self.merge_size = int(hf_model.config.vision_config.spatial_merge_size)
         self.hidden_size = int(hf_model.config.text_config.hidden_size)
         self.dtype = hf_model.dtype

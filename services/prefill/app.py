@@ -10,6 +10,7 @@ from services.server import RoleServer
 
 async def build(config: EpdConfig) -> RoleServer:
     from services.connectors.wiring import open_store
+    from services.models.prepack import export, prepack_language
     from services.models.registry import adapter_for, resolve_model
     from services.rpc.v1 import epd_pb2_grpc as rpc
 
@@ -22,6 +23,7 @@ async def build(config: EpdConfig) -> RoleServer:
     path = resolve_model(config.model)
     adapter = adapter_for(path)
     lm = adapter.load_language(path, config.device, config.dtype, config.max_model_len)
+    export(prepack_language(lm, config.linear_kernel), "language")
     engine = PrefillEngine(lm, PrefixCache(max_blocks=1024))
     ec_store = open_store(config, "ec", producer=False)
     kv_store = open_store(config, "kv")
