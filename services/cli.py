@@ -53,12 +53,21 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"epd: configuration error: {exc}", file=sys.stderr)
         return 2
-    if args.command == "serve":
-        from .launch import serve
+    from .models.loading import ModelLoadError
+    from .models.registry import UnsupportedModel
+    from .preflight import StartupError, check_role, check_serve
 
-        return serve(config)
-    assert args.command in ROLES
-    return run_role(args.command, config)
+    try:  # before any model loads, cheapest first: one line naming the problem and the fix
+        check_serve(config) if args.command == "serve" else check_role(args.command, config)
+        if args.command == "serve":
+            from .launch import serve
+
+            return serve(config)
+        assert args.command in ROLES
+        return run_role(args.command, config)
+    except (StartupError, ModelLoadError, UnsupportedModel) as exc:
+        print(f"epd {args.command}: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
