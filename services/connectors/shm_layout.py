@@ -9,8 +9,16 @@ Seqlock: the owner marks a slot WRITING (and gives it a new generation) before
 it writes any payload byte into the extent, and marks READY after; freeing or
 evicting marks the slot FREE before the extent is reused.  A reader checks the
 slot (READY, generation of its handle) before and after copying, so a copy
-that raced with an eviction is detected.  Stores become visible in program
-order on x86 (TSO); each state change is one aligned 4-byte store.
+that raced with an eviction is detected.  Each state change is one aligned
+4-byte store.  Memory order: a full fence (shm_fence; a no-op on x86's total
+store order, a real barrier elsewhere) separates the invalidating store from
+the payload stores, the payload stores from the publishing store, and, on the
+reader's side, the first header read from the payload reads and those from the
+second header read (`read_begin` / `read_end`).  A header is read with one
+copy whose loads have no order among themselves, so each side also reads the
+state word alone, fenced from the copy: the state read after the copy at the
+start, before it at the end.  A READY state then always comes with its own
+generation (the generation is written before READY, after WRITING).
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from services.connectors.codec import align_up
+from services.connectors.shm_fence import fence
 
 SEGMENT_MAGIC = 0x50445045  # "EPDP"
 SLOT_MAGIC = 0x53445045  # "EPDS"
@@ -89,18 +98,40 @@ class Layout:
     def read_slot(self, buf: mmap.mmap, index: int) -> SlotHeader:
         return SlotHeader._make(SLOT.unpack_from(buf, self.slot_at(index)))
 
+    def read_begin(self, buf: mmap.mmap, index: int) -> SlotHeader:
+        """The slot header as a reader sees it before touching the payload; READY only if the state read
+        again after the header (and a fence) is still READY, so the generation read belongs to it."""
+        header = self.read_slot(buf, index)
+        fence()  # the state re-read and the payload reads cannot move above the header read
+        return header if self._state(buf, index) == READY else header._replace(state=WRITING)
+
+    def read_end(self, buf: mmap.mmap, index: int) -> SlotHeader:
+        """The slot header re-read after the payload (a change means the read may be torn); READY only if
+        the state read before it (after a fence) was READY too, so a newer publication shows its generation."""
+        fence()  # the payload reads cannot move below these reads
+        state = self._state(buf, index)
+        fence()
+        header = self.read_slot(buf, index)
+        return header if state == READY else header._replace(state=WRITING)
+
+    def _state(self, buf: mmap.mmap, index: int) -> int:
+        return int(_STATE.unpack_from(buf, self.slot_at(index) + _STATE_AT)[0])
+
     def begin_write(self, buf: mmap.mmap, index: int, header: SlotHeader) -> None:
         at = self.slot_at(index)
         _STATE.pack_into(buf, at + _STATE_AT, WRITING)  # invalidate first, then the rest
+        fence()
         SLOT.pack_into(buf, at, *header._replace(state=WRITING))
 
     def publish(self, buf: mmap.mmap, index: int, crc: int, flags: int) -> None:
         at = self.slot_at(index)
         _CRC.pack_into(buf, at + _CRC_AT, crc, flags)
+        fence()  # the payload and the checksum are visible before the slot says READY
         _STATE.pack_into(buf, at + _STATE_AT, READY)
 
     def mark_free(self, buf: mmap.mmap, index: int) -> None:
         _STATE.pack_into(buf, self.slot_at(index) + _STATE_AT, FREE)
+        fence()  # visible before any store that reuses the extent
 
     def mark_consumed(self, buf: mmap.mmap, index: int, gen: int) -> None:
         # Only this field is written by consumers; carrying the generation means a late mark can never

@@ -6,10 +6,18 @@ evicted or overwritten meanwhile (EntryMissing); a header that is not ours or
 does not describe the handle's entry is EntryCorrupt.  Attachments are cached
 per segment and re-validated by inode on each read, so a segment that was
 unlinked (producer closed, exited or was swept) reads as EntryMissing.
+
+Liveness: a watcher thread (started with the first attachment) checks every
+LIVENESS_INTERVAL_S whether the producer of each cached attachment is gone
+(segment unlinked or replaced, or its owner's flock released: a SIGKILLed
+producer) and unmaps those no view is using, so a dead or restarted
+producer's pool does not stay pinned in this process's memory.  Unmapping
+waits for zero-copy tensors a caller kept past its `view` block.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -21,8 +29,12 @@ import torch
 
 from services.connectors.base import EntryCorrupt, EntryMissing
 from services.connectors.codec import TensorSpec, byte_view, crc_of, key_hash, specs_from, tensor_at
+from services.connectors.shm_fence import ensure as ensure_fence
 from services.connectors.shm_layout import HAS_CRC, READY, SLOT_MAGIC, Layout, SlotHeader
-from services.connectors.shm_segment import Segment, attach_segment
+from services.connectors.shm_segment import Segment, attach_segment, producer_gone
+
+log = logging.getLogger(__name__)
+LIVENESS_INTERVAL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -53,21 +65,30 @@ class ShmRef:
 
 
 class ShmReader:
-    def __init__(self, verify_checksum: bool) -> None:
+    def __init__(self, verify_checksum: bool, liveness_interval_s: float = LIVENESS_INTERVAL_S) -> None:
+        ensure_fence()  # refuse to start where the seqlock cannot be fenced
         self._verify = verify_checksum
         self._segments: dict[str, tuple[Segment, Layout]] = {}
+        self._in_use: dict[str, int] = {}  # views open per segment: never unmapped under a reader
         self._lock = threading.Lock()
+        self._interval = liveness_interval_s
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
 
     @contextmanager
     def view(self, ref: ShmRef) -> Iterator[dict[str, torch.Tensor]]:
         """Tensors viewing the segment; checked again when the block ends without an exception."""
-        seg, layout = self._attach(ref)
-        header = self._check(seg, layout, ref)
-        views = {s.name: tensor_at(seg.buf, s, ref.offset) for s in ref.specs}
-        if self._verify and header.flags & HAS_CRC:
-            self._verify_crc(ref, views, header.crc)
-        yield views
-        self._check(seg, layout, ref, after=True)
+        seg, layout = self._attach(ref, hold=True)
+        try:
+            header = self._check(seg, layout, ref)
+            views = {s.name: tensor_at(seg.buf, s, ref.offset) for s in ref.specs}
+            if self._verify and header.flags & HAS_CRC:
+                self._verify_crc(ref, views, header.crc)
+            yield views
+            self._check(seg, layout, ref, after=True)
+        finally:
+            with self._lock:
+                self._in_use[ref.segment] -= 1
 
     def mark_consumed(self, ref: ShmRef) -> None:
         try:
@@ -77,26 +98,64 @@ class ShmReader:
             return  # nothing left to release
         layout.mark_consumed(seg.mm, ref.slot, ref.gen)
 
-    def _attach(self, ref: ShmRef) -> tuple[Segment, Layout]:
+    def _attach(self, ref: ShmRef, hold: bool = False) -> tuple[Segment, Layout]:
         with self._lock:
-            cached = self._segments.get(ref.segment)
-            if cached is not None and cached[0].is_current():
-                return cached
-            if cached is not None:
-                self._segments.pop(ref.segment)[0].close()
-            seg = attach_segment(ref.segment)
-            layout = Layout.read_header(seg.mm)
-            if layout is None:
-                seg.close()
-                raise EntryCorrupt(f"shm segment {ref.segment} has no valid pool header")
-            self._segments[ref.segment] = (seg, layout)
-            return seg, layout
+            found = self._attached(ref.segment)
+            if hold:
+                self._in_use[ref.segment] = self._in_use.get(ref.segment, 0) + 1
+            return found
+
+    def _attached(self, name: str) -> tuple[Segment, Layout]:
+        cached = self._segments.get(name)
+        if cached is not None and cached[0].is_current():
+            return cached
+        if cached is not None and not self._in_use.get(name):
+            self._segments.pop(name)[0].close()
+        seg = attach_segment(name)
+        layout = Layout.read_header(seg.mm)
+        if layout is None:
+            seg.close()
+            raise EntryCorrupt(f"shm segment {name} has no valid pool header")
+        self._segments[name] = (seg, layout)
+        self._start_watching()
+        return seg, layout
+
+    # ---- liveness -----------------------------------------------------------------------------
+
+    def attached(self) -> list[str]:
+        """Names of the segments this reader has mapped now."""
+        with self._lock:
+            return sorted(self._segments)
+
+    def drop_dead(self) -> list[str]:
+        """Unmap every idle attachment whose producer is gone; their names."""
+        with self._lock:
+            dead = [name for name, (seg, _) in self._segments.items()
+                    if not self._in_use.get(name) and producer_gone(seg)]
+            for name in dead:
+                self._segments.pop(name)[0].close()
+                self._in_use.pop(name, None)
+        for name in dead:
+            log.info("unmapped shm segment %s: its producer is gone", name)
+        return dead
+
+    def _start_watching(self) -> None:
+        if self._watcher is None and not self._stop.is_set():
+            self._watcher = threading.Thread(target=self._watch, name="shm-liveness", daemon=True)
+            self._watcher.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self.drop_dead()
+            except Exception:  # noqa: BLE001 - the watcher must outlive one odd segment; try again next round
+                log.exception("shm liveness check failed")
 
     def _check(self, seg: Segment, layout: Layout, ref: ShmRef, after: bool = False) -> SlotHeader:
         if not 0 <= ref.slot < layout.num_slots or not (
                 layout.data_start <= ref.offset and ref.offset + ref.length <= layout.total_size):
             raise EntryCorrupt(f"handle for {ref.key!r} points outside segment {ref.segment}")
-        h = layout.read_slot(seg.mm, ref.slot)
+        h = layout.read_end(seg.mm, ref.slot) if after else layout.read_begin(seg.mm, ref.slot)
         if h.magic != SLOT_MAGIC:
             raise EntryCorrupt(f"slot header of {ref.key!r} in {ref.segment} is damaged")
         if h.gen != ref.gen or h.state != READY:
@@ -112,7 +171,10 @@ class ShmReader:
             raise EntryCorrupt(f"checksum mismatch for {ref.key!r}")
 
     def close(self) -> None:
+        self._stop.set()
         with self._lock:
             for seg, _ in self._segments.values():
                 seg.close()
             self._segments.clear()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(timeout=2 * self._interval + 1)

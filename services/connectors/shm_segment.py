@@ -6,7 +6,8 @@ carries the owner's pid and process start time (`<ns>-<purpose>-<instance>-
 <pid>-<start>`), and the owner holds a shared flock on the file for its whole
 life: `sweep_stale_segments` removes a segment only when its named owner is gone
 (dead pid or reused pid) AND nobody holds the lock, so a live owner in another
-pid namespace sharing /dev/shm is never swept.
+pid namespace sharing /dev/shm is never swept.  Consumers use the same lock to
+tell that the producer of a segment they mapped is gone (`producer_gone`).
 """
 
 from __future__ import annotations
@@ -154,6 +155,12 @@ def _remove_if_unlocked(name: str) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def producer_gone(seg: Segment) -> bool:
+    """The producer of an attached segment is gone: its file was unlinked or replaced, or nobody holds its
+    lock any more (the owner died without cleaning up: the file is unlinked here, as a sweep would)."""
+    return not seg.is_current() or _remove_if_unlocked(seg.name)
 
 
 def sweep_stale_segments(namespace: str = "epd") -> list[str]:
