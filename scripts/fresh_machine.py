@@ -115,6 +115,7 @@ def run_serve(command: str, cwd: Path, env: dict[str, str]) -> None:
         log(f"ready after {time.monotonic() - started:.0f} s (install included)")
         time.sleep(0.5)  # the curl line follows the ready line
         check_curl(printed_curl(lines), cwd, env)
+        tree = descendants(process.pid)
         os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C sends: the whole foreground group
         code = process.wait(timeout=STOP_TIMEOUT_S)
         if code != 0:
@@ -124,9 +125,38 @@ def run_serve(command: str, cwd: Path, env: dict[str, str]) -> None:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait(timeout=10)
-    left = subprocess.run(["pgrep", "-g", str(process.pid)], capture_output=True, text=True).stdout.split()
+    deadline = time.monotonic() + 10
+    while (left := [pid for pid in tree if _alive(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
     if left:
         raise SystemExit(f"processes left after Ctrl-C: {left}")
+    log(f"all {len(tree)} processes it started are gone")
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def descendants(root: int) -> list[int]:
+    """Every process below `root` (children in their own sessions included), from /proc."""
+    parents = {int(e): _parent(int(e)) for e in os.listdir("/proc") if e.isdigit()}
+    found, frontier = [], [root]
+    while frontier:
+        current = frontier.pop()
+        children = [pid for pid, parent in parents.items() if parent == current]
+        found += children
+        frontier += children
+    return found
 
 
 def run_tests(command: str, cwd: Path, env: dict[str, str]) -> int:

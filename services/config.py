@@ -98,6 +98,9 @@ class EpdConfig:
                               "(POST /v1/instances) at start and every 10 s", roles="roles")
     advertise_host: str = _f("", "host the coordinator reaches this role at when announcing (default: --host)",
                              roles="roles")
+    shutdown_grace_s: float = _f(25.0, "on SIGTERM, seconds running requests get to finish: readiness turns "
+                                 "false at once, new work is refused, then the process stops (keep it below "
+                                 "the pods' terminationGracePeriodSeconds)")
 
     def __post_init__(self) -> None:
         _check(self.ec_connector in CONNECTORS, f"ec_connector must be one of {', '.join(CONNECTORS)}")
@@ -114,6 +117,7 @@ class EpdConfig:
                "ports must be in 0..65535")
         _check(self.request_timeout_s > 0 and self.media_timeout_s > 0, "timeouts must be > 0")
         _check(self.instance_forget_after_s > 0, "instance_forget_after_s must be > 0")
+        _check(self.shutdown_grace_s >= 0, "shutdown_grace_s must be >= 0")
         for role in ("render", "encode", "prefill", "decode"):
             policy = getattr(self, f"{role}_routing_policy")
             _check(policy in ROUTING_POLICIES,

@@ -1,18 +1,26 @@
 """`epd serve`: the whole cluster on one machine, one OS process per role instance.
 
 Starts render, encode×N, prefill×N, decode×N and the coordinator, waits until
-every one answers /health (bounded), prints one ready line with the URL and a
-curl example, and on Ctrl-C / SIGTERM stops them all (SIGTERM, then SIGKILL
-after a grace period) and removes any shared-memory segment left by them.
+every one is ready (GET /ready: its stores answer; the coordinator's: every
+role has a ready instance; bounded), prints one ready line with the URL and a
+curl example, and on Ctrl-C / SIGTERM drains: the coordinator first (it
+refuses new requests and lets running ones finish within --shutdown-grace-s),
+then the roles; SIGKILL only past the grace period.  Shared-memory segments
+left behind are removed.  The children run in their own sessions (Ctrl-C
+reaches only this process, which stops them in order) and get SIGTERM if this
+process dies.
 """
 
 from __future__ import annotations
 
+import ctypes
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
@@ -21,7 +29,9 @@ from .demo_request import curl_example
 from .server import free_port
 
 STARTUP_TIMEOUT_S = 300.0
-STOP_GRACE_S = 10.0
+STOP_MARGIN_S = 5.0             # past the grace period, before SIGKILL
+SHOW_PROBLEMS_AFTER_S = 5.0     # a role not ready this long: say why while waiting
+PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -31,6 +41,7 @@ class Child:
     grpc_port: int
     http_port: int
     process: subprocess.Popen | None = None
+    ready_path: str = "/ready"
 
     @property
     def grpc_address(self) -> str:
@@ -54,48 +65,88 @@ def _http_urls(children: list[Child], role: str, host: str) -> str:
 
 
 def coordinator_child(config: EpdConfig, children: list[Child]) -> Child:
-    return Child("coordinator", f"{config.instance_id}_coordinator", 0, config.port)
+    return Child("coordinator", f"{config.instance_id}_coordinator", 0, config.port, ready_path="/health")
 
 
 def spawn(child: Child, config: EpdConfig, extra_env: dict[str, str]) -> None:
     env = {**os.environ, **config.to_env(), **extra_env, "EPD_INSTANCE_ID": child.instance_id,
            "EPD_GRPC_PORT": str(child.grpc_port), "EPD_HTTP_PORT": str(child.http_port)}
-    child.process = subprocess.Popen([sys.executable, "-m", "services.cli", child.role], env=env)
+    child.process = subprocess.Popen([sys.executable, "-m", "services.cli", child.role], env=env,
+                                     start_new_session=True, preexec_fn=_die_with_parent)
 
 
-def is_healthy(host: str, port: int) -> bool:
+def _die_with_parent() -> None:
+    """In the child: SIGTERM when `epd serve` dies, however it dies (Linux; elsewhere a no-op)."""
     try:
-        with urllib.request.urlopen(f"http://{host}:{port}/health", timeout=1.0) as reply:
-            return reply.status == 200
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+def readiness(host: str, port: int, path: str = "/ready") -> tuple[bool, list[str]]:
+    """(ready, problems) from a process's readiness endpoint; not answering is not ready."""
+    try:
+        with urllib.request.urlopen(f"http://{host}:{port}{path}", timeout=2.0) as reply:
+            return reply.status == 200, []
+    except urllib.error.HTTPError as exc:
+        try:
+            body = json.loads(exc.read() or b"{}")
+        except ValueError:
+            body = {}
+        return False, [str(p) for p in body.get("problems", [])] or [f"{path} answered {exc.code}"]
     except OSError:
-        return False
+        return False, ["not answering yet"]
 
 
-def wait_healthy(children: list[Child], host: str, deadline: float) -> None:
+def wait_ready(children: list[Child], host: str, deadline: float) -> None:
     pending = list(children)
+    started, shown = time.monotonic(), {}
     while pending:
         for child in list(pending):
             assert child.process is not None
             if child.process.poll() is not None:
                 raise RuntimeError(f"{child.role} ({child.instance_id}) exited with {child.process.returncode}")
-            if is_healthy(host, child.http_port):
+            ready, problems = readiness(host, child.http_port, child.ready_path)
+            if ready:
                 pending.remove(child)
+            elif time.monotonic() - started > SHOW_PROBLEMS_AFTER_S and shown.get(child.instance_id) != problems:
+                shown[child.instance_id] = problems
+                print(f"epd serve: waiting for {child.role} ({child.instance_id}): {'; '.join(problems)}",
+                      flush=True)
         if time.monotonic() > deadline:
-            raise RuntimeError("not healthy in time: " + ", ".join(c.role for c in pending))
+            raise RuntimeError("not ready in time: " + ", ".join(f"{c.role} ({'; '.join(shown.get(c.instance_id, []))})"
+                                                                for c in pending))
         time.sleep(0.2)
 
 
-def stop_all(children: list[Child]) -> None:
-    live = [c.process for c in children if c.process is not None and c.process.poll() is None]
-    for proc in live:
+def _stop(processes: list[subprocess.Popen], timeout_s: float) -> None:
+    for proc in processes:
         proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + STOP_GRACE_S
-    for proc in live:
+    deadline = time.monotonic() + timeout_s
+    for proc in processes:
         try:
             proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
+            print(f"epd serve: pid {proc.pid} still running after {timeout_s:g} s: killing it", flush=True)
             proc.kill()
             proc.wait(timeout=5)
+
+
+def stop_all(children: list[Child], grace_s: float = 0.0) -> None:
+    """The coordinator first (it drains running requests within `grace_s`), then every role."""
+    def live(roles: bool) -> list[subprocess.Popen]:
+        return [c.process for c in children if c.process is not None and c.process.poll() is None
+                and (c.role != "coordinator") == roles]
+
+    front = live(roles=False)
+    if front:
+        print(f"epd serve: stopping: the coordinator refuses new requests and lets running ones finish "
+              f"(up to {grace_s:g} s)", flush=True)
+        _stop(front, grace_s + STOP_MARGIN_S)
+    back = live(roles=True)
+    if back:
+        print(f"epd serve: stopping {len(back)} role processes", flush=True)
+        _stop(back, grace_s + STOP_MARGIN_S)
 
 
 def remove_segments(instance_prefix: str) -> list[str]:
@@ -141,14 +192,14 @@ def serve(config: EpdConfig) -> int:
     try:
         for child in roles:
             spawn(child, config, {"EPD_MODEL": model_path, "EPD_SERVED_MODEL_NAME": config.served_model_id()})
-        wait_healthy(roles, config.host, time.monotonic() + STARTUP_TIMEOUT_S)
+        wait_ready(roles, config.host, time.monotonic() + STARTUP_TIMEOUT_S)
         spawn(coordinator, config, {"EPD_SERVED_MODEL_NAME": config.served_model_id(),
                                     **{f"EPD_{r.upper()}_URLS": _urls(roles, r)
                                        for r in ("render", "encode", "prefill", "decode")},
                                     **{f"EPD_{r.upper()}_HTTP_URLS": _http_urls(roles, r, config.host)
                                        for r in ("render", "encode", "prefill", "decode")}})
-        wait_healthy([coordinator], config.host, time.monotonic() + 60)
-        time.sleep(0.5)  # a coordinator that lost its port to another server exits at once; don't trust that /health
+        wait_ready([coordinator], config.host, time.monotonic() + 60)
+        time.sleep(0.5)  # a coordinator that lost its port to another server exits at once; don't trust that answer
         if coordinator.process is not None and coordinator.process.poll() is not None:
             raise RuntimeError(f"coordinator exited with {coordinator.process.returncode} (port {config.port} taken?)")
         print_ready(config, children, has_vision)
@@ -159,5 +210,6 @@ def serve(config: EpdConfig) -> int:
         print(f"epd serve: {exc}", file=sys.stderr)
         return 1
     finally:
-        stop_all(children)
+        stop_all(children, config.shutdown_grace_s)
         remove_segments(config.instance_id)
+        print("epd serve: stopped", flush=True)

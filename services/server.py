@@ -1,9 +1,12 @@
 """Runs one role process: a gRPC server and an HTTP server in one event loop.
 
 Both transports are thin adapters over the role's core.  The HTTP side always
-serves GET /health and GET /metrics; the gRPC side always serves the standard
-health protocol.  SIGTERM and SIGINT stop both servers gracefully (bounded
-grace period), then run the role's cleanup (freeing shm segments, Redis keys).
+serves GET /health (liveness: 200 while the process runs), GET /ready
+(readiness, services.readiness: 200 only when it can serve, else 503 naming
+why) and GET /metrics; the gRPC side serves the standard health protocol,
+SERVING exactly when ready.  SIGTERM and SIGINT drain: readiness turns false
+at once, calls already running get up to `shutdown_grace_s` to finish, then
+both servers stop and the role's cleanup runs (freeing shm segments, Redis keys).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from .readiness import Readiness
+
 log = logging.getLogger(__name__)
 
 GRPC_MAX_MESSAGE = 256 * 1024 * 1024
@@ -40,6 +45,8 @@ SERVER_OPTIONS = [
     ("grpc.http2.max_ping_strikes", 0),
 ]
 SHUTDOWN_GRACE_S = 3.0
+# Probe routes (liveness, readiness, metrics): never behind authentication, whatever middleware is added.
+PROBE_PATHS = ("/health", "/ready", "/metrics")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -66,45 +73,65 @@ class RoleServer:
     is_ready: Callable[[], bool] = lambda: True
     cleanup: Callable[[], Awaitable[None] | None] = lambda: None
     health_details: Callable[[], dict] = dict
+    stores: list = field(default_factory=list)   # tensor stores whose backends readiness checks
 
 
-def build_http_app(role: RoleServer) -> Starlette:
-    async def health_route(_: Request) -> Response:
-        ok = role.is_ready()
-        body = {"status": "ok" if ok else "starting", "role": role.name, **role.health_details()}
-        return JSONResponse(body, status_code=200 if ok else 503)
+def build_http_app(role: RoleServer, readiness: Readiness | None = None) -> Starlette:
+    readiness = readiness or Readiness(role.name, role.is_ready, role.stores)
+
+    async def health_route(_: Request) -> Response:  # liveness: the process and its event loop run
+        body = {"status": "ok", "role": role.name, "ready": readiness.ready, **role.health_details()}
+        return JSONResponse(body)
+
+    async def ready_route(_: Request) -> Response:
+        return JSONResponse(readiness.body(), status_code=200 if readiness.ready else 503)
 
     async def metrics_route(_: Request) -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
-    routes = [Route("/health", health_route), Route("/metrics", metrics_route), *role.http_routes]
+    routes = [Route("/health", health_route), Route("/ready", ready_route), Route("/metrics", metrics_route),
+              *role.http_routes]
     return Starlette(routes=routes)
 
 
-async def serve(role: RoleServer, host: str, grpc_port: int, http_port: int, log_level: str = "info") -> None:
+async def serve(role: RoleServer, host: str, grpc_port: int, http_port: int, log_level: str = "info",
+                grace_s: float = SHUTDOWN_GRACE_S) -> None:
     server = grpc.aio.server(options=SERVER_OPTIONS)
     role.register_grpc(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     bound = server.add_insecure_port(f"{host}:{grpc_port}")
+    readiness = Readiness(role.name, role.is_ready, role.stores)
+    await readiness.refresh()
     await server.start()
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    http = _QuietServer(uvicorn.Config(build_http_app(role), host=host, port=http_port,
-                                       log_level="warning", lifespan="off", timeout_graceful_shutdown=2))
+    await _set_serving(health_servicer, readiness.ready)
+    http = _QuietServer(uvicorn.Config(build_http_app(role, readiness), host=host, port=http_port,
+                                       log_level="warning", lifespan="off", timeout_graceful_shutdown=grace_s))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     http_task = asyncio.create_task(http.serve())
+    checks = asyncio.create_task(readiness.run(lambda ready: _set_serving(health_servicer, ready)))
     log.info("%s serving: grpc %s:%d, http %s:%d", role.name, host, bound, host, http_port)
     stopped = asyncio.create_task(stop.wait())
     await asyncio.wait({stopped, http_task}, return_when=asyncio.FIRST_COMPLETED)
-    log.info("%s stopping", role.name)
+    started = loop.time()
+    log.info("%s draining: not ready, refusing new calls, letting running ones finish (up to %g s)",
+             role.name, grace_s)
+    readiness.draining = True
+    checks.cancel()
     await health_servicer.enter_graceful_shutdown()
     http.should_exit = True
-    await server.stop(SHUTDOWN_GRACE_S)
-    await asyncio.wait({http_task}, timeout=SHUTDOWN_GRACE_S)
+    await server.stop(grace_s)
+    await asyncio.wait({http_task}, timeout=grace_s)
     result = role.cleanup()
     if asyncio.iscoroutine(result):
         await result
-    log.info("%s stopped", role.name)
+    readiness.close()
+    log.info("%s stopped after draining %.1f s", role.name, loop.time() - started)
+
+
+async def _set_serving(health_servicer: health.aio.HealthServicer, ready: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+    await health_servicer.set("", status)

@@ -38,4 +38,4 @@ async def build(config: EpdConfig) -> RoleServer:
     from .api_router import routes
 
     http = routes(service, config.served_model_id())
-    return RoleServer(name="decode", register_grpc=register, cleanup=cleanup, http_routes=http)
+    return RoleServer(name="decode", register_grpc=register, cleanup=cleanup, http_routes=http, stores=[kv_store])

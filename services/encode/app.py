@@ -36,4 +36,5 @@ async def build(config: EpdConfig) -> RoleServer:
 
     from .api_router import routes
 
-    return RoleServer(name="encode", register_grpc=register, cleanup=cleanup, http_routes=routes(service))
+    return RoleServer(name="encode", register_grpc=register, cleanup=cleanup, http_routes=routes(service),
+                      stores=[store])

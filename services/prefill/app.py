@@ -41,4 +41,5 @@ async def build(config: EpdConfig) -> RoleServer:
     from .api_router import routes
 
     http = routes(service, config.served_model_id(), adapter.metadata_keys)
-    return RoleServer(name="prefill", register_grpc=register, cleanup=cleanup, http_routes=http)
+    return RoleServer(name="prefill", register_grpc=register, cleanup=cleanup, http_routes=http,
+                      stores=[ec_store, kv_store])

@@ -1,5 +1,8 @@
 """Redis restarts under load: clear 503s for the requests it hits, full recovery without restarting anything.
 
+While Redis is down the roles that use it are not ready (GET /ready 503 naming Redis, gRPC health
+NOT_SERVING), so the coordinator stops sending them work and is itself not ready.
+
 The cluster keeps EC and KV entries in its own Redis; the test kills that
 Redis mid-run and starts it again on the same port (empty: no persistence).
 Entries stored before are gone, so remembered embeddings are re-encoded.
@@ -11,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import httpx
 import pytest
 import redis
 
@@ -54,10 +58,13 @@ def test_a_redis_restart_mid_load_gives_503s_then_full_recovery(redis_faults):
     assert set(statuses) <= {200, 503}, [(r.status, r.body) for r in results if r.status not in (200, 503)][:3]
     failed = [r for r in results if r.status == 503]
     assert failed, "the outage hit no request"
-    for r in failed:
+    for r in failed:  # a call that met the outage names Redis; once a role's readiness saw it, it takes no work
         error = r.body["error"]
-        assert error["code"] in ("ec_store_unavailable", "kv_store_unavailable"), error
-        assert "redis" in error["message"], error
+        if error["code"] in ("ec_store_unavailable", "kv_store_unavailable"):
+            assert "redis" in error["message"], error
+        else:
+            assert error["code"] in ("encode_unavailable", "prefill_unavailable", "decode_unavailable"), error
+            assert error["message"].startswith(f"no healthy {error['code'].split('_')[0]} instance"), error
     assert max(r.seconds for r in results) < 15.0                   # failing is fast, nothing hangs
     assert statuses[-40:] == [200] * 40, statuses[-40:]              # recovered, under the same load
     with cluster.client() as client:
@@ -66,6 +73,46 @@ def test_a_redis_restart_mid_load_gives_503s_then_full_recovery(redis_faults):
                                                                   max_tokens=2))
             assert reply.status_code == 200, reply.text
     assert {role: role_pid(cluster, role, index) for role, index in ROLES} == pids   # no process restarted
+
+
+def _wait_status(url: str, status: int, deadline_s: float = 10.0) -> httpx.Response:
+    deadline = time.monotonic() + deadline_s
+    while True:
+        reply = httpx.get(url, timeout=5)
+        if reply.status_code == status or time.monotonic() > deadline:
+            return reply
+        time.sleep(0.1)
+
+
+def test_readiness_follows_redis_while_liveness_stays(redis_faults):
+    server, cluster = redis_faults
+    roles = {role: cluster.http_urls(role)[0] for role in ("encode", "prefill", "decode")}
+    render = cluster.http_urls("render")[0]
+    for url in [*roles.values(), render]:
+        assert httpx.get(url + "/ready", timeout=5).json()["status"] == "ready"
+    server.stop()
+    try:
+        where = f"127.0.0.1:{server.port}/0"
+        for role, url in roles.items():
+            reply = _wait_status(url + "/ready", 503)
+            assert reply.status_code == 503, (role, reply.text)
+            body = reply.json()
+            assert body["status"] == "not_ready" and body["role"] == role
+            purposes = {"encode": ["ec"], "prefill": ["ec", "kv"], "decode": ["kv"]}[role]
+            assert [p.split(":")[0] for p in body["problems"]] == [f"{p} store (redis)" for p in purposes]
+            assert all(f"Redis at {where} is not reachable (" in p for p in body["problems"]), body
+            live = httpx.get(url + "/health", timeout=5)
+            assert live.status_code == 200 and live.json()["ready"] is False     # alive, only not ready
+        assert httpx.get(render + "/ready", timeout=5).status_code == 200       # render uses no store
+        coordinator = _wait_status(cluster.url + "/health", 503)                 # no ready instance of a role
+        assert coordinator.status_code == 503, coordinator.text
+    finally:
+        server.start()
+    for url in [*roles.values(), cluster.url]:
+        assert _wait_status(url + ("/ready" if url != cluster.url else "/health"), 200).status_code == 200
+    with cluster.client() as client:
+        reply = client.post("/v1/chat/completions", json=chat("Back?", [noise_image(56, 56, 990)], max_tokens=2))
+        assert reply.status_code == 200, reply.text
 
 
 def test_no_epd_key_is_left_in_redis_after_shutdown(redis_faults):
