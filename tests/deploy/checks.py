@@ -86,21 +86,19 @@ def _config_problems(env: dict[str, str], command: str) -> list[str]:
 
 
 def probes_match_ports(docs: list[Doc]) -> list[str]:
-    """Role: liveness is gRPC health on EPD_GRPC_PORT, readiness HTTP /health on EPD_HTTP_PORT."""
+    """Role: startup and liveness GET /health, readiness GET /ready, all on EPD_HTTP_PORT (liveness never
+    gRPC health: that follows readiness, and a Redis outage must not restart the pod)."""
     problems = []
     for deployment, c, command in epd_containers(docs):
         env, where = effective_env(docs, c), f"{name_of(deployment)}/{c['name']}"
         declared = {p["containerPort"] for p in c.get("ports") or []}
         if command in ROLES:
             grpc_port, http_port = int(env["EPD_GRPC_PORT"]), int(env["EPD_HTTP_PORT"])
-            live, ready = c["livenessProbe"], c["readinessProbe"]
-            if (live.get("grpc") or {}).get("port") != grpc_port:
-                problems.append(f"{where}: livenessProbe must be a grpc probe on {grpc_port}")
-            if (c.get("startupProbe") or {}).get("grpc", {}).get("port") != grpc_port:
-                problems.append(f"{where}: startupProbe must be a grpc probe on {grpc_port}")
-            get = ready.get("httpGet") or {}
-            if get.get("path") != "/health" or port_number(c, get.get("port", 0)) != http_port:
-                problems.append(f"{where}: readinessProbe must GET /health on {http_port}")
+            for probe, path in (("startupProbe", "/health"), ("livenessProbe", "/health"),
+                                ("readinessProbe", "/ready")):
+                get = (c.get(probe) or {}).get("httpGet") or {}
+                if get.get("path") != path or port_number(c, get.get("port", 0)) != http_port:
+                    problems.append(f"{where}: {probe} must GET {path} on {http_port}")
             if not {grpc_port, http_port} <= declared:
                 problems.append(f"{where}: containerPorts {declared} miss {grpc_port}/{http_port}")
         elif command == "coordinator":
@@ -235,6 +233,30 @@ ALL = (pod_hygiene, epd_settings, probes_match_ports, coordinator_wiring, regist
        connector_wiring)
 
 
+# (readiness path, liveness path) per epd command: readiness means "can serve" (GET /ready), liveness only
+# "runs" (never a check that a Redis outage fails, or the kubelet would restart healthy processes).
+PROBE_PATHS = {"coordinator": ("/health", "/v1/models")}
+ROLE_PROBE_PATHS = ("/ready", "/health")
+STOP_MARGIN_S = 5.0
+
+
+def probes_and_drain(docs: list[Doc]) -> list[str]:
+    """Readiness is /ready and liveness /health (HTTP) on roles; the pod waits longer than the drain."""
+    problems = []
+    for deployment, c, command in epd_containers(docs):
+        where = f"{name_of(deployment)}/{c['name']}"
+        want = PROBE_PATHS.get(command, ROLE_PROBE_PATHS)
+        got = tuple(((c.get(p) or {}).get("httpGet") or {}).get("path") for p in ("readinessProbe", "livenessProbe"))
+        if got != want:
+            problems.append(f"{where}: readiness/liveness probes are {got}, want {want}")
+        grace = float(effective_env(docs, c).get("EPD_SHUTDOWN_GRACE_S", EpdConfig().shutdown_grace_s))
+        waits = deployment["spec"]["template"]["spec"].get("terminationGracePeriodSeconds", 30)
+        if waits < grace + STOP_MARGIN_S:
+            problems.append(f"{where}: terminationGracePeriodSeconds {waits} < EPD_SHUTDOWN_GRACE_S {grace:g} + "
+                            f"{STOP_MARGIN_S:g}: running requests would be killed before they finish")
+    return problems
+
+
 def run_all(docs: list[Doc], autoscaled: bool = True) -> list[str]:
-    problems = [p for check in ALL for p in check(docs)]
+    problems = [p for check in (*ALL, probes_and_drain) for p in check(docs)]
     return problems + budgets_and_autoscalers(docs, autoscaled)

@@ -48,11 +48,28 @@ def test_an_unknown_or_invalid_setting_is_caught():
     assert any("kv_connector" in p for p in checks.epd_settings(broken("multi-node", invalid)))
 
 
-def test_a_probe_on_the_wrong_port_is_caught():
+def test_a_probe_on_the_wrong_port_or_path_is_caught():
     def wrong(docs):
-        container(docs, "epd-encode", "encode")["livenessProbe"]["grpc"]["port"] = 50051
+        container(docs, "epd-encode", "encode")["livenessProbe"]["httpGet"]["port"] = 8001
 
-    assert any("livenessProbe" in p for p in checks.probes_match_ports(broken("multi-node", wrong)))
+    def readiness_as_liveness(docs):
+        container(docs, "epd-decode", "decode")["livenessProbe"]["httpGet"]["path"] = "/ready"
+
+    assert checks.probes_match_ports(broken("multi-node", wrong)) == [
+        "Deployment/epd-encode/encode: livenessProbe must GET /health on 8002"]
+    assert checks.probes_match_ports(broken("multi-node", readiness_as_liveness)) == [
+        "Deployment/epd-decode/decode: livenessProbe must GET /health on 8004"]
+
+
+def test_a_pod_that_would_kill_its_draining_requests_is_caught():
+    def short(docs):
+        next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "epd-decode")[
+            "spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = 30
+
+    assert checks.probes_and_drain(broken("multi-node", short)) == [
+        "Deployment/epd-decode/decode: terminationGracePeriodSeconds 30 < EPD_SHUTDOWN_GRACE_S 50 + 5: running "
+        "requests would be killed before they finish"]
+    assert checks.probes_and_drain(broken("multi-node", lambda docs: None)) == []
 
 
 def test_a_coordinator_address_that_leads_nowhere_is_caught():

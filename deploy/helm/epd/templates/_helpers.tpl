@@ -142,20 +142,24 @@ several roles share a pod).
       containerPort: {{ .cfg.httpPort }}
   # Nothing listens until the model is loaded (or downloaded): allow up to 15 minutes.
   startupProbe:
-    grpc:
-      port: {{ .cfg.grpcPort }}
-    periodSeconds: 5
-    failureThreshold: 180
-  readinessProbe:
     httpGet:
       path: /health
       port: {{ $httpName }}
     periodSeconds: 5
+    failureThreshold: 180
+  # 503 while a store it uses does not answer (Redis down) or while draining for shutdown.
+  readinessProbe:
+    httpGet:
+      path: /ready
+      port: {{ $httpName }}
+    periodSeconds: 5
     timeoutSeconds: 3
     failureThreshold: 2
+  # Liveness only: a Redis outage makes the role unready, never restarts it.
   livenessProbe:
-    grpc:
-      port: {{ .cfg.grpcPort }}
+    httpGet:
+      path: /health
+      port: {{ $httpName }}
     periodSeconds: 10
     timeoutSeconds: 5
     failureThreshold: 3
