@@ -15,6 +15,8 @@ import uuid
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any
 
+from .auth import KeySet, parse_keys
+
 CONNECTORS = ("shm", "redis")
 DEVICES_PREFIXES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -101,6 +103,11 @@ class EpdConfig:
     shutdown_grace_s: float = _f(25.0, "on SIGTERM, seconds running requests get to finish: readiness turns "
                                  "false at once, new work is refused, then the process stops (keep it below "
                                  "the pods' terminationGracePeriodSeconds)")
+    # ---- security (docs/security.md); fields marked secret are never printed with their values
+    api_key: str = _f("", "API keys clients must send as 'Authorization: Bearer KEY' (comma-separated; @FILE reads "
+                      "one key per line): the coordinator's OpenAI and scale-out endpoints, and the roles' HTTP "
+                      "APIs unless --role-api-key is set; empty: unauthenticated (a warning at start)", secret=True)
+    role_api_key: str = _f("", "API keys of the roles' HTTP APIs (same syntax; default: --api-key)", secret=True)
 
     def __post_init__(self) -> None:
         _check(self.ec_connector in CONNECTORS, f"ec_connector must be one of {', '.join(CONNECTORS)}")
@@ -126,8 +133,21 @@ class EpdConfig:
             http = self.http_urls(role)
             _check(not http or len(http) == len(self.urls(role)),
                    f"{role}_http_urls must list one URL per {role}_urls entry, in the same order")
+        for name in ("api_key", "role_api_key"):
+            try:
+                parse_keys(getattr(self, name), name.replace("_", " "))
+            except ValueError as exc:
+                raise ConfigError(f"{flag_name(name)}: {exc}") from None
         if not self.instance_id:
             object.__setattr__(self, "instance_id", uuid.uuid4().hex[:8])
+
+    def api_keys(self) -> KeySet:
+        """Keys of the coordinator's public API."""
+        return KeySet.of(parse_keys(self.api_key))
+
+    def role_api_keys(self) -> KeySet:
+        """Keys of a role's HTTP API: --role-api-key, else --api-key."""
+        return KeySet.of(parse_keys(self.role_api_key or self.api_key))
 
     def served_model_id(self) -> str:
         """The model id clients send and responses carry."""
@@ -151,6 +171,11 @@ class EpdConfig:
 
     def with_(self, **changes: Any) -> EpdConfig:
         return replace(self, **changes)
+
+    def redacted(self) -> dict[str, Any]:
+        """Every setting's value for display: secrets (API keys, tokens) only say whether they are set."""
+        secret = {f.name for f in fields(self) if f.metadata.get("secret")}
+        return {k: ("<set>" if v else "") if k in secret else v for k, v in asdict(self).items()}
 
     def to_env(self) -> dict[str, str]:
         """The environment that reproduces this config in a child process."""

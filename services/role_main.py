@@ -44,7 +44,8 @@ def run(role: str, config: EpdConfig) -> int:
         role_server = await module.build(config)
         announcer = start_announcing(config, role, grpc_port, http_port)
         try:
-            await serve(role_server, config.host, grpc_port, http_port, config.log_level, config.shutdown_grace_s)
+            await serve(role_server, config.host, grpc_port, http_port, config.log_level, config.shutdown_grace_s,
+                        keys=config.role_api_keys())
         finally:
             if announcer is not None:
                 await announcer.stop()

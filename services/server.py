@@ -7,17 +7,22 @@ why) and GET /metrics; the gRPC side serves the standard health protocol,
 SERVING exactly when ready.  SIGTERM and SIGINT drain: readiness turns false
 at once, calls already running get up to `shutdown_grace_s` to finish, then
 both servers stop and the role's cleanup runs (freeing shm segments, Redis keys).
+With API keys (services.auth) every HTTP route but PROBE_PATHS needs one; the
+gRPC side (health included) is for the cluster's own calls: keep it on a
+private network (docs/security.md).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import signal
 import socket
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import uvicorn
@@ -28,6 +33,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from .auth import KeySet, protect
 from .readiness import Readiness
 
 log = logging.getLogger(__name__)
@@ -76,7 +82,7 @@ class RoleServer:
     stores: list = field(default_factory=list)   # tensor stores whose backends readiness checks
 
 
-def build_http_app(role: RoleServer, readiness: Readiness | None = None) -> Starlette:
+def build_http_app(role: RoleServer, readiness: Readiness | None = None, keys: KeySet | None = None) -> Any:
     readiness = readiness or Readiness(role.name, role.is_ready, role.stores)
 
     async def health_route(_: Request) -> Response:  # liveness: the process and its event loop run
@@ -91,11 +97,18 @@ def build_http_app(role: RoleServer, readiness: Readiness | None = None) -> Star
 
     routes = [Route("/health", health_route), Route("/ready", ready_route), Route("/metrics", metrics_route),
               *role.http_routes]
-    return Starlette(routes=routes)
+    log.info("%s http routes: %s", role.name, json.dumps(route_table(routes)))
+    return protect(Starlette(routes=routes), keys or KeySet(), PROBE_PATHS, f"the {role.name} HTTP API")
+
+
+def route_table(routes: list[Any]) -> list[list[str]]:
+    """[method, path] of every route (logged at start: what an operator, and the auth test, can call)."""
+    return [[method, route.path] for route in routes for method in sorted(getattr(route, "methods", None) or ["GET"])
+            if method != "HEAD"]
 
 
 async def serve(role: RoleServer, host: str, grpc_port: int, http_port: int, log_level: str = "info",
-                grace_s: float = SHUTDOWN_GRACE_S) -> None:
+                grace_s: float = SHUTDOWN_GRACE_S, keys: KeySet | None = None) -> None:
     server = grpc.aio.server(options=SERVER_OPTIONS)
     role.register_grpc(server)
     health_servicer = health.aio.HealthServicer()
@@ -105,7 +118,7 @@ async def serve(role: RoleServer, host: str, grpc_port: int, http_port: int, log
     await readiness.refresh()
     await server.start()
     await _set_serving(health_servicer, readiness.ready)
-    http = _QuietServer(uvicorn.Config(build_http_app(role, readiness), host=host, port=http_port,
+    http = _QuietServer(uvicorn.Config(build_http_app(role, readiness, keys), host=host, port=http_port,
                                        log_level="warning", lifespan="off", timeout_graceful_shutdown=grace_s))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -15,7 +15,7 @@ from services.config import schema
 from .manifests import ROOT
 
 DOCS = ROOT / "docs"
-OWN_DOCS = ("deployment.md", "operations.md", "configuration.md", "troubleshooting.md", "llm-d.md")
+OWN_DOCS = ("deployment.md", "operations.md", "configuration.md", "troubleshooting.md", "llm-d.md", "security.md")
 # Variables read outside services.config: the demo model cache, and the image's health check.
 OTHER_VARIABLES = {"EPD_CACHE_DIR", "EPD_HEALTH_PORT"}
 

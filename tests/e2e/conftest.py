@@ -68,3 +68,19 @@ def pool_clusters(demo_model_path):
     holder = PoolCluster()
     yield holder
     holder.stop()
+
+
+# The secured cluster (tests/e2e/test_auth.py and the other security tests): two public keys from a key file
+# (as a mounted Secret holds them) and a separate key for the roles' HTTP APIs.
+PUBLIC_KEYS = ("sk-epd-test-tenant-a", "sk-epd-test-tenant-b")
+ROLE_KEY = "sk-epd-test-roles"
+
+
+@pytest.fixture(scope="session")
+def secure_cluster(demo_model_path, tmp_path_factory):
+    keyfile = tmp_path_factory.mktemp("secrets") / "api-keys"
+    keyfile.write_text("# one key per tenant\n" + "\n".join(PUBLIC_KEYS) + "\n")
+    cluster = start_cluster("--api-key", f"@{keyfile}", "--role-api-key", ROLE_KEY,
+                            "--ec-capacity-mb", "32", "--kv-capacity-mb", "32")
+    yield cluster
+    cluster.stop()
