@@ -1,8 +1,8 @@
 """Per-stage compute time, measured by the roles themselves: `epd_stage_compute_seconds{stage}`.
 
-Stages: "encode" (one vision-tower forward, a batch of items), "prefill" (one prompt through
-the decoder stack, KV extraction included, lock wait excluded) and "decode_step" (one batched
-decode forward plus sampling).  Subtracting these from a request's TTFT gives what the
+Stages: "encode" (one vision-tower forward, a batch of items), "prefill" (one packed forward of
+the decoder stack: the prompts and chunks the prefill scheduler batched, LM head included) and
+"decode_step" (one batched decode forward plus sampling).  Subtracting these from a request's TTFT gives what the
 pipeline around the models costs (benchmarks/overhead.py); the sums per forward feed the
 capacity model (docs/capacity.md).  The engines observe it, so it is what the model really
 took, not what a caller waited for.
@@ -18,7 +18,7 @@ from prometheus_client import Histogram
 
 _BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 STAGE_COMPUTE_SECONDS = Histogram("epd_stage_compute_seconds", "Model compute per stage, timed inside the role "
-                                  "(encode: one vision forward; prefill: one prompt; decode_step: one batched "
+                                  "(encode: one vision forward; prefill: one packed forward; decode_step: one batched "
                                   "step)", ["stage"], buckets=_BUCKETS)
 
 

@@ -84,6 +84,10 @@ class EpdConfig:
     prefill_max_queue: int = _f(32, "requests one prefill instance holds (running + waiting); more are "
                                 "refused (429, the coordinator tries another instance)")
     encode_max_queue: int = _f(256, "items one encode instance holds (running + waiting); more are refused")
+    max_num_batched_tokens: int = _f(2048, "prompt tokens one prefill forward may take: waiting prompts are "
+                                     "batched up to it, longer prompts run in chunks of it", roles="prefill")
+    prefix_cache_mb: int = _f(256, "bytes (MiB) of prompt KV blocks one prefill instance keeps for later prompts "
+                              "with the same prefix (LRU; 0 turns the prefix cache off)", roles="prefill")
     prefill_inline_encode: bool = _f(True, "when no encode instance can take an item, prefill encodes it "
                                      "itself (loads the vision tower on first need)")
     render_routing_policy: str = _f("least_loaded", "how the coordinator picks a render instance: "
@@ -118,8 +122,9 @@ class EpdConfig:
         for name in ("encode_instances", "prefill_instances", "decode_instances", "decode_slots",
                      "max_model_len", "ec_capacity_mb", "kv_capacity_mb", "max_images_per_request",
                      "max_image_pixels", "max_image_bytes", "encode_max_batch_tokens", "max_inflight_requests",
-                     "prefill_max_queue", "encode_max_queue"):
+                     "prefill_max_queue", "encode_max_queue", "max_num_batched_tokens"):
             _check(getattr(self, name) >= 1, f"{name} must be >= 1")
+        _check(self.prefix_cache_mb >= 0, "prefix_cache_mb must be >= 0")
         _check(0 <= self.port < 65536 and 0 <= self.grpc_port < 65536 and 0 <= self.http_port < 65536,
                "ports must be in 0..65535")
         _check(self.request_timeout_s > 0 and self.media_timeout_s > 0, "timeouts must be > 0")

@@ -25,7 +25,7 @@ L, head_dim] (index 0 = keys, 1 = values) in `KVLayout.dtype`, the model dtype.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -52,12 +52,9 @@ class PrefillInputs:
     inputs_embeds: torch.Tensor   # [1, L, hidden], model dtype
     position_ids: torch.Tensor    # family shaped, int64: [1, L] or [3, 1, L] (M-RoPE)
     rope_delta: int               # carried to decode; 0 for text-only prompts
-    # Family-specific extra forward kwargs for prompt tokens [start:] (Qwen3-VL: deepstack features).
-    extra_kwargs: Callable[[int], dict[str, Any]] | None = None
-
-    def forward_kwargs(self, start: int = 0) -> dict[str, Any]:
-        """Extra kwargs of the forward over prompt tokens [start:] (a prefix-cache hit skips the rest)."""
-        return self.extra_kwargs(start) if self.extra_kwargs is not None else {}
+    # Family-specific per-prompt tensors that `LanguageModel.packed_kwargs` turns into forward kwargs
+    # (Qwen3-VL: which rows are visual and their deepstack features).
+    extras: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -128,6 +125,11 @@ class LanguageModel(ABC):
     def decode_position_ids(self, positions: torch.Tensor) -> torch.Tensor:
         """[B] (or [B, T]) absolute positions (token index + rope_delta) -> family-shaped
         position_ids for one step: Qwen-VL gives [3, B, 1] (or [3, B, T])."""
+
+    def packed_kwargs(self, chunks: Sequence[tuple[PrefillInputs, int, int]]) -> dict[str, Any]:
+        """Extra forward kwargs of one packed forward over rows [start, end) of each prompt, in order
+        (the rows are concatenated into one sequence).  None by default; Qwen3-VL: deepstack."""
+        return {}
 
 
 @dataclass(frozen=True)

@@ -7,13 +7,15 @@ EC entry per item holding two tensors, "embedding" [n, hidden] and
 "deepstack" [num_deepstack_layers, n, hidden]; prefill receives the second as
 `MultiModalInput.extras["deepstack"]` and feeds it back through the text
 model's own `visual_pos_masks` / `deepstack_visual_embeds` arguments (what
-`mm_encoder_outputs` resolves to inside transformers).  Positions are
+`mm_encoder_outputs` resolves to inside transformers); in a packed forward of several prompts
+(or a chunk of one) `packed_kwargs` builds them for exactly the rows the forward runs.  Positions are
 Qwen2-VL's: M-RoPE from `get_rope_index`, rope_delta to decode.  Decode needs
 nothing new: deepstack touches prompt tokens only.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +27,7 @@ if TYPE_CHECKING:
     import torch
 
 DEEPSTACK = "deepstack"
+VISUAL_MASK = "visual_mask"
 
 
 class Qwen3VLVision(QwenVLVision):
@@ -56,30 +59,40 @@ class Qwen3VLLanguage(QwenVLLanguage):
         self.num_deepstack = len(hf_model.config.vision_config.deepstack_visual_indexes)
 
     def prefill_inputs(self, token_ids: list[int], mm_items: list[MultiModalInput]) -> PrefillInputs:
+        import torch
+
         inputs = super().prefill_inputs(token_ids, mm_items)
         items = sorted(mm_items, key=lambda item: item.offset)
         if items and self.num_deepstack:
-            inputs.extra_kwargs = self._deepstack_kwargs(len(token_ids), items)
+            for item in items:
+                self._check_deepstack(item)
+            mask = torch.zeros(len(token_ids), dtype=torch.bool, device=self.device)
+            for item in items:
+                mask[item.offset:item.offset + item.length] = True
+            # one [num_visual_tokens, hidden] map per deepstack layer, rows in prompt order (= mask order)
+            layers = torch.cat([item.extras[DEEPSTACK] for item in items], dim=1).to(self.device)
+            inputs.extras = {VISUAL_MASK: mask, DEEPSTACK: layers}
         return inputs
 
-    def _deepstack_kwargs(self, num_tokens: int, items: list[MultiModalInput]):
+    def packed_kwargs(self, chunks: Sequence[tuple[PrefillInputs, int, int]]) -> dict[str, Any]:
+        """visual_pos_masks over the packed rows and, per deepstack layer, the features of the visual rows
+        among them in the same order; {} when no chunk holds an image row."""
         import torch
 
-        for item in items:
-            self._check_deepstack(item)
-        mask = torch.zeros(1, num_tokens, dtype=torch.bool, device=self.device)
-        for item in items:
-            mask[0, item.offset:item.offset + item.length] = True
-        # one [num_visual_tokens, hidden] tensor per deepstack layer, rows in prompt order (= mask order)
-        layers = torch.cat([item.extras[DEEPSTACK] for item in items], dim=1).to(self.device)
-
-        def kwargs(start: int) -> dict[str, Any]:
-            skipped = int(mask[:, :start].sum())
-            if skipped == layers.shape[1]:
-                return {}  # every image token is in the cached prefix
-            return {"visual_pos_masks": mask[:, start:], "deepstack_visual_embeds": list(layers[:, skipped:])}
-
-        return kwargs
+        masks, features = [], []
+        for inputs, start, end in chunks:
+            mask = inputs.extras.get(VISUAL_MASK)
+            if mask is None:
+                masks.append(torch.zeros(end - start, dtype=torch.bool, device=self.device))
+                continue
+            skipped, count = int(mask[:start].sum()), int(mask[start:end].sum())
+            masks.append(mask[start:end])
+            if count:
+                features.append(inputs.extras[DEEPSTACK][:, skipped:skipped + count])
+        if not features:
+            return {}
+        layers = torch.cat(features, dim=1)
+        return {"visual_pos_masks": torch.cat(masks)[None], "deepstack_visual_embeds": list(layers)}
 
     def _check_deepstack(self, item: MultiModalInput) -> None:
         stack = item.extras.get(DEEPSTACK)

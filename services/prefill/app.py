@@ -16,7 +16,6 @@ async def build(config: EpdConfig) -> RoleServer:
 
     from .engine import PrefillEngine
     from .inline_encode import InlineEncoder
-    from .prefix_cache import PrefixCache
     from .servicer import PrefillServicer
     from .serving import PrefillService
 
@@ -24,7 +23,8 @@ async def build(config: EpdConfig) -> RoleServer:
     adapter = adapter_for(path)
     lm = adapter.load_language(path, config.device, config.dtype, config.max_model_len)
     export(prepack_language(lm, config.linear_kernel), "language")
-    engine = PrefillEngine(lm, PrefixCache(max_blocks=1024))
+    engine = PrefillEngine(lm, max_num_batched_tokens=config.max_num_batched_tokens,
+                           prefix_cache_mb=config.prefix_cache_mb)
     ec_store = open_store(config, "ec", producer=False)
     kv_store = open_store(config, "kv")
     inline = InlineEncoder(adapter, path, config.device, config.dtype) if config.prefill_inline_encode else None
@@ -35,6 +35,7 @@ async def build(config: EpdConfig) -> RoleServer:
         rpc.add_PrefillServiceServicer_to_server(servicer, server)
 
     def cleanup() -> None:
+        engine.close()
         kv_store.close()
         ec_store.close()
 

@@ -1,31 +1,50 @@
-"""The prefill engine: one prompt in, first-token logits and its KV out.
+"""The prefill engine: prompts in, first-token logits and KV (in pool blocks) out, batched and chunked.
 
-Transport-free; the prefill role's serving core calls `prefill` from any
-thread (a lock serialises forwards: the model is shared and CPU forwards
-already use every core).  The KV comes back in the wire layout decode expects,
-[num_layers, 2, num_kv_heads, L, head_dim] in the model dtype on the model's
-device, together with the rope_delta decode needs for its positions.
+Who calls what: the prefill role's serving core calls `submit` from any thread (it never
+blocks on the model) and awaits the returned future of a `HeldPrefill`, whose `fill` copies
+the KV into the KV store and whose `release` gives the blocks back; `prefill` is the
+blocking form that returns a `PrefillResult` with a KV tensor of its own (tests, tools).
 
-With a `PrefixCache`, the leading full blocks already seen (same salt, same
-tokens, same images) are taken from it and only the rest of the prompt runs
-through the model; at least one token always runs, since its logits are the
-result.  Tokens are the same with or without hits (logits agree to float
-rounding: shorter matmuls sum in another order).
+One worker thread runs the forwards, one at a time (the model is shared and a CPU forward
+already uses every core).  Each forward packs the rows the scheduler picks — waiting prompts
+in arrival order under `max_num_batched_tokens`, long prompts in chunks (scheduler.py) — into
+one sequence (packing.py, attention.py).  The worker exits after `idle_exit_s` without work
+and starts again with the next submit, so an engine nobody uses holds no thread.
+
+KV memory is one pool (kv_pool.py) of `block_size`-token blocks sized at construction:
+`prefix_cache_mb` for blocks kept for later prompts with the same prefix (the prefix cache,
+LRU over unreferenced blocks; 0 turns it off), plus room for one `max_model_len` prompt and two
+forwards' worth of prompts in flight.  The prefix cache shares blocks by reference: a hit's
+blocks are read in place (gathered once into the forward's attention), a finished prompt's
+full blocks are published as they are.  Tokens are the same with or without hits and
+batched or alone (logits agree to float rounding: matmuls of other shapes sum in other orders).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from services.compute_metrics import compute_timer
 from services.models.base import LanguageModel, MultiModalInput
-from services.models.kv import cache_from_kv, kv_from_cache, new_cache
-from services.prefill.prefix_cache import PrefixCache, block_hashes
+from services.prefill import attention
+from services.prefill.blocks import BlockManager
+from services.prefill.jobs import HeldPrefill, PrefillJob, release_when_done
+from services.prefill.kv_pool import KVPool, block_bytes
+from services.prefill.packing import Chunk, forward_chunks
+from services.prefill.prefix_cache import BLOCK_SIZE
+from services.prefill.scheduler import Scheduled, Scheduler
 
 if TYPE_CHECKING:
     import torch
+
+log = logging.getLogger(__name__)
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+DEFAULT_PREFIX_CACHE_MB = 256
 
 
 @dataclass
@@ -38,37 +57,72 @@ class PrefillResult:
 
 
 class PrefillEngine:
-    """Runs the decoder stack over whole prompts; thread-safe."""
+    """Batched, chunked prefill over a language model; thread-safe."""
 
-    def __init__(self, lm: LanguageModel, prefix_cache: PrefixCache | None = None) -> None:
-        self.lm = lm
-        self.prefix_cache = prefix_cache
-        self._lock = threading.Lock()
-        self.num_prefills = 0
-        self.num_prompt_tokens = 0
-        self.num_cached_tokens = 0
+    def __init__(self, lm: LanguageModel, max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                 prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB, block_size: int = BLOCK_SIZE,
+                 idle_exit_s: float = 5.0) -> None:
+        attention.install(lm)
+        self.lm, self.block_size, self.idle_exit_s = lm, block_size, idle_exit_s
+        self.max_num_batched_tokens = max_num_batched_tokens
+        max_cached = int(prefix_cache_mb * 2**20) // block_bytes(lm.layout, block_size)
+        working = -(-(lm.layout.max_model_len + 2 * max_num_batched_tokens) // block_size)
+        self.pool = KVPool(lm.layout, max_cached + working, block_size, lm.device)
+        self.blocks = BlockManager(max_cached + working, max_cached)
+        self._scheduler = Scheduler(self.blocks, block_size, max_num_batched_tokens, self._prepare,
+                                    use_prefix_cache=max_cached > 0)
+        self._cond = threading.Condition()
+        self._worker: threading.Thread | None = None
+        self._closed = False
+        self.num_prefills = self.num_prompt_tokens = self.num_cached_tokens = 0
+        self.num_forwards = 0
+        self.recent_batches: deque[tuple[int, int]] = deque(maxlen=256)  # (chunks, rows) per forward
+
+    @property
+    def num_waiting(self) -> int:
+        """Prompts submitted and not finished (running or waiting)."""
+        return len(self._scheduler)
+
+    def submit(self, token_ids: list[int], mm_items: list[MultiModalInput] | None = None,
+               cache_salt: str | None = None) -> Future[HeldPrefill]:
+        """Queue one prompt; the future resolves to its HeldPrefill (release it!) or to the error
+        (ValueError / InvalidMultiModalInput for items that do not fit the prompt)."""
+        self._check_length(token_ids)
+        job = PrefillJob(list(token_ids), list(mm_items or []), cache_salt)
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the prefill engine is closed")
+            self._scheduler.add(job)
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._run, name="prefill-engine", daemon=True)
+                self._worker.start()
+            self._cond.notify()
+        return job.future
 
     def prefill(self, token_ids: list[int], mm_items: list[MultiModalInput] | None = None,
-                cache_salt: str | None = None) -> PrefillResult:
-        """Prefill one prompt. Raises ValueError (InvalidMultiModalInput) for items that do not fit it."""
-        import torch
+                cache_salt: str | None = None, timeout: float | None = None) -> PrefillResult:
+        """Prefill one prompt and wait; the KV comes back as a tensor of its own."""
+        future = self.submit(token_ids, mm_items, cache_salt)
+        try:
+            held = future.result(timeout)
+        except TimeoutError:
+            release_when_done(future)
+            raise
+        with held:
+            return PrefillResult(held.first_logits, held.kv(), held.rope_delta, held.num_prompt_tokens,
+                                 held.num_cached_tokens)
 
-        self._check_length(token_ids)
-        items = mm_items or []
-        with self._lock, torch.no_grad(), compute_timer("prefill"):
-            inputs = self.lm.prefill_inputs(token_ids, items)
-            keys, hits = self._lookup(token_ids, items, cache_salt)
-            cached = sum(block.shape[3] for block in hits)
-            cache = cache_from_kv(torch.cat(hits, dim=3)) if hits else new_cache()
-            out = self.lm.model(inputs_embeds=inputs.inputs_embeds[:, cached:], cache=cache, use_cache=True,
-                                position_ids=inputs.position_ids[..., cached:], **inputs.forward_kwargs(cached))
-            logits = self.lm.lm_head(out.last_hidden_state[:, -1])[0].float()
-            kv = kv_from_cache(cache)
-            if self.prefix_cache is not None:
-                self.prefix_cache.insert(keys, kv, first=len(hits))
-            self._count(len(token_ids), cached)
-        return PrefillResult(first_logits=logits, kv=kv, rope_delta=inputs.rope_delta,
-                             num_prompt_tokens=len(token_ids), num_cached_tokens=cached)
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop after the running forward; prompts not finished fail with RuntimeError."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            worker = self._worker
+        if worker is not None and worker is not threading.current_thread():
+            worker.join(timeout)
+        with self._cond:
+            for job in list(self._scheduler.waiting):
+                self._fail(job, RuntimeError("the prefill engine closed before the prompt ran"))
 
     def _check_length(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -77,15 +131,73 @@ class PrefillEngine:
             raise ValueError(f"prompt of {len(token_ids)} tokens exceeds max_model_len "
                              f"{self.lm.layout.max_model_len}")
 
-    def _lookup(self, token_ids: list[int], items: list[MultiModalInput],
-                cache_salt: str | None) -> tuple[list[bytes], list[torch.Tensor]]:
-        if self.prefix_cache is None:
-            return [], []
-        keys = block_hashes(token_ids, items, cache_salt, self.prefix_cache.block_size)
-        usable = (len(token_ids) - 1) // self.prefix_cache.block_size  # keep one token to compute
-        return keys, self.prefix_cache.lookup(keys[:usable])
+    def _prepare(self, job: PrefillJob) -> None:
+        import torch
 
-    def _count(self, num_tokens: int, num_cached: int) -> None:
-        self.num_prefills += 1
-        self.num_prompt_tokens += num_tokens
-        self.num_cached_tokens += num_cached
+        with torch.no_grad():
+            job.inputs = self.lm.prefill_inputs(job.token_ids, job.items)
+
+    # ---- worker thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while (batch := self._next_batch()) is not None:
+            self._forward(batch)
+
+    def _next_batch(self) -> list[Scheduled] | None:
+        """The next forward's rows; None when closed or idle for idle_exit_s (the thread then ends)."""
+        with self._cond:
+            while not self._closed:
+                batch = self._scheduler.next_batch()
+                if batch:
+                    return batch
+                if not self._cond.wait(self.idle_exit_s) and not len(self._scheduler):
+                    break
+            self._worker = None
+            return None
+
+    def _forward(self, batch: list[Scheduled]) -> None:
+        import torch
+
+        chunks = [Chunk(item.job.inputs, item.start, item.end, tuple(item.job.blocks))  # type: ignore[arg-type]
+                  for item in batch]
+        finishing = [index for index, item in enumerate(batch) if item.finishes]
+        try:
+            with torch.no_grad(), compute_timer("prefill"):
+                hidden = forward_chunks(self.lm, self.pool, chunks)
+                logits = self.lm.lm_head(hidden[finishing]).float() if finishing else None
+        except Exception as exc:  # every prompt of the batch hears of it; the engine carries on
+            log.exception("prefill forward of %d chunks failed", len(batch))
+            with self._cond:
+                for item in batch:
+                    self._fail(item.job, exc)
+            return
+        with self._cond:
+            self._scheduler.advance(batch)
+        self._count(batch, chunks)
+        for row, index in enumerate(finishing):
+            job = batch[index].job
+            assert logits is not None
+            job.future.set_result(HeldPrefill(job, logits[row], self.pool, self._release))
+
+    def _count(self, batch: list[Scheduled], chunks: list[Chunk]) -> None:
+        self.num_forwards += 1
+        self.recent_batches.append((len(chunks), sum(chunk.num_tokens for chunk in chunks)))
+        for item in batch:
+            if item.finishes:
+                self.num_prefills += 1
+                self.num_prompt_tokens += item.job.num_tokens
+                self.num_cached_tokens += item.job.num_cached
+
+    def _fail(self, job: PrefillJob, exc: BaseException) -> None:
+        self._scheduler.drop(job)
+        if not job.future.done():
+            if job.future.running():
+                job.future.set_exception(exc)
+            elif job.future.set_running_or_notify_cancel():
+                job.future.set_exception(exc)
+        self._cond.notify_all()
+
+    def _release(self, blocks: list[int]) -> None:
+        self.blocks.release(blocks)
+        with self._cond:
+            self._cond.notify_all()  # a prompt may be waiting for blocks

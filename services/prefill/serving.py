@@ -2,9 +2,12 @@
 
 Prefill never receives pixels: each image's embedding is loaded from the EC
 store by the handle encode returned, and its positions come from the light
-metadata (image_grid_thw).  The KV cache goes to the KV store under the
-request id; the answer (kv_transfer_params) carries its handle and the
-per-request position state (rope_delta) decode needs.
+metadata (image_grid_thw).  Prompts wait for the engine as futures, not
+threads, so every prompt waiting joins the next batched forward.  The KV goes
+from the engine's blocks to the KV store under the request id with
+`put_into` (the store hands out its memory, the blocks are copied into it
+once); the answer (kv_transfer_params) carries its handle and the per-request
+position state (rope_delta) decode needs.
 """
 
 from __future__ import annotations
@@ -28,12 +31,15 @@ from services.protocol.tensors import to_torch
 
 from .engine import PrefillEngine
 from .inline_encode import InlineEncoder
+from .jobs import HeldPrefill, release_when_done
 
 PROMPT_TOKENS = Counter("epd_prefill_prompt_tokens", "Prompt tokens prefilled")
 CACHED_TOKENS = Counter("epd_prefill_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache")
 MM_BYTES = Counter("epd_prefill_mm_bytes_received", "Multimodal bytes (kwargs_data + mm_metadata) received")
 KV_BYTES = Gauge("epd_kv_store_bytes", "Bytes held by this instance's KV store")
 KV_ENTRIES = Gauge("epd_kv_store_entries", "Entries held by this instance's KV store")
+FORWARDS = Gauge("epd_prefill_forwards", "Prefill forward passes so far (each runs one or more prompts or chunks)")
+CACHED_BLOCKS = Gauge("epd_prefill_prefix_cache_blocks", "KV blocks the prefix cache keeps for later prompts")
 
 
 @dataclass
@@ -64,6 +70,8 @@ class PrefillService:
         # Read at scrape time, so entries that decode released or that expired show at once.
         KV_BYTES.set_function(lambda: store_stat(kv_store, "bytes_used"))
         KV_ENTRIES.set_function(lambda: store_stat(kv_store, "entries"))
+        FORWARDS.set_function(lambda: engine.num_forwards)
+        CACHED_BLOCKS.set_function(lambda: engine.blocks.num_cached)
 
     async def prefill(self, request_id: str, token_ids: list[int], items: list[PrefillItem],
                       ec_params: dict[str, Any], sampling: dict[str, Any], cache_salt: str | None) -> PrefillOutcome:
@@ -76,19 +84,35 @@ class PrefillService:
         params = decode_params(sampling)
         self._check_ids(token_ids)
         mm_inputs = await asyncio.to_thread(self._load_embeddings, items, ec_params)
-        result = await asyncio.to_thread(self.engine.prefill, token_ids, mm_inputs, cache_salt)
-        first = sample_first(result.first_logits, params, 0, self.lm.eos_token_ids, token_ids)
-        handle = await self._store_kv(kv_key(request_id), result.kv)
-        PROMPT_TOKENS.inc(result.num_prompt_tokens)
-        CACHED_TOKENS.inc(result.num_cached_tokens)
+        held = await self._run_engine(token_ids, mm_inputs, cache_salt)
+        try:
+            first = sample_first(held.first_logits, params, 0, self.lm.eos_token_ids, token_ids)
+        except BaseException:
+            held.release()
+            raise
+        handle = await self._store_kv(kv_key(request_id), held)
+        PROMPT_TOKENS.inc(held.num_prompt_tokens)
+        CACHED_TOKENS.inc(held.num_cached_tokens)
         params_out = {"do_remote_prefill": True, "remote_engine_id": self.instance_id, "handle": handle,
-                      "rope_delta": result.rope_delta, "num_prompt_tokens": result.num_prompt_tokens,
+                      "rope_delta": held.rope_delta, "num_prompt_tokens": held.num_prompt_tokens,
                       "first_token_id": first}
-        return PrefillOutcome(first, params_out, result.num_prompt_tokens, result.num_cached_tokens)
+        return PrefillOutcome(first, params_out, held.num_prompt_tokens, held.num_cached_tokens)
 
-    async def _store_kv(self, key: str, kv: Any) -> dict[str, Any]:
-        """Put the KV; if the caller gives up meanwhile, the entry nobody will read is deleted at once."""
-        put = asyncio.ensure_future(asyncio.to_thread(self.kv_store.put, key, {"kv": kv}))
+    async def _run_engine(self, token_ids: list[int], mm_inputs: list[MultiModalInput],
+                          cache_salt: str | None) -> HeldPrefill:
+        """Wait for the engine without holding a thread (so every waiting prompt can join a batch);
+        a caller that gives up leaves the blocks to be released when the prompt finishes."""
+        future = self.engine.submit(token_ids, mm_inputs, cache_salt)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            release_when_done(future)
+            raise
+
+    async def _store_kv(self, key: str, held: HeldPrefill) -> dict[str, Any]:
+        """Put the KV (one copy from the blocks into the store); the blocks go back when the put is done.
+        If the caller gives up meanwhile, the entry nobody will read is deleted at once."""
+        put = asyncio.ensure_future(asyncio.to_thread(self._put_kv, key, held))
         try:
             return await asyncio.shield(put)
         except ConnectorError as exc:
@@ -96,6 +120,12 @@ class PrefillService:
         except asyncio.CancelledError:
             put.add_done_callback(lambda done: self._drop_unread(done, key))
             raise
+
+    def _put_kv(self, key: str, held: HeldPrefill) -> dict[str, Any]:
+        try:
+            return self.kv_store.put_into(key, held.kv_spec(), held.fill)
+        finally:
+            held.release()
 
     def _drop_unread(self, put: asyncio.Future, key: str) -> None:
         if put.cancelled() or put.exception() is not None:

@@ -13,7 +13,6 @@ from services.models.qwen2_vl import Qwen2_5_VLAdapter
 from services.models.qwen3_vl import Qwen3VLAdapter
 from services.models.registry import adapter_for
 from services.prefill.engine import PrefillEngine
-from services.prefill.prefix_cache import PrefixCache
 from tests.services.models.helpers import chat, generate_reference, greedy_continue, picture, processor_inputs
 
 NEW_TOKENS = 8
@@ -162,12 +161,30 @@ def test_qwen3_vl_prefix_cache_hit_inside_an_image_is_exact(qwen3):
     # starts between the images and must pass the deepstack features of the second image only.
     hashed = [MultiModalInput(first.modality, first.offset, first.length, first.metadata, first.embedding,
                               mm_hash="first", extras=first.extras), second]
-    engine = PrefillEngine(parts.lm, PrefixCache(max_blocks=256, block_size=16))
+    engine = PrefillEngine(parts.lm, prefix_cache_mb=1, block_size=16)
     cold = engine.prefill(token_ids, hashed)
     warm = engine.prefill(token_ids, hashed)
     assert first.offset < warm.num_cached_tokens <= second.offset
     assert greedy_continue(parts.lm, warm, NEW_TOKENS) == greedy_continue(parts.lm, cold, NEW_TOKENS)
     torch.testing.assert_close(warm.first_logits, cold.first_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_qwen3_vl_batched_and_chunked_adds_deepstack_at_the_right_rows(qwen3):
+    parts, inputs, items = qwen3
+    token_ids = inputs["input_ids"][0].tolist()
+    text_ids = parts.inputs()["input_ids"][0].tolist()
+    alone = PrefillEngine(parts.lm, prefix_cache_mb=0).prefill(token_ids, items)
+    budget = items[0].offset + items[0].length // 2  # the first forward ends inside the first image
+    engine = PrefillEngine(parts.lm, prefix_cache_mb=0, max_num_batched_tokens=budget)
+    with engine._cond:  # queued together: the text prompt and the image prompt share forwards
+        futures = [engine.submit(text_ids), engine.submit(token_ids, items)]
+    text, image = (future.result(60) for future in futures)
+    text.release()
+    with image:
+        assert max(chunks for chunks, _ in engine.recent_batches) == 2
+        relative = float((image.first_logits - alone.first_logits).abs().max() / alone.first_logits.abs().max())
+        assert relative <= 1e-4
+        torch.testing.assert_close(image.kv(), alone.kv, rtol=0, atol=1e-5)
 
 
 def test_tiny_names_resolve_to_their_checkpoints():

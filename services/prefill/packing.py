@@ -1,0 +1,56 @@
+"""One packed prefill forward: chunks of several prompts as one sequence through the decoder stack.
+
+Each chunk is rows [start, end) of one prompt whose KV blocks are allocated in the pool
+(rows before `start` already written there by earlier chunks or shared from the prefix
+cache).  The chunks' embeddings and positions (each prompt's own, from its own rope index:
+M-RoPE stays per prompt) are concatenated along the sequence; attention keeps prompts apart
+(attention.py) and writes every new row's KV into the pool.  Family extras for the rows
+(Qwen3-VL deepstack) come from `LanguageModel.packed_kwargs`.  Returns the final hidden state
+of each chunk's last row: the LM head is applied by the caller to the chunks that finish a
+prompt only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from services.models.base import LanguageModel, PrefillInputs
+from services.prefill.attention import PLAN_KWARG, Segment, make_plan
+from services.prefill.kv_pool import KVPool
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class Chunk:
+    inputs: PrefillInputs
+    start: int
+    end: int
+    blocks: tuple[int, ...]  # the prompt's blocks (at least those holding rows [0, end))
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+def forward_chunks(lm: LanguageModel, pool: KVPool, chunks: list[Chunk]) -> torch.Tensor:
+    """[len(chunks), hidden]: the last row's final hidden state of each chunk; KV lands in the pool."""
+    import torch
+
+    embeds = torch.cat([c.inputs.inputs_embeds[:, c.start:c.end] for c in chunks], dim=1)
+    positions = torch.cat([c.inputs.position_ids[..., c.start:c.end] for c in chunks], dim=-1)
+    segments, row = [], 0
+    for chunk in chunks:
+        slots = pool.slots(list(chunk.blocks), 0, chunk.end)
+        segments.append(Segment(q0=row, n=chunk.num_tokens, past=chunk.start, slots=slots))
+        row += chunk.num_tokens
+    plan = make_plan(pool, segments)
+    extra = lm.packed_kwargs([(c.inputs, c.start, c.end) for c in chunks])
+    # A 4-D mask is taken as is (no T x T mask is built); packed attention ignores it.
+    placeholder = torch.zeros(1, 1, 1, 1, dtype=embeds.dtype, device=embeds.device)
+    out = lm.model(inputs_embeds=embeds, position_ids=positions, attention_mask=placeholder, use_cache=False,
+                   **{PLAN_KWARG: plan}, **extra)
+    last = torch.tensor([s.q0 + s.n - 1 for s in segments], device=embeds.device)
+    return out.last_hidden_state[0].index_select(0, last)

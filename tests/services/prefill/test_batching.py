@@ -1,0 +1,215 @@
+"""Batched and chunked prefill: prompts share forwards under the token budget, long prompts run in
+chunks, and every prompt ends exactly where it ends alone (same tokens, logits within 1e-4 relative).
+The negative controls prove the comparison catches a wrong position or a chunk seeing the wrong rows."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from services.prefill.engine import PrefillEngine
+from services.prefill.packing import Chunk, forward_chunks
+from tests.services.models.helpers import chat, encode_items, greedy_continue, mm_inputs, picture, processor_inputs
+
+NEW_TOKENS = 6
+REL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def parts(demo_model_path):
+    from services.models.processing import load_processor
+    from services.models.registry import adapter_for
+
+    adapter = adapter_for(demo_model_path)
+    return (load_processor(demo_model_path), adapter.load_vision(demo_model_path),
+            adapter.load_language(demo_model_path))
+
+
+@pytest.fixture(scope="module")
+def prompts(parts):
+    """Four prompts of different lengths: two images, one image, text, another image size."""
+    processor, vision, _ = parts
+    chats = [chat(picture(224, 336, 2), picture(448, 280, 3)), chat(picture(448, 448, 1), text="What is it?"),
+             chat(text="Write a haiku about the sea, slowly, and then explain it."),
+             chat(picture(280, 224, 4), text="Count the colours.")]
+    out = []
+    for messages in chats:
+        inputs = processor_inputs(processor, messages)
+        token_ids = inputs["input_ids"][0].tolist()
+        items = encode_items(inputs)
+        out.append((token_ids, mm_inputs(token_ids, items, vision.encode(items)) if items else []))
+    return out
+
+
+@pytest.fixture(scope="module")
+def alone(parts, prompts):
+    """Each prompt prefilled by itself in one forward, and its greedy continuation."""
+    lm = parts[2]
+    engine = PrefillEngine(lm, prefix_cache_mb=0, max_num_batched_tokens=8192)
+    results = [engine.prefill(ids, items) for ids, items in prompts]
+    assert list(engine.recent_batches) == [(1, len(ids)) for ids, _ in prompts]
+    return [(result, greedy_continue(lm, result, NEW_TOKENS)) for result in results]
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def assert_same(lm, result, reference) -> None:
+    expected, expected_tokens = reference
+    assert relative(result.first_logits, expected.first_logits) <= REL
+    torch.testing.assert_close(result.kv, expected.kv, rtol=0, atol=1e-5)
+    assert result.rope_delta == expected.rope_delta
+    assert greedy_continue(lm, result, NEW_TOKENS) == expected_tokens
+
+
+def submit_together(engine: PrefillEngine, prompts) -> list:
+    """Queue every prompt before the worker can look (it needs the engine's lock), then wait for all."""
+    with engine._cond:
+        futures = [engine.submit(ids, items) for ids, items in prompts]
+    return [future.result(60) for future in futures]
+
+
+def results_of(held) -> list:
+    from services.prefill.engine import PrefillResult
+
+    out = []
+    for h in held:
+        with h:
+            out.append(PrefillResult(h.first_logits, h.kv(), h.rope_delta, h.num_prompt_tokens, h.num_cached_tokens))
+    return out
+
+
+def test_waiting_prompts_share_one_forward(parts, prompts, alone):
+    engine = PrefillEngine(parts[2], prefix_cache_mb=0, max_num_batched_tokens=8192)
+    results = results_of(submit_together(engine, prompts))
+    assert list(engine.recent_batches) == [(4, sum(len(ids) for ids, _ in prompts))]
+    for result, reference in zip(results, alone, strict=True):
+        assert_same(parts[2], result, reference)
+    assert engine.blocks.num_free == engine.blocks.num_blocks  # every block came back
+
+
+def test_the_budget_bounds_each_forward_and_long_prompts_run_in_chunks(parts, prompts, alone):
+    budget = 64
+    engine = PrefillEngine(parts[2], prefix_cache_mb=0, max_num_batched_tokens=budget)
+    results = results_of(submit_together(engine, prompts))
+    total = sum(len(ids) for ids, _ in prompts)
+    rows = [rows for _, rows in engine.recent_batches]
+    assert sum(rows) == total and max(rows) == budget and len(rows) == -(-total // budget)
+    assert max(chunks for chunks, _ in engine.recent_batches) >= 2  # a prompt's tail shares a forward
+    for result, reference in zip(results, alone, strict=True):
+        assert_same(parts[2], result, reference)  # images split across chunks included
+
+
+def test_a_long_prompt_alone_is_chunked(parts, prompts, alone):
+    ids, items = prompts[0]
+    engine = PrefillEngine(parts[2], prefix_cache_mb=0, max_num_batched_tokens=100)
+    assert_same(parts[2], engine.prefill(ids, items), alone[0])
+    assert [rows for _, rows in engine.recent_batches] == [100] * (len(ids) // 100) + [len(ids) % 100]
+
+
+def test_batch_matches_the_full_model(demo_model_path, parts, prompts):
+    from transformers import Qwen2VLForConditionalGeneration
+
+    processor = parts[0]
+    full = Qwen2VLForConditionalGeneration.from_pretrained(str(demo_model_path)).eval()
+    engine = PrefillEngine(parts[2], prefix_cache_mb=0, max_num_batched_tokens=128)
+    results = results_of(submit_together(engine, prompts[:2]))
+    messages = [chat(picture(224, 336, 2), picture(448, 280, 3)), chat(picture(448, 448, 1), text="What is it?")]
+    for result, message in zip(results, messages, strict=True):
+        with torch.no_grad():
+            out = full(**processor_inputs(processor, message), use_cache=True)
+        assert relative(result.first_logits, out.logits[0, -1]) <= REL
+        for index, layer in enumerate(out.cache.layers):
+            torch.testing.assert_close(result.kv[index, 0], layer.keys[0], rtol=0, atol=1e-5)
+            torch.testing.assert_close(result.kv[index, 1], layer.values[0], rtol=0, atol=1e-5)
+
+
+def two_chunks(engine: PrefillEngine, inputs, length: int, split: int, past_blocks=None) -> torch.Tensor:
+    """Logits of a prompt run as rows [0, split) then [split, length) through `forward_chunks`."""
+    lm = engine.lm
+    blocks = engine.blocks.allocate(-(-length // engine.block_size))
+    try:
+        with torch.no_grad():
+            forward_chunks(lm, engine.pool, [Chunk(inputs, 0, split, tuple(blocks))])
+            second = tuple(past_blocks or blocks)
+            hidden = forward_chunks(lm, engine.pool, [Chunk(inputs, split, length, second)])
+            return lm.lm_head(hidden).float()[0]
+    finally:
+        engine.blocks.release(blocks)
+
+
+def test_negative_controls_a_wrong_position_or_wrong_rows_are_caught(parts, prompts, alone):
+    lm = parts[2]
+    engine = PrefillEngine(lm, prefix_cache_mb=0)
+    ids, items = prompts[1]
+    expected = alone[1][0].first_logits
+    with torch.no_grad():
+        inputs = lm.prefill_inputs(ids, items)
+    split = items[0].offset + items[0].length + 2
+    assert relative(two_chunks(engine, inputs, len(ids), split), expected) <= REL  # the control is sound
+    shifted = type(inputs)(inputs.inputs_embeds, inputs.position_ids.clone(), inputs.rope_delta)
+    shifted.position_ids[..., split:] += 1  # the second chunk one position off
+    assert relative(two_chunks(engine, shifted, len(ids), split), expected) > 100 * REL
+    # The second chunk attending to another prompt's rows (as a leaky mask would) instead of its own past.
+    other = engine.blocks.allocate(-(-len(ids) // engine.block_size))
+    try:
+        other_inputs = lm.prefill_inputs(*prompts[0])
+        with torch.no_grad():
+            forward_chunks(lm, engine.pool, [Chunk(other_inputs, 0, len(ids), tuple(other))])
+        assert relative(two_chunks(engine, inputs, len(ids), split, past_blocks=other), expected) > 100 * REL
+    finally:
+        engine.blocks.release(other)
+
+
+def test_a_bad_item_fails_only_its_prompt(parts, prompts, alone):
+    import dataclasses
+
+    ids, items = prompts[1]
+    bad = [dataclasses.replace(items[0], embedding=items[0].embedding[:-1])]
+    engine = PrefillEngine(parts[2], prefix_cache_mb=0)
+    with engine._cond:
+        good, broken = engine.submit(*prompts[3]), engine.submit(ids, bad)
+    with pytest.raises(ValueError, match="embedding shape"):
+        broken.result(60)
+    with good.result(60) as held:
+        assert relative(held.first_logits, alone[3][0].first_logits) <= REL
+    assert engine.num_waiting == 0 and engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_a_cancelled_prompt_never_runs(parts, prompts):
+    engine = PrefillEngine(parts[2], prefix_cache_mb=0)
+    with engine._cond:
+        kept, dropped = engine.submit(*prompts[2]), engine.submit(*prompts[3])
+        assert dropped.cancel()
+    kept.result(60).release()
+    assert dropped.cancelled() and engine.num_prefills == 1 and engine.num_waiting == 0
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_the_worker_leaves_when_idle_and_comes_back(parts, prompts, alone):
+    engine = PrefillEngine(parts[2], prefix_cache_mb=0, idle_exit_s=0.05)
+    engine.prefill(*prompts[2])
+    deadline = time.monotonic() + 10
+    while engine._worker is not None:
+        assert time.monotonic() < deadline, "the idle worker did not exit"
+        time.sleep(0.01)
+    assert not any(t.name == "prefill-engine" and t.is_alive() for t in threading.enumerate()
+                   if getattr(t, "_target", None) == engine._run)
+    assert_same(parts[2], engine.prefill(*prompts[2]), alone[2])
+
+
+def test_close_fails_waiting_prompts_and_refuses_new_ones(parts, prompts):
+    engine = PrefillEngine(parts[2], prefix_cache_mb=0)
+    with engine._cond:
+        futures = [engine.submit(ids, items) for ids, items in prompts]
+        engine._closed = True  # what close() sets first; the worker stops before its first forward
+    engine.close()
+    for future in futures:
+        with pytest.raises(RuntimeError, match="closed"):
+            future.result(10)
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.submit(*prompts[2])
