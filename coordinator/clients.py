@@ -7,14 +7,17 @@ another healthy instance; an instance that answers Overloaded (its bounded
 queue is full) is skipped for this call without being marked down, and if
 every instance refused, the Overloaded error (429) is what the caller gets.
 Other errors the role raised on purpose (bad input, missing entry) are
-rebuilt as the same typed error and not retried.
+rebuilt as the same typed error and not retried here (the pipeline's
+recovery policy decides what a missing entry means).  `with_failover` is
+the one loop; unary calls and the decode stream's opening both use it.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import grpc
 
@@ -32,6 +35,7 @@ from .context import RequestContext
 from .routing.pool import Instance, InstancePool
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 TRANSPORT_FAILURES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
 
 
@@ -74,7 +78,7 @@ def on_transport_failure(pool: InstancePool, instance: Instance, ctx: RequestCon
     pool.mark_down(instance, what)
     count_call(pool, instance, "failed")
     log.warning("%s on %s failed (%s); failing over", what.split(":")[0], instance.address, what)
-    ctx.extra["failovers"] = ctx.extra.get("failovers", 0) + 1
+    ctx.failovers += 1
     if pool.metrics is not None:
         pool.metrics.failovers.labels(pool.role).inc()
 
@@ -96,21 +100,24 @@ def pick_next(pool: InstancePool, key: str | None, tried: set[str], refused: Ove
         raise
 
 
-async def call_unary(pool: InstancePool, ctx: RequestContext, method: str, request: Any,
-                     key: str | None = None) -> tuple[Any, Instance]:
-    """Call `method` on one instance of the pool, failing over on transport failures and refusals."""
+async def with_failover(pool: InstancePool, ctx: RequestContext, what: str,
+                        attempt: Callable[[Instance], Awaitable[T]], key: str | None = None) -> tuple[T, Instance]:
+    """The one failover loop: run `attempt` on one instance after another until one answers.
+
+    `attempt` raises grpc.aio.AioRpcError for a failed call; a transport failure marks the instance
+    down and tries the next, a refusal (Overloaded) tries the next without marking it down, any other
+    error is the request's own and is raised as the typed error the role sent.
+    """
     tried: set[str] = set()
     refused: Overloaded | None = None
     while True:
         instance = pick_next(pool, key, tried, refused)
         tried.add(instance.address)
         try:
-            with pool.track(instance):
-                reply = await getattr(instance.stub, method)(
-                    request, timeout=ctx.time_left(), metadata=call_metadata(ctx))
+            result = await attempt(instance)
         except grpc.aio.AioRpcError as exc:
             if is_transport_failure(exc):
-                on_transport_failure(pool, instance, ctx, f"{method}: {exc.code().name}")
+                on_transport_failure(pool, instance, ctx, f"{what}: {exc.code().name}")
                 continue
             err = error_from_rpc(exc)
             if not isinstance(err, Overloaded):
@@ -119,4 +126,15 @@ async def call_unary(pool: InstancePool, ctx: RequestContext, method: str, reque
             refused = err
             continue
         count_call(pool, instance, "ok")
-        return reply, instance
+        return result, instance
+
+
+async def call_unary(pool: InstancePool, ctx: RequestContext, method: str, request: Any,
+                     key: str | None = None) -> tuple[Any, Instance]:
+    """Call `method` on one instance of the pool, failing over on transport failures and refusals."""
+    async def attempt(instance: Instance) -> Any:
+        with pool.track(instance):
+            return await getattr(instance.stub, method)(request, timeout=ctx.time_left(),
+                                                        metadata=call_metadata(ctx))
+
+    return await with_failover(pool, ctx, method, attempt, key)

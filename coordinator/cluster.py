@@ -42,10 +42,10 @@ class HandleCache:
 
 
 class Cluster:
-    def __init__(self, config: EpdConfig) -> None:
+    def __init__(self, config: EpdConfig, metrics: CoordinatorMetrics | None = None) -> None:
         self.config = config
         self.ec_handles = HandleCache()
-        self.metrics = CoordinatorMetrics()
+        self.metrics = metrics if metrics is not None else CoordinatorMetrics()  # tests pass their own registry
 
     @property
     def pools(self) -> list[InstancePool]:

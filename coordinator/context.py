@@ -1,46 +1,70 @@
-"""RequestContext: all per-request state of one pass through the pipeline.
+"""RequestContext: all per-request state of one pass through the pipeline, every field typed.
 
-| field            | set by            | used by                         |
-|------------------|-------------------|---------------------------------|
-| request_id       | app               | every step (gRPC request ids, logs) |
-| deadline         | app               | every step (gRPC timeouts)      |
-| body             | app               | render step                     |
-| generate         | generate api      | generate input step, generate answer |
-| rendered         | render step       | encode, prefill, decode steps   |
-| ec_handles       | encode step       | prefill step                    |
-| prefill          | prefill step      | decode step                     |
-| instances        | each step         | logs, metrics                   |
-| timings          | each step         | metrics, logs, benchmarks       |
+A step reads only the fields its row names under "used by" and sets only
+those naming it under "set by"; the pipeline's recovery policy (pipeline.py)
+clears what a missing entry made stale before it runs steps again.
+
+| field            | set by                          | used by                                   |
+|------------------|---------------------------------|-------------------------------------------|
+| request_id       | http entry (header or body)     | every step (gRPC request ids, metadata), logs |
+| deadline         | http entry                      | every call (gRPC timeouts: what is left)  |
+| kind             | http entry                      | render step, answers                      |
+| body             | http entry (chat / completion)  | render step                               |
+| stream           | http entry                      | http entry (SSE or JSON)                  |
+| include_usage    | http entry                      | answers                                   |
+| return_token_ids | http entry                      | answers                                   |
+| generate         | http entry (generate)           | generate input step, answers              |
+| rendered         | render / generate input step    | encode, prefill, decode steps, answers    |
+| sampling         | render / generate input step    | prefill, decode steps, decode stream      |
+| ec_handles       | generate input, encode step; cleared by recovery | prefill step          |
+| inline_items     | encode step                     | prefill step                              |
+| prefill          | prefill step; cleared by recovery | decode step, answers (prompt tokens)    |
+| decode_stream    | decode step                     | pipeline.stream                           |
+| recovered        | pipeline (recovery policy)      | pipeline (each recovery runs once)        |
+| failovers        | failover loop (clients.py)      | logs, tests                               |
+| instances        | each step                       | logs, metrics                             |
+| timings          | each step, pipeline             | metrics, logs, benchmarks                 |
+| created, started | construction                    | answers, TTFT metric                      |
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Literal
 
 from services.protocol.errors import DeadlineExceeded
 from services.protocol.generate import GenerateRequest
 from services.rpc.v1 import epd_pb2 as pb
+
+if TYPE_CHECKING:
+    from .decode_stream import DecodeStream
+
+Kind = Literal["chat", "completion", "generate"]
 
 
 @dataclass
 class RequestContext:
     request_id: str
     deadline: float                       # time.monotonic() value
-    kind: str = "chat"                    # "chat" | "completion" | "generate"
+    kind: Kind = "chat"
     body: bytes = b""
     stream: bool = False
     include_usage: bool = False
+    return_token_ids: bool = False
     generate: GenerateRequest | None = None  # POST /inference/v1/generate only
     rendered: pb.RenderResponse | None = None
+    sampling: pb.SamplingParams = field(default_factory=pb.SamplingParams)
     ec_handles: dict[str, bytes] = field(default_factory=dict)
+    inline_items: set[str] = field(default_factory=set)   # mm_hashes prefill encodes itself
     prefill: pb.PrefillResponse | None = None
+    decode_stream: DecodeStream | None = None
+    recovered: set[str] = field(default_factory=set)      # error codes the pipeline already recovered from
+    failovers: int = 0
     instances: dict[str, str] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
     started: float = field(default_factory=time.monotonic)  # for time to first token
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def time_left(self) -> float:
         """Seconds left before the deadline; raises once it has passed."""
@@ -51,3 +75,6 @@ class RequestContext:
 
     def image_items(self) -> list[pb.MultiModalItem]:
         return list(self.rendered.items) if self.rendered is not None else []
+
+    def prompt_tokens(self) -> int:
+        return self.prefill.prompt_tokens if self.prefill is not None else 0

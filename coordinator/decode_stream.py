@@ -8,7 +8,10 @@ token reaches the client is still recoverable and still a plain HTTP error:
   goes to another decode instance;
 - the instance is full (Overloaded) -> another instance; all full -> 429;
 - the KV entry is gone (kv_entry_missing: evicted, expired, or consumed by
-  an instance that died) -> prefill runs again (once) and decode is retried.
+  an instance that died) -> the typed error goes up to the pipeline, whose
+  recovery policy runs prefill again (once) and then this step again.
+
+Both retries are the one failover loop of clients.py (`with_failover`).
 
 After the first chunk, `DecodeStream.chunks` reads the rest.  Tokens already
 sent cannot be replayed elsewhere, so an instance that dies mid-stream ends
@@ -21,27 +24,17 @@ the stream's end and the request's cleanup both call it.
 
 from __future__ import annotations
 
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
 import grpc
 
-from services.protocol.errors import DeadlineExceeded, EpdError, InternalError, Overloaded, Unavailable
+from services.protocol.answers import OutputDelta, protocol_finish_reason
+from services.protocol.errors import DeadlineExceeded, EpdError, InternalError, Unavailable
 from services.rpc.v1 import epd_pb2 as pb
 
-from .clients import (
-    call_metadata,
-    count_call,
-    error_from_rpc,
-    is_transport_failure,
-    on_refusal,
-    on_transport_failure,
-    pick_next,
-)
+from .clients import call_metadata, count_call, error_from_rpc, is_transport_failure, with_failover
 from .context import RequestContext
 from .routing.pool import Instance, InstancePool
-
-KV_MISSING_CODE = "kv_entry_missing"
 
 
 class DecodeStream:
@@ -50,14 +43,15 @@ class DecodeStream:
         self.pool, self.instance, self.call, self.first, self.ctx = pool, instance, call, first, ctx
         self._closed = False
 
-    async def chunks(self) -> AsyncIterator[pb.DecodeChunk]:
+    async def chunks(self) -> AsyncIterator[OutputDelta]:
+        """Every chunk, the first included, as answer deltas; closes the call at the end."""
         try:
-            yield self.first
+            yield chunk_delta(self.first, self.ctx.sampling)
             while True:
                 chunk = await self.call.read()
                 if chunk is grpc.aio.EOF:
                     return
-                yield chunk
+                yield chunk_delta(chunk, self.ctx.sampling)
         except grpc.aio.AioRpcError as exc:
             raise self._failure(exc) from None
         finally:
@@ -81,40 +75,18 @@ class DecodeStream:
             self.pool.end(self.instance)
 
 
-async def open_decode(pool: InstancePool, ctx: RequestContext, build: Callable[[], pb.DecodeRequest],
-                      reprefill: Callable[[RequestContext], Awaitable[None]]) -> DecodeStream:
-    """A running Decode call with its first chunk read; see the module doc for the retries."""
-    tried: set[str] = set()
-    refused: Overloaded | None = None
-    reprefilled = False
-    while True:
-        instance = pick_next(pool, None, tried, refused)
-        tried.add(instance.address)
-        started = time.perf_counter()
-        outcome = await _first_chunk(pool, instance, ctx, build())
-        if isinstance(outcome, DecodeStream):
-            count_call(pool, instance, "ok")
-            ctx.instances["decode"] = instance.address
-            ctx.timings["decode_first_chunk"] = time.perf_counter() - started
-            return outcome
-        if is_transport_failure(outcome):
-            on_transport_failure(pool, instance, ctx, f"Decode: {outcome.code().name}")
-            continue
-        err = error_from_rpc(outcome)
-        if isinstance(err, Overloaded):
-            on_refusal(pool, instance)
-            refused = err
-        elif err.code == KV_MISSING_CODE and not reprefilled:
-            _count_retry(pool, KV_MISSING_CODE)
-            reprefilled = True
-            await reprefill(ctx)
-            tried.clear()
-        else:
-            raise err
+async def open_decode(pool: InstancePool, ctx: RequestContext, request: pb.DecodeRequest) -> DecodeStream:
+    """A running Decode call with its first chunk read; fails over between decode instances.
+
+    A missing KV entry comes back as NotFound `kv_entry_missing`: the pipeline's recovery policy,
+    not this call, decides to prefill again.
+    """
+    stream, _ = await with_failover(pool, ctx, "Decode", lambda instance: _first_chunk(pool, instance, ctx, request))
+    return stream
 
 
 async def _first_chunk(pool: InstancePool, instance: Instance, ctx: RequestContext,
-                       request: pb.DecodeRequest) -> DecodeStream | grpc.aio.AioRpcError:
+                       request: pb.DecodeRequest) -> DecodeStream:
     pool.begin(instance)
     call = instance.stub.Decode(request, timeout=ctx.time_left(), metadata=call_metadata(ctx))
     try:
@@ -124,7 +96,7 @@ async def _first_chunk(pool: InstancePool, instance: Instance, ctx: RequestConte
         pool.end(instance)
         if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
             raise DeadlineExceeded(f"request {ctx.request_id} exceeded its deadline in decode") from None
-        return exc
+        raise
     except BaseException:
         call.cancel()
         pool.end(instance)
@@ -135,6 +107,17 @@ async def _first_chunk(pool: InstancePool, instance: Instance, ctx: RequestConte
     return DecodeStream(pool, instance, call, first, ctx)
 
 
-def _count_retry(pool: InstancePool, reason: str) -> None:
-    if pool.metrics is not None:
-        pool.metrics.retries.labels(pool.role, reason).inc()
+def chunk_delta(chunk: pb.DecodeChunk, sampling: pb.SamplingParams) -> OutputDelta:
+    """A gRPC decode chunk as the answer builder takes it."""
+    return OutputDelta(token_ids=list(chunk.token_ids), text=chunk.text,
+                       finish_reason=protocol_finish_reason(chunk.finish_reason),
+                       stop_reason=stop_reason(chunk.stop_reason, sampling))
+
+
+def stop_reason(text: str, sampling: pb.SamplingParams) -> int | str | None:
+    """gRPC carries stop_reason as text; give a stop token id back as an int (as decode answers it)."""
+    if not text:
+        return None
+    if text.isdigit() and int(text) in sampling.stop_token_ids and text not in sampling.stop:
+        return int(text)
+    return text

@@ -1,97 +1,67 @@
-"""OpenAI response and stream-chunk shapes built from decode chunks."""
+"""The coordinator's OpenAI routes: POST /v1/chat/completions and /v1/completions over the pipeline.
+
+Routes only read the body, build the RequestContext, run the pipeline and
+hand its output deltas to the one answer builder (services.protocol.answers);
+the pipeline holds the logic, http_io.answer maps errors once.  Response ids
+are "chatcmpl-<id>" / "cmpl-<id>", <id> being X-Request-Id when given.
+"""
 
 from __future__ import annotations
 
-import json
-from collections.abc import AsyncIterator
+import time
+import uuid
 from typing import Any
 
-from services.protocol.errors import EpdError, as_epd_error
-from services.rpc.v1 import epd_pb2 as pb
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
 
-from .context import RequestContext
+from services.config import EpdConfig
+from services.observability import request_id_var
+from services.protocol.answers import OpenAIAnswer
+from services.protocol.streaming import SSE_MEDIA_TYPE
 
-
-def _usage(prompt: int, completion: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def response_id(ctx: RequestContext) -> str:
-    return ("chatcmpl-" if ctx.kind == "chat" else "cmpl-") + ctx.request_id
-
-
-def _choice(ctx: RequestContext, text: str, finish: str | None, delta: bool, role: bool = False) -> dict[str, Any]:
-    if ctx.kind != "chat":
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-    if not delta:
-        message = {"role": "assistant", "content": text}
-        return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
-    body = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
-    return {"index": 0, "delta": body, "logprobs": None, "finish_reason": finish}
+from .cluster import Cluster
+from .context import Kind, RequestContext
+from .http_io import answer, read_json, stream_flags
+from .pipeline import Pipeline
 
 
-def _envelope(ctx: RequestContext, choices: list[dict[str, Any]], stream: bool) -> dict[str, Any]:
-    assert ctx.rendered is not None
-    kind = {"chat": "chat.completion", "completion": "text_completion"}[ctx.kind]
-    obj = kind + ".chunk" if stream and ctx.kind == "chat" else kind
-    return {"id": response_id(ctx), "object": obj, "created": ctx.created, "model": ctx.rendered.model,
-            "choices": choices}
+def openai_answer(ctx: RequestContext) -> OpenAIAnswer:
+    assert ctx.rendered is not None and ctx.kind != "generate"
+    prefix = "chatcmpl-" if ctx.kind == "chat" else "cmpl-"
+    return OpenAIAnswer(ctx.kind, prefix + ctx.request_id, ctx.rendered.model, ctx.created, ctx.prompt_tokens(),
+                        ctx.include_usage, list(ctx.rendered.token_ids) if ctx.return_token_ids else None)
 
 
-async def collect(ctx: RequestContext, chunks: AsyncIterator[pb.DecodeChunk]) -> dict[str, Any]:
-    """Non-streaming answer: the whole text, finish reason and usage."""
-    texts: list[str] = []
-    token_ids: list[int] = []
-    finish = "length"
-    async for chunk in chunks:
-        texts.append(chunk.text)
-        token_ids.extend(chunk.token_ids)
-        if chunk.finish_reason:
-            finish = chunk.finish_reason
-    assert ctx.prefill is not None and ctx.rendered is not None
-    choice = _choice(ctx, "".join(texts), finish, delta=False)
-    body = _envelope(ctx, [choice], stream=False)
-    if ctx.extra.get("return_token_ids"):  # vLLM's extension: exact ids for clients that compare tokens
-        choice["token_ids"] = token_ids
-        body["prompt_token_ids"] = list(ctx.rendered.token_ids)
-    body["usage"] = _usage(ctx.prefill.prompt_tokens, len(token_ids))
-    return body
+class OpenAIApi:
+    def __init__(self, config: EpdConfig, cluster: Cluster, pipeline: Pipeline) -> None:
+        self.config, self.cluster, self.pipeline = config, cluster, pipeline
 
+    def context(self, request: Request, kind: Kind, raw: bytes, body: dict[str, Any]) -> RequestContext:
+        stream, include_usage = stream_flags(body)
+        return RequestContext(request_id=request.headers.get("x-request-id") or uuid.uuid4().hex, kind=kind,
+                              body=raw, stream=stream, include_usage=include_usage,
+                              return_token_ids=body.get("return_token_ids") is True,
+                              deadline=time.monotonic() + self.config.request_timeout_s)
 
-def sse(data: dict[str, Any] | str) -> bytes:
-    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
-    return f"data: {payload}\n\n".encode()
+    async def _run(self, request: Request, kind: Kind) -> Response:
+        raw, body = await read_json(request)
+        ctx = self.context(request, kind, raw, body)
+        request_id_var.set(ctx.request_id)
+        await self.pipeline.prepare(ctx)
+        built, deltas = openai_answer(ctx), self.pipeline.stream(ctx)
+        headers = {"X-Request-Id": ctx.request_id}
+        if ctx.stream:
+            return StreamingResponse(built.sse(deltas), media_type=SSE_MEDIA_TYPE, headers=headers)
+        return JSONResponse(await built.collect(deltas), headers=headers)
 
+    async def chat(self, request: Request) -> Response:
+        return await answer(self.cluster.metrics, request.url.path, lambda: self._run(request, "chat"))
 
-async def stream_events(ctx: RequestContext, chunks: AsyncIterator[pb.DecodeChunk]) -> AsyncIterator[bytes]:
-    """SSE: a role chunk, content deltas, a finish chunk, an optional usage chunk, [DONE].
+    async def completions(self, request: Request) -> Response:
+        return await answer(self.cluster.metrics, request.url.path, lambda: self._run(request, "completion"))
 
-    Errors after the stream started are sent in-stream as {"error": {...}}.
-    """
-    completion = 0
-    try:
-        if ctx.kind == "chat":
-            yield sse(_with_usage(ctx, _envelope(ctx, [_choice(ctx, "", None, True, role=True)], True)))
-        async for chunk in chunks:
-            completion += len(chunk.token_ids)
-            if chunk.text or chunk.finish_reason:
-                choice = _choice(ctx, chunk.text, chunk.finish_reason or None, delta=True)
-                yield sse(_with_usage(ctx, _envelope(ctx, [choice], True)))
-        if ctx.include_usage:
-            assert ctx.prefill is not None
-            final = _envelope(ctx, [], True)
-            final["usage"] = _usage(ctx.prefill.prompt_tokens, completion)
-            yield sse(final)
-    except Exception as exc:  # noqa: BLE001 - every failure becomes an in-stream error event
-        yield sse(error_event(as_epd_error(exc)))
-    yield sse("[DONE]")
-
-
-def _with_usage(ctx: RequestContext, body: dict[str, Any]) -> dict[str, Any]:
-    if ctx.include_usage:
-        body["usage"] = None
-    return body
-
-
-def error_event(err: EpdError) -> dict[str, Any]:
-    return err.to_body()
+    def routes(self) -> list[Route]:
+        return [Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                Route("/v1/completions", self.completions, methods=["POST"])]

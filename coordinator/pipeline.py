@@ -1,14 +1,25 @@
-"""The ordered pipeline: render -> encode -> prefill -> decode (opened), then the decode stream.
+"""The ordered pipeline: generate input -> render -> encode -> prefill -> decode (opened), then the stream.
 
-Adding a step is one file in steps/ and one line here.
+One straight line: `prepare` runs the steps in order over one RequestContext;
+each step reads and writes only its rows of the context table (context.py)
+and never calls another step.  What happens when a stage finds an entry gone
+is one policy, here (RECOVERIES): the error code names the step to run again
+from and what to forget first, and each code is recovered from once per
+request; failover between instances of one role is the one loop in
+clients.py, inside a step.
+
+Adding a step is one file in steps/ and one line in STEPS.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import TypeVar
 
-from services.rpc.v1 import epd_pb2 as pb
+from services.protocol.answers import OutputDelta
+from services.protocol.errors import EpdError, InternalError
 
 from . import inflight
 from .cluster import Cluster
@@ -20,33 +31,76 @@ from .steps.generate_input import GenerateInputStep
 from .steps.prefill import PrefillStep
 from .steps.render import RenderStep
 
+S = TypeVar("S", bound=Step)
+STEPS: list[type[Step]] = [GenerateInputStep, RenderStep, EncodeStep, PrefillStep, DecodeStep]
+EC_MISSING_CODE = "ec_entry_missing"
+KV_MISSING_CODE = "kv_entry_missing"
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """A stage reported `code`: forget what it made stale, then run the steps again from `rerun_from`."""
+
+    rerun_from: str
+    forget: Callable[[Pipeline, RequestContext], None]
+
+
+RECOVERIES: dict[str, Recovery] = {
+    # prefill found an embedding gone (evicted, expired, its encoder died): encode again
+    EC_MISSING_CODE: Recovery("encode", lambda p, ctx: p.step(EncodeStep).forget_handles(ctx)),
+    # decode found the KV entry gone (evicted, expired, consumed by an instance that died): prefill again
+    KV_MISSING_CODE: Recovery("prefill", lambda p, ctx: PrefillStep.forget_answer(ctx)),
+}
+
 
 class Pipeline:
-    def __init__(self, cluster: Cluster) -> None:
-        encode = EncodeStep(cluster)
-        prefill = PrefillStep(cluster, encode)
+    def __init__(self, cluster: Cluster, steps: list[type[Step]] | None = None) -> None:
         self.cluster = cluster
-        self.decode = DecodeStep(cluster, prefill)
-        # decode last: it opens the stream and reads the first chunk (decode.py says why).
-        self.steps: list[Step] = [GenerateInputStep(cluster), RenderStep(cluster), encode, prefill,
-                                  self.decode]
+        self.steps: list[Step] = [cls(cluster) for cls in steps or STEPS]
+
+    def step(self, cls: type[S]) -> S:
+        return next(s for s in self.steps if isinstance(s, cls))
+
+    def _index(self, name: str) -> int:
+        return next(i for i, s in enumerate(self.steps) if s.name == name)
 
     async def prepare(self, ctx: RequestContext) -> None:
         """Run every step up to the decode stream's first chunk; each records its own timing."""
         inflight.bind(ctx.request_id)  # POST /abort_requests can cancel it from now on
-        for step in self.steps:
-            await step.execute(ctx)
+        index = 0
+        while index < len(self.steps):
+            step = self.steps[index]
+            try:
+                await step.execute(ctx)
+            except EpdError as exc:
+                index = self._recover(step, ctx, exc)
+                continue
             if step.name in ctx.timings:
                 self.cluster.metrics.stage_seconds.labels(step.name).observe(ctx.timings[step.name])
+            index += 1
 
-    async def stream(self, ctx: RequestContext) -> AsyncIterator[pb.DecodeChunk]:
-        first = True
+    def _recover(self, step: Step, ctx: RequestContext, exc: EpdError) -> int:
+        """The index to run from after `exc`, or `exc` raised again when it is not (or no longer) recoverable."""
+        recovery = RECOVERIES.get(exc.code)
+        if recovery is None or exc.code in ctx.recovered:
+            raise exc
+        ctx.recovered.add(exc.code)
+        self.cluster.metrics.retries.labels(step.name, exc.code).inc()
+        recovery.forget(self, ctx)
+        return self._index(recovery.rerun_from)
+
+    async def stream(self, ctx: RequestContext) -> AsyncIterator[OutputDelta]:
+        """The decode stream `prepare` opened, as answer deltas; records TTFT and the decode time."""
+        if ctx.decode_stream is None:
+            raise InternalError("the pipeline was not prepared", code="internal_error")
+        started, first = time.perf_counter(), True
         try:
-            async for chunk in self.decode.stream(ctx):
+            async for delta in ctx.decode_stream.chunks():
                 if first:
                     self.cluster.metrics.ttft_seconds.observe(time.monotonic() - ctx.started)
                     first = False
-                yield chunk
+                yield delta
         finally:
-            if "decode" in ctx.timings:
-                self.cluster.metrics.stage_seconds.labels("decode").observe(ctx.timings["decode"])
+            ctx.decode_stream.close()
+            ctx.timings["decode"] = ctx.timings.get("decode_first_chunk", 0.0) + time.perf_counter() - started
+            self.cluster.metrics.stage_seconds.labels("decode").observe(ctx.timings["decode"])

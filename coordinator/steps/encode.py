@@ -2,11 +2,12 @@
 
 The coordinator remembers the handles encoders returned (a bounded LRU keyed
 by mm_hash) so an image it has seen is not sent again; if prefill later finds
-the entry gone (evicted), the prefill step forgets it and encodes again.
+the entry gone (evicted), the pipeline's recovery policy forgets the
+handles (`forget_handles`) and runs this step again.
 Only this step ever sends kwargs_data (pixels), with one exception: an item
 no encoder can take (all down or all full) is marked for inline encoding
-(ctx.extra[INLINE_ITEMS]) when --prefill-inline-encode is on, and the prefill
-step sends its kwargs_data to prefill instead (services/prefill/inline_encode.py).
+(ctx.inline_items) when --prefill-inline-encode is on, and the prefill step
+sends its kwargs_data to prefill instead (services/prefill/inline_encode.py).
 Each encode call fails over between encoders on its own (clients.call_unary).
 """
 
@@ -20,19 +21,14 @@ from services.protocol.errors import Overloaded, Unavailable
 from services.rpc.v1 import epd_pb2 as pb
 
 from ..clients import call_unary
-from ..cluster import Cluster
 from ..context import RequestContext
 from .base import Step
 
 log = logging.getLogger(__name__)
-INLINE_ITEMS = "inline_items"  # ctx.extra key: mm_hashes prefill encodes itself
 
 
 class EncodeStep(Step):
     name = "encode"
-
-    def __init__(self, cluster: Cluster) -> None:
-        self.cluster = cluster
 
     async def execute(self, ctx: RequestContext) -> None:
         missing = self._missing_items(ctx)
@@ -54,7 +50,7 @@ class EncodeStep(Step):
     def _missing_items(self, ctx: RequestContext) -> list[pb.MultiModalItem]:
         unique: dict[str, pb.MultiModalItem] = {}
         for item in ctx.image_items():
-            if item.mm_hash in ctx.ec_handles or item.mm_hash in unique:
+            if item.mm_hash in ctx.ec_handles or item.mm_hash in ctx.inline_items or item.mm_hash in unique:
                 continue
             known = self.cluster.ec_handles.get(item.mm_hash)
             if known is not None:
@@ -65,6 +61,12 @@ class EncodeStep(Step):
             unique[item.mm_hash] = item
         return list(unique.values())
 
+    def forget_handles(self, ctx: RequestContext) -> None:
+        """The EC entries of this request are gone: forget their handles here and cluster-wide."""
+        for item in ctx.image_items():
+            self.cluster.ec_handles.pop(item.mm_hash)
+            ctx.ec_handles.pop(item.mm_hash, None)
+
     async def _encode_one(self, ctx: RequestContext, item: pb.MultiModalItem) -> pb.EncodedItem | None:
         request = pb.EncodeRequest(request_id=ctx.request_id, items=[item])
         try:
@@ -73,7 +75,7 @@ class EncodeStep(Step):
             if not self._can_inline(item, exc):
                 raise
             log.warning("no encode instance can take item %s (%s); prefill encodes it", item.mm_hash, exc.code)
-            ctx.extra.setdefault(INLINE_ITEMS, set()).add(item.mm_hash)
+            ctx.inline_items.add(item.mm_hash)
             self.cluster.metrics.mm_items.labels("inline").inc()
             return None
         ctx.instances.setdefault("encode", instance.address)

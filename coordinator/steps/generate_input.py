@@ -33,7 +33,6 @@ from services.rpc.convert import dumps, sampling_to_pb
 from services.rpc.v1 import epd_pb2 as pb
 
 from ..clients import call_unary
-from ..cluster import Cluster
 from ..context import RequestContext
 from .base import Step
 
@@ -87,9 +86,6 @@ def check_fits(num_prompt_tokens: int, max_tokens: int | None, max_model_len: in
 class GenerateInputStep(Step):
     name = "generate_input"
 
-    def __init__(self, cluster: Cluster) -> None:
-        self.cluster = cluster
-
     async def execute(self, ctx: RequestContext) -> None:
         req = ctx.generate
         if ctx.kind != "generate" or req is None or ctx.rendered is not None:
@@ -105,7 +101,7 @@ class GenerateInputStep(Step):
         check_fits(len(ctx.rendered.token_ids), req.sampling_params.max_tokens, config.max_model_len)
         if req.cache_salt is not None:
             ctx.rendered.cache_salt = req.cache_salt
-        ctx.extra["sampling"] = sampling_to_pb(req.sampling_params.model_dump(exclude={"extra_args"}))
+        ctx.sampling = sampling_to_pb(req.sampling_params.model_dump(exclude={"extra_args"}))
         ctx.timings[self.name] = time.perf_counter() - started
 
     async def _render_parts(self, ctx: RequestContext, req: GenerateRequest) -> pb.RenderResponse:

@@ -1,66 +1,50 @@
-"""Prefill: token ids + mm_metadata + EC handles -> first token + KV handle.
+"""Prefill: token ids + mm_metadata + EC handles -> first token + KV handle (ctx.prefill).
 
 Prefill gets no pixels, except the kwargs_data of items no encoder could take
-(the encode step marks them; prefill then encodes them itself).
-
-If prefill reports an embedding missing from the EC store (evicted, expired,
-or its encoder died), the handles are forgotten, the items are encoded again
-and prefill is retried once.
+(the encode step lists them in ctx.inline_items; prefill then encodes them
+itself).  An embedding missing from the EC store comes back as NotFound
+`ec_entry_missing`; the pipeline's recovery policy handles it (forget the
+handles, encode again, then this step again).  A step that already has its
+answer (ctx.prefill) returns at once.
 """
 
 from __future__ import annotations
 
 import time
 
-from services.protocol.errors import NotFound
 from services.rpc.convert import dumps, loads, metadata_only
 from services.rpc.v1 import epd_pb2 as pb
 
 from ..clients import call_unary
-from ..cluster import Cluster
 from ..context import RequestContext
 from .base import Step
-from .encode import INLINE_ITEMS, EncodeStep
-
-EC_MISSING_CODE = "ec_entry_missing"
 
 
 class PrefillStep(Step):
     name = "prefill"
 
-    def __init__(self, cluster: Cluster, encode: EncodeStep) -> None:
-        self.cluster = cluster
-        self.encode = encode
-
     async def execute(self, ctx: RequestContext) -> None:
+        if ctx.prefill is not None:
+            return
         started = time.perf_counter()
-        try:
-            await self._prefill(ctx)
-        except NotFound as exc:
-            if exc.code != EC_MISSING_CODE:
-                raise
-            self.cluster.metrics.retries.labels("prefill", EC_MISSING_CODE).inc()
-            self._forget_handles(ctx)
-            await self.encode.execute(ctx)
-            await self._prefill(ctx)
+        ctx.prefill, instance = await call_unary(self.cluster.prefill, ctx, "Prefill", self.request(ctx))
+        ctx.instances["prefill"] = instance.address
         ctx.timings["prefill"] = time.perf_counter() - started
 
-    async def _prefill(self, ctx: RequestContext) -> None:
+    @staticmethod
+    def request(ctx: RequestContext) -> pb.PrefillRequest:
         assert ctx.rendered is not None
-        inline = ctx.extra.get(INLINE_ITEMS, set())
+        inline = ctx.inline_items
         handles = {h: loads(ctx.ec_handles[h]) for h in {i.mm_hash for i in ctx.image_items()} - inline}
         request = pb.PrefillRequest(
             request_id=ctx.request_id, token_ids=ctx.rendered.token_ids,
             items=[i if i.mm_hash in inline else metadata_only(i) for i in ctx.image_items()],
-            ec_transfer_params_json=dumps(handles) if handles else b"",
-            sampling=ctx.extra["sampling"],
-        )
+            ec_transfer_params_json=dumps(handles) if handles else b"", sampling=ctx.sampling)
         if ctx.rendered.HasField("cache_salt"):
             request.cache_salt = ctx.rendered.cache_salt
-        ctx.prefill, instance = await call_unary(self.cluster.prefill, ctx, "Prefill", request)
-        ctx.instances["prefill"] = instance.address
+        return request
 
-    def _forget_handles(self, ctx: RequestContext) -> None:
-        for item in ctx.image_items():
-            self.cluster.ec_handles.pop(item.mm_hash)
-            ctx.ec_handles.pop(item.mm_hash, None)
+    @staticmethod
+    def forget_answer(ctx: RequestContext) -> None:
+        """The KV entry the answer points to is gone: the next pass prefills again."""
+        ctx.prefill = None

@@ -8,16 +8,12 @@ from services.rpc.convert import loads, sampling_to_pb
 from services.rpc.v1 import epd_pb2 as pb
 
 from ..clients import call_unary
-from ..cluster import Cluster
 from ..context import RequestContext
 from .base import Step
 
 
 class RenderStep(Step):
     name = "render"
-
-    def __init__(self, cluster: Cluster) -> None:
-        self.cluster = cluster
 
     async def execute(self, ctx: RequestContext) -> None:
         if ctx.rendered is not None:
@@ -30,6 +26,6 @@ class RenderStep(Step):
             request = pb.RenderCompletionRequest(request_id=ctx.request_id, completion_request_json=ctx.body)
             reply, instance = await call_unary(self.cluster.render, ctx, "RenderCompletion", request)
         ctx.rendered = reply
-        ctx.extra["sampling"] = sampling_to_pb(loads(reply.sampling_params_json) or {})
+        ctx.sampling = sampling_to_pb(loads(reply.sampling_params_json) or {})
         ctx.instances["render"] = instance.address
         ctx.timings["render"] = time.perf_counter() - started

@@ -106,14 +106,6 @@ def check_key(key: str) -> str:
     return key
 
 
-def store_stat(store: TensorStore, name: str) -> float:
-    """One figure of store.stats() for a metrics scrape; 0 if the store cannot tell (closed, backend down)."""
-    try:
-        return float(getattr(store.stats(), name))
-    except Exception:  # noqa: BLE001 - a scrape must never fail because of a store
-        return 0.0
-
-
 class TensorStore(ABC):
     """Named groups of tensors under a key; a small JSON-serializable handle loads them from any process
     that reaches the backend."""

@@ -10,13 +10,13 @@ goes away mid-stream aborts the request and frees its slot.
 
 The engine runs the request under the caller's id (X-Request-Id, else
 request_id); /abort_requests takes that id, with or without the
-"generate-tokens-" prefix.
+"generate-tokens-" prefix.  The answer is built by services.protocol.answers
+(the same builder as the coordinator's generate route).
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import cast
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -30,92 +30,42 @@ from services.http_api import (
     parse_body,
     sse_response,
 )
-from services.protocol.common import Usage
-from services.protocol.errors import EpdError, InternalError, InvalidRequest, as_epd_error
-from services.protocol.generate import (
-    RESPONSE_ID_PREFIX,
-    AbortRequest,
-    FinishReason,
-    GenerateChoice,
-    GenerateRequest,
-    GenerateResponse,
-    GenerateStreamChunk,
-    response_id,
-)
-from services.protocol.streaming import SSE_DONE, sse_error, sse_event
+from services.protocol.answers import GenerateAnswer, OutputDelta
+from services.protocol.errors import EpdError, InternalError, InvalidRequest
+from services.protocol.generate import RESPONSE_ID_PREFIX, AbortRequest, GenerateRequest, response_id
 
 from .serving import DecodeService
 from .stream import DecodeEvent
-
-
-def _finish(reason: str | None) -> FinishReason | None:
-    """The engine's finish reasons are exactly the protocol's (stop, length, abort, error)."""
-    return cast(FinishReason | None, reason)
 
 
 def _event_error(event: DecodeEvent) -> EpdError:
     return InternalError(event.error or "decode failed", code="decode_error")
 
 
-class DecodeCall:
-    """One generate call: the request, its ids and its running event stream."""
-
-    def __init__(self, body: GenerateRequest, rsp_id: str, model: str, events: AsyncIterator[DecodeEvent],
-                 first: DecodeEvent) -> None:
-        self.body, self.rsp_id, self.model, self.events, self.first = body, rsp_id, model, events, first
-        kv = body.kv_transfer_params or {}
-        self.prompt_tokens = int(kv.get("num_prompt_tokens") or len(body.token_ids))
-
-    async def all_events(self) -> AsyncIterator[DecodeEvent]:
-        try:
-            yield self.first
-            if not self.first.finished:
-                async for event in self.events:
-                    yield event
-        finally:
-            close = getattr(self.events, "aclose", None)
-            if close is not None:
-                await close()  # now, not at garbage collection: an early exit frees the slot at once
-
-    def usage(self, completion_tokens: int) -> Usage:
-        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=completion_tokens)
-
-    async def collect(self) -> GenerateResponse:
-        tokens: list[int] = []
-        last = self.first
-        async for event in self.all_events():
+async def output_deltas(first: DecodeEvent, events: AsyncIterator[DecodeEvent]) -> AsyncIterator[OutputDelta]:
+    """The engine's events, the first included, as answer deltas; an error event raises (in-stream error)."""
+    try:
+        event = first
+        while True:
             if event.finish_reason == "error":
                 raise _event_error(event)
-            tokens.extend(event.token_ids)
-            last = event
-        choice = GenerateChoice(token_ids=tokens, finish_reason=_finish(last.finish_reason or "abort"),
-                                stop_reason=last.stop_reason)
-        return GenerateResponse(request_id=self.rsp_id, model=self.model, choices=[choice],
-                                usage=self.usage(len(tokens)))
+            yield OutputDelta(token_ids=event.token_ids, text=event.text, finish_reason=event.finish_reason,
+                              stop_reason=event.stop_reason)
+            if event.finished:
+                return
+            event = await anext(events)
+    except StopAsyncIteration:
+        return
+    finally:
+        close = getattr(events, "aclose", None)
+        if close is not None:
+            await close()  # now, not at garbage collection: an early exit frees the slot at once
 
-    async def sse(self) -> AsyncIterator[bytes]:
-        options = self.body.stream_options
-        continuous = bool(options and options.continuous_usage_stats)
-        count = 0
-        try:
-            async for event in self.all_events():
-                if event.finish_reason == "error":
-                    raise _event_error(event)
-                count += len(event.token_ids)
-                if event.token_ids or event.finished:
-                    yield sse_event(self._chunk(event, count, continuous))
-            if options is not None and options.include_usage:
-                yield sse_event(GenerateStreamChunk(request_id=self.rsp_id, model=self.model, choices=[],
-                                                    usage=self.usage(count)))
-        except Exception as exc:  # noqa: BLE001 - after the first byte, errors travel in-stream
-            yield sse_error(as_epd_error(exc))
-        yield SSE_DONE
 
-    def _chunk(self, event: DecodeEvent, count: int, with_usage: bool) -> GenerateStreamChunk:
-        choice = GenerateChoice(token_ids=list(event.token_ids), finish_reason=_finish(event.finish_reason),
-                                stop_reason=event.stop_reason)
-        return GenerateStreamChunk(request_id=self.rsp_id, model=self.model, choices=[choice],
-                                   usage=self.usage(count) if with_usage else None)
+def decode_answer(body: GenerateRequest, rsp_id: str, model: str) -> GenerateAnswer:
+    kv = body.kv_transfer_params or {}
+    return GenerateAnswer(rsp_id, model, int(kv.get("num_prompt_tokens") or len(body.token_ids)),
+                          body.stream_options)
 
 
 class DecodeApi:
@@ -134,11 +84,11 @@ class DecodeApi:
         events = self.service.decode(header or body.request_id, body.kv_transfer_params, sampling,
                                      list(body.token_ids))  # the prompt, for repetition penalties
         first = await anext(events)  # before any byte is sent: setup errors become plain HTTP errors
-        rsp_id = response_id(body.request_id, header)
-        call = DecodeCall(body, rsp_id, body.model or self.model_id, events, first)
+        built = decode_answer(body, response_id(body.request_id, header), body.model or self.model_id)
+        deltas = output_deltas(first, events)
         if body.stream:
-            return sse_response(call.sse())
-        return model_response(await call.collect())
+            return sse_response(built.sse(deltas))
+        return model_response(await built.collect(deltas))
 
     @endpoint
     async def abort(self, request: Request) -> Response:

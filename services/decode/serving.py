@@ -12,10 +12,11 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter
 
 from services.connectors.base import ConnectorError, TensorStore
 from services.connectors.wiring import as_epd_error
+from services.owned_metrics import OwnedGauges
 from services.protocol.errors import InvalidRequest
 
 from .engine import DecodeEngine
@@ -25,8 +26,10 @@ from .stream import DecodeEvent
 
 FINISHED = Counter("epd_decode_requests_finished", "Decode requests by finish reason", ["reason"])
 TOKENS = Counter("epd_decode_tokens", "Output tokens produced")
-SLOTS_USED = Gauge("epd_decode_slots_used", "Decode slots in use")
-QUEUED = Gauge("epd_decode_queued", "Requests waiting for a decode slot")
+GAUGES = {
+    "epd_decode_slots_used": ("Decode slots in use", lambda s: s.engine.stats().active),
+    "epd_decode_queued": ("Requests waiting for a decode slot", lambda s: s.engine.stats().queued),
+}
 
 
 def _transfer_fields(kv_params: Any) -> tuple[dict, int, int, int]:
@@ -44,8 +47,7 @@ class DecodeService:
     def __init__(self, engine: DecodeEngine, kv_store: TensorStore) -> None:
         self.engine, self.kv_store = engine, kv_store
         # Read at scrape time: an aborted request's slot shows free as soon as the engine let it go.
-        SLOTS_USED.set_function(lambda: engine.stats().active)
-        QUEUED.set_function(lambda: engine.stats().queued)
+        self.gauges = OwnedGauges(self, GAUGES)
 
     async def decode(self, request_id: str, kv_params: Any, sampling: dict[str, Any],
                      prompt_token_ids: list[int] | None = None) -> AsyncIterator[DecodeEvent]:

@@ -10,12 +10,13 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter
 
 from services.admission import Admission
-from services.connectors.base import ConnectorError, TensorStore, store_stat
+from services.connectors.base import ConnectorError, TensorStore
 from services.connectors.ec import ec_key
 from services.connectors.wiring import as_epd_error
+from services.owned_metrics import OwnedGauges
 from services.protocol.errors import InvalidRequest
 from services.protocol.items import Item
 from services.protocol.tensors import to_torch
@@ -25,9 +26,11 @@ from .engine import EncodeEngine
 log = logging.getLogger(__name__)
 ITEMS = Counter("epd_encode_items", "Items requested, by result (encoded | cache_hit)", ["result"])
 MM_BYTES = Counter("epd_encode_mm_bytes_received", "Multimodal bytes (kwargs_data + mm_metadata) received")
-EC_BYTES = Gauge("epd_ec_store_bytes", "Bytes held by this instance's EC store")
-EC_ENTRIES = Gauge("epd_ec_store_entries", "Entries held by this instance's EC store")
-FORWARDS = Gauge("epd_encode_forwards", "Vision-tower forwards run so far")
+GAUGES = {
+    "epd_ec_store_bytes": ("Bytes held by this instance's EC store", lambda s: s.store.stats().bytes_used),
+    "epd_ec_store_entries": ("Entries held by this instance's EC store", lambda s: s.store.stats().entries),
+    "epd_encode_forwards": ("Vision-tower forwards run so far", lambda s: s.engine.num_forwards),
+}
 
 
 @dataclass
@@ -43,10 +46,7 @@ class EncodeService:
         self.engine, self.store, self.model_id, self.timeout_s = engine, store, model_id, timeout_s
         self._inflight: dict[str, asyncio.Future[EncodedResult]] = {}
         self.admission = Admission("encode", max_queue)  # items waiting for or in the tower
-        # Read at scrape time, so evictions and expiry show at once.
-        EC_BYTES.set_function(lambda: store_stat(store, "bytes_used"))
-        EC_ENTRIES.set_function(lambda: store_stat(store, "entries"))
-        FORWARDS.set_function(lambda: engine.num_forwards)
+        self.gauges = OwnedGauges(self, GAUGES)  # read at scrape time: evictions and expiry show at once
 
     async def encode(self, mm_hash: str, item: Item | None) -> EncodedResult:
         key = ec_key(self.model_id, mm_hash)

@@ -16,15 +16,16 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter
 
 from services.admission import Admission
-from services.connectors.base import ConnectorError, TensorStore, store_stat
+from services.connectors.base import ConnectorError, TensorStore
 from services.connectors.kv import kv_key
 from services.connectors.wiring import as_epd_error
 from services.decode.params_from import decode_params
 from services.decode.sampler import sample_first
 from services.models.base import LanguageModel, MultiModalInput
+from services.owned_metrics import OwnedGauges
 from services.protocol.errors import InvalidRequest
 from services.protocol.items import Item
 from services.protocol.tensors import to_torch
@@ -36,10 +37,14 @@ from .jobs import HeldPrefill, release_when_done
 PROMPT_TOKENS = Counter("epd_prefill_prompt_tokens", "Prompt tokens prefilled")
 CACHED_TOKENS = Counter("epd_prefill_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache")
 MM_BYTES = Counter("epd_prefill_mm_bytes_received", "Multimodal bytes (kwargs_data + mm_metadata) received")
-KV_BYTES = Gauge("epd_kv_store_bytes", "Bytes held by this instance's KV store")
-KV_ENTRIES = Gauge("epd_kv_store_entries", "Entries held by this instance's KV store")
-FORWARDS = Gauge("epd_prefill_forwards", "Prefill forward passes so far (each runs one or more prompts or chunks)")
-CACHED_BLOCKS = Gauge("epd_prefill_prefix_cache_blocks", "KV blocks the prefix cache keeps for later prompts")
+GAUGES = {
+    "epd_kv_store_bytes": ("Bytes held by this instance's KV store", lambda s: s.kv_store.stats().bytes_used),
+    "epd_kv_store_entries": ("Entries held by this instance's KV store", lambda s: s.kv_store.stats().entries),
+    "epd_prefill_forwards": ("Prefill forward passes so far (each runs one or more prompts or chunks)",
+                             lambda s: s.engine.num_forwards),
+    "epd_prefill_prefix_cache_blocks": ("KV blocks the prefix cache keeps for later prompts",
+                                        lambda s: s.engine.blocks.num_cached),
+}
 
 
 @dataclass
@@ -68,10 +73,7 @@ class PrefillService:
         self.inline = inline
         self.admission = Admission("prefill", max_queue)
         # Read at scrape time, so entries that decode released or that expired show at once.
-        KV_BYTES.set_function(lambda: store_stat(kv_store, "bytes_used"))
-        KV_ENTRIES.set_function(lambda: store_stat(kv_store, "entries"))
-        FORWARDS.set_function(lambda: engine.num_forwards)
-        CACHED_BLOCKS.set_function(lambda: engine.blocks.num_cached)
+        self.gauges = OwnedGauges(self, GAUGES)
 
     async def prefill(self, request_id: str, token_ids: list[int], items: list[PrefillItem],
                       ec_params: dict[str, Any], sampling: dict[str, Any], cache_salt: str | None) -> PrefillOutcome:

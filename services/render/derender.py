@@ -1,7 +1,9 @@
 """Derender: generate answers (token ids) -> OpenAI answers (text), as render's core.
 
-Transport-free; render's api_router parses the bodies (services.protocol.derender,
-derender_stream) and calls one method here.  The text is what epd's decode
+The OpenAI shapes come from the one answer builder (services.protocol.answers),
+the same the coordinator answers with.  Transport-free; render's api_router
+parses the bodies (services.protocol.derender, derender_stream) and calls one
+method here.  The text is what epd's decode
 streams for the same tokens (see output_text.py), so orchestrator flow and
 coordinator give byte-identical answers.  Ids: "chatcmpl-<id>" / "cmpl-<id>"
 where <id> is the generate answer's id without "generate-tokens-" (the
@@ -14,9 +16,10 @@ choices is the usage event and becomes the OpenAI usage chunk.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from services.decode.params import DecodeParams
+from services.protocol.answers import Kind, OpenAIAnswer
 from services.protocol.common import Usage, now_s
 from services.protocol.derender_stream import (
     ChatDerenderStreamRequest,
@@ -30,15 +33,10 @@ from services.protocol.errors import InvalidRequest
 from services.protocol.generate import RESPONSE_ID_PREFIX, GenerateChoice, GenerateResponse
 from services.protocol.openai import ChatCompletionRequest, CompletionRequest
 from services.protocol.openai_responses import (
-    ChatChunkChoice,
-    ChatCompletionChoice,
     ChatCompletionChunk,
     ChatCompletionResponse,
-    ChatResponseMessage,
-    CompletionChoice,
     CompletionChunk,
     CompletionResponse,
-    DeltaMessage,
 )
 from services.render.output_text import OutputText, text_params
 
@@ -61,15 +59,8 @@ def _base_id(response: GenerateResponse) -> str:
     return response.request_id.removeprefix(RESPONSE_ID_PREFIX)
 
 
-def _chat_chunk(state: DerenderStreamState, choices: list[ChatChunkChoice],
-                usage: Usage | None = None) -> ChatCompletionChunk:
-    return ChatCompletionChunk(id=state.id, created=state.created, model=state.model, choices=choices,
-                               usage=usage)
-
-
-def _completion_chunk(state: DerenderStreamState, choices: list[CompletionChoice],
-                      usage: Usage | None = None) -> CompletionChunk:
-    return CompletionChunk(id=state.id, created=state.created, model=state.model, choices=choices, usage=usage)
+def _answer(kind: Kind, state: DerenderStreamState) -> OpenAIAnswer:
+    return OpenAIAnswer(kind, state.id, state.model, state.created)
 
 
 class Derenderer:
@@ -90,39 +81,37 @@ class Derenderer:
         out = OutputText(self.tokenizer, _params(req.chat_request))
         text = out.feed(choice.token_ids, choice.finish_reason, choice.stop_reason)
         prompt = req.num_prompt_tokens or response.usage.prompt_tokens
-        answer = ChatCompletionChoice(message=ChatResponseMessage(content=text), logprobs=choice.logprobs,
-                                      finish_reason=out.finish_reason or choice.finish_reason,
-                                      stop_reason=out.stop_reason)
-        return ChatCompletionResponse(
-            id="chatcmpl-" + _base_id(response), created=response.created, model=self._model(req, response),
-            choices=[answer],
-            usage=Usage(prompt_tokens=prompt, completion_tokens=len(choice.token_ids)))
+        answer = OpenAIAnswer("chat", "chatcmpl-" + _base_id(response), self._model(req, response),
+                              response.created)
+        whole = answer.choice(text, out.finish_reason or choice.finish_reason, out.stop_reason, choice.logprobs)
+        usage = Usage(prompt_tokens=prompt, completion_tokens=len(choice.token_ids))
+        return cast(ChatCompletionResponse, answer.response([whole], usage))
 
     def chat_stream(self, req: ChatDerenderStreamRequest) -> ChatDerenderStreamResponse:
         response = req.generate_response
         state = req.stream_state or self._new_state("chatcmpl-", response, req, 1)
         out = OutputText.from_state(self.tokenizer, _params(req.chat_request), state.outputs[0].model_dump())
+        answer = _answer("chat", state)
         chunks: list[ChatCompletionChunk] = []
         if req.stream_state is None:
-            role = ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))
-            chunks.append(_chat_chunk(state, [role]))
+            chunks.append(answer.role_chunk())
         if not response.choices:
             prompt = req.num_prompt_tokens or response.usage.prompt_tokens
             usage = Usage(prompt_tokens=prompt, completion_tokens=out.num_tokens)
-            chunks.append(_chat_chunk(state, [], usage))
+            chunks.append(cast(ChatCompletionChunk, answer.chunk([], usage)))
         else:
             text, finish = self._feed(out, response.choices[0])
             if text or finish:
-                delta = DeltaMessage(content=text) if text else DeltaMessage()
-                logprobs = response.choices[0].logprobs
-                chunks.append(_chat_chunk(state, [ChatChunkChoice(delta=delta, finish_reason=finish,
-                                                                   logprobs=logprobs)]))
+                delta = answer.delta_choice(text, finish, response.choices[0].logprobs)
+                chunks.append(cast(ChatCompletionChunk, answer.chunk([delta])))
         state.outputs[0] = OutputState.model_validate(out.state())
         return ChatDerenderStreamResponse(chunks=chunks, stream_state=state)
 
     # ---- completions --------------------------------------------------------------------------------
 
     def completion(self, req: CompletionDerenderStreamRequest) -> CompletionResponse:
+        first = req.generate_responses[0]
+        answer = OpenAIAnswer("completion", "cmpl-" + _base_id(first), self._model(req, first), first.created)
         choices, completion = [], 0
         params = _params(req.completion_request)
         for index, response in enumerate(req.generate_responses):
@@ -130,15 +119,11 @@ class Derenderer:
             out = OutputText(self.tokenizer, params)
             text = out.feed(choice.token_ids, choice.finish_reason, choice.stop_reason)
             text = self._echo(req, index) + text
-            choices.append(CompletionChoice(index=index, text=text, logprobs=choice.logprobs,
-                                            finish_reason=out.finish_reason or choice.finish_reason,
-                                            stop_reason=out.stop_reason))
+            choices.append(answer.choice(text, out.finish_reason or choice.finish_reason, out.stop_reason,
+                                         choice.logprobs, index))
             completion += len(choice.token_ids)
-        first = req.generate_responses[0]
-        return CompletionResponse(id="cmpl-" + _base_id(first), created=first.created,
-                                  model=self._model(req, first), choices=choices,
-                                  usage=Usage(prompt_tokens=sum(req.num_prompt_tokens),
-                                              completion_tokens=completion))
+        usage = Usage(prompt_tokens=sum(req.num_prompt_tokens), completion_tokens=completion)
+        return cast(CompletionResponse, answer.response(choices, usage))
 
     def completion_stream(self, req: CompletionDerenderStreamRequest) -> CompletionDerenderStreamResponse:
         responses = req.generate_responses
@@ -147,6 +132,7 @@ class Derenderer:
             raise InvalidRequest(f"stream_state has {len(state.outputs)} outputs but generate_responses has "
                                  f"{len(responses)} entries", code="invalid_stream_state")
         params = _params(req.completion_request)
+        answer = _answer("completion", state)
         choices, outs = [], []
         for index, response in enumerate(responses):
             out = OutputText.from_state(self.tokenizer, params, state.outputs[index].model_dump())
@@ -156,14 +142,13 @@ class Derenderer:
                 if req.stream_state is None:
                     text = self._echo(req, index) + text
                 if text or finish:
-                    choices.append(CompletionChoice(index=index, text=text, finish_reason=finish,
-                                                    logprobs=response.choices[0].logprobs))
+                    choices.append(answer.delta_choice(text, finish, response.choices[0].logprobs, index))
             state.outputs[index] = OutputState.model_validate(out.state())
-        chunks = [_completion_chunk(state, choices)] if choices else []
+        chunks = [cast(CompletionChunk, answer.chunk(choices))] if choices else []
         if all(not r.choices for r in responses) and all(o.finish_reason for o in outs):
             usage = Usage(prompt_tokens=sum(req.num_prompt_tokens),
                           completion_tokens=sum(o.num_tokens for o in outs))
-            chunks.append(_completion_chunk(state, [], usage))
+            chunks.append(cast(CompletionChunk, answer.chunk([], usage)))
         return CompletionDerenderStreamResponse(chunks=chunks, stream_state=state)
 
     # ---- helpers ------------------------------------------------------------------------------------

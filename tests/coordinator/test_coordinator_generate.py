@@ -7,13 +7,15 @@ import base64
 import numpy as np
 import pytest
 
-from coordinator.generate_answer import finish_reason, stop_reason
+from coordinator.decode_stream import stop_reason
 from coordinator.steps.generate_input import check_fits, rendered_from_features
+from services.protocol.answers import protocol_finish_reason as finish_reason
 from services.protocol.errors import InvalidRequest
 from services.protocol.generate import GenerateRequest
 from services.protocol.items import FieldElem, FieldSpec
 from services.protocol.sampling import SamplingParams
 from services.protocol.serialization import decode_item, encode_item, item_to_b64
+from services.rpc.convert import sampling_to_pb
 
 GRID = FieldElem(np.array([1, 4, 4], dtype=np.int64), FieldSpec.batched(keep_on_cpu=True))
 PIXELS = FieldElem(np.ones((16, 1176), dtype=np.float32), FieldSpec.flat([(0, 16, None)]))
@@ -60,7 +62,7 @@ def test_context_check():
 
 
 def test_stop_reason_from_grpc_text():
-    sampling = SamplingParams(stop=["7"], stop_token_ids=[151645])
+    sampling = sampling_to_pb(SamplingParams(stop=["7"], stop_token_ids=[151645]).model_dump())
     assert stop_reason("", sampling) is None
     assert stop_reason("151645", sampling) == 151645
     assert stop_reason("7", sampling) == "7"

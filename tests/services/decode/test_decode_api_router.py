@@ -1,4 +1,4 @@
-"""Decode's generate answer shapes (services/decode/api_router.py DecodeCall) over real DecodeEvents.
+"""Decode's generate answers (api_router.py: engine events through the one answer builder) over real DecodeEvents.
 
 The event source is a plain async generator standing in for DecodeService.decode, so the cases the
 running cluster cannot produce on demand are covered: an engine error mid-stream (in-stream error event,
@@ -11,7 +11,7 @@ import asyncio
 
 import pytest
 
-from services.decode.api_router import DecodeCall
+from services.decode.api_router import decode_answer, output_deltas
 from services.decode.stream import DecodeEvent, StreamTimeout
 from services.protocol.errors import InternalError
 from services.protocol.generate import GenerateRequest
@@ -32,19 +32,21 @@ async def _call(events, **extra):
 
     iterator = source()
     first = await anext(iterator)
-    return DecodeCall(_request(**extra), "generate-tokens-r", "m", iterator, first)
+    return decode_answer(_request(**extra), "generate-tokens-r", "m"), output_deltas(first, iterator)
 
 
 def _collect(events, **extra):
     async def run():
-        return await (await _call(events, **extra)).collect()
+        answer, deltas = await _call(events, **extra)
+        return await answer.collect(deltas)
 
     return asyncio.run(run())
 
 
 def _frames(events, **extra):
     async def run():
-        return [frame async for frame in (await _call(events, **extra)).sse()]
+        answer, deltas = await _call(events, **extra)
+        return [frame async for frame in answer.sse(deltas)]
 
     return asyncio.run(run())
 

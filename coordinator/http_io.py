@@ -1,0 +1,101 @@
+"""The coordinator's HTTP entry: bounded, time-limited body reads, JSON parsing kept off the event loop,
+and the one place a generation route's error becomes a status and a body (`answer`).
+
+Every generation route reads its body here.  A body is refused past
+MAX_BODY_BYTES (declared or read) and must arrive within BODY_READ_TIMEOUT_S
+(a client trickling its body must not hold a request slot for ever).  Bodies
+over OFF_LOOP_BYTES (a features request with images is MBs of base64) are
+parsed and validated in a worker thread so other requests' streams keep
+flowing while it runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+
+from services.http_api import error_response
+from services.protocol.errors import InvalidRequest, as_epd_error
+from services.protocol.parsing import parse_json
+
+from .metrics import CoordinatorMetrics
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+MAX_BODY_BYTES = 64 * 1024 * 1024
+BODY_READ_TIMEOUT_S = 30.0
+OFF_LOOP_BYTES = 256 * 1024
+
+
+async def _read_body(request: Request) -> bytearray:
+    raw = bytearray()
+    async for piece in request.stream():
+        raw += piece
+        if len(raw) > MAX_BODY_BYTES:
+            raise InvalidRequest(f"request body over {MAX_BODY_BYTES} bytes", code="body_too_large")
+    return raw
+
+
+async def read_body(request: Request) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise InvalidRequest(f"request body over {MAX_BODY_BYTES} bytes", code="body_too_large")
+    try:
+        return bytes(await asyncio.wait_for(_read_body(request), BODY_READ_TIMEOUT_S))
+    except TimeoutError:
+        raise InvalidRequest(f"request body not received within {BODY_READ_TIMEOUT_S:g} s",
+                             code="body_timeout") from None
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        body = parse_json(raw)
+    except InvalidRequest as exc:
+        raise InvalidRequest(exc.message, code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object", code="invalid_json")
+    return body
+
+
+async def off_loop(size: int, work: Callable[[], T]) -> T:
+    """`work()` here when small, in a worker thread when `size` bytes would stall the loop."""
+    return work() if size <= OFF_LOOP_BYTES else await asyncio.to_thread(work)
+
+
+async def read_json(request: Request) -> tuple[bytes, dict[str, Any]]:
+    """The raw body and its JSON object."""
+    raw = await read_body(request)
+    return raw, await off_loop(len(raw), lambda: _json_object(raw))
+
+
+def stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
+    """(stream, stream_options.include_usage) of an OpenAI body, type-checked."""
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool) and stream is not None:
+        raise InvalidRequest("stream: must be a boolean", code="invalid_type")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise InvalidRequest("stream_options: must be an object", code="invalid_type")
+    return bool(stream), bool(options.get("include_usage"))
+
+
+async def answer(metrics: CoordinatorMetrics, endpoint: str, produce: Callable[[], Awaitable[Response]]) -> Response:
+    """Run a generation route: its response, or its error mapped once to status and body; counted."""
+    try:
+        response = await produce()
+    except ClientDisconnect:
+        return Response(status_code=499)
+    except Exception as exc:  # noqa: BLE001 - mapped to one error taxonomy
+        err = as_epd_error(exc)
+        if err.status >= 500:
+            log.exception("%s failed", endpoint)
+        metrics.requests.labels(endpoint, str(err.status)).inc()
+        metrics.errors.labels(endpoint, err.code).inc()
+        return error_response(err)
+    metrics.requests.labels(endpoint, "200").inc()
+    return response
