@@ -4,12 +4,18 @@ Each item's result is its EC entry, `VisionModel.encode_entries`: a dict of
 named tensors ({"embedding"} and, per family, more such as Qwen3-VL's
 "deepstack").
 
-Transport-free.  Any number of threads call `encode(items)`; one worker thread
-takes the waiting items in arrival order, as many as fit `max_batch_tokens`
-(embedding tokens, as `VisionModel.num_tokens` counts them; an item larger
-than the budget runs alone), and runs them as ONE forward.  No artificial
-wait: while a forward runs, new items pile up and form the next batch, so
-batches grow exactly when the tower is the bottleneck.
+Transport-free.  Callers on any thread `submit(items)` and get one future per
+item at once (no thread waits per item, so the batcher sees every item of every
+request that is waiting, not only as many as a thread pool has threads);
+`encode(items, timeout)` is the blocking form.  One worker thread takes the
+waiting items in arrival order, as many as fit `max_batch_tokens` (embedding
+tokens, as `VisionModel.num_tokens` counts them; an item larger than the budget
+runs alone), and runs them as ONE forward.  No artificial wait: while a forward
+runs, new items pile up and form the next batch, so batches grow exactly when
+the tower is the bottleneck.  Each future is resolved the moment its forward
+ends, and the worker goes straight on to the next batch: whatever the caller
+does with the entry (the EC put) overlaps the next forward.  A cancelled future
+(a caller that gave up) is skipped if its forward has not started.
 
 If a batched forward fails, its items are retried one by one so that one bad
 item fails only its own caller.  The counters (`num_forwards`; `num_items` and
@@ -20,8 +26,8 @@ load reports.
 from __future__ import annotations
 
 import threading
-import time
 from collections import deque
+from concurrent.futures import Future, wait
 from typing import TYPE_CHECKING
 
 from services.compute_metrics import compute_timer
@@ -33,19 +39,12 @@ if TYPE_CHECKING:
 
 
 class _Job:
-    """One item waiting for its embedding."""
+    """One item waiting for its EC entry."""
 
     def __init__(self, item: dict[str, torch.Tensor], num_tokens: int) -> None:
         self.item = item
         self.num_tokens = num_tokens
-        self.done = threading.Event()
-        self.cancelled = False
-        self.output: dict[str, torch.Tensor] | None = None
-        self.error: BaseException | None = None
-
-    def finish(self, output: dict[str, torch.Tensor] | None = None, error: BaseException | None = None) -> None:
-        self.output, self.error = output, error
-        self.done.set()
+        self.future: Future[dict[str, torch.Tensor]] = Future()
 
 
 class EncodeEngine:
@@ -69,19 +68,26 @@ class EncodeEngine:
     def num_pending(self) -> int:
         return len(self._pending)
 
-    def encode(self, items: list[dict[str, torch.Tensor]],
-               timeout: float | None = None) -> list[dict[str, torch.Tensor]]:
-        """EC entries of `items`, in order; blocks until done. Raises DeadlineExceeded after `timeout` s."""
-        jobs = [_Job(item, self.vision.num_tokens(item)) for item in items]  # bad metadata fails here, alone
+    def submit(self, items: list[dict[str, torch.Tensor]]) -> list[Future[dict[str, torch.Tensor]]]:
+        """One future per item (its EC entry), in order. Bad metadata raises here, for these items only."""
+        jobs = [_Job(item, self.vision.num_tokens(item)) for item in items]
         with self._wakeup:
             if self._closed:
                 raise Unavailable("encode engine is closed")
             self._pending.extend(jobs)
             self._wakeup.notify()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for job in jobs:
-            self._wait(job, jobs, deadline)
-        return [job.output for job in jobs]  # type: ignore[misc]
+        return [job.future for job in jobs]
+
+    def encode(self, items: list[dict[str, torch.Tensor]],
+               timeout: float | None = None) -> list[dict[str, torch.Tensor]]:
+        """EC entries of `items`, in order; blocks until done. Raises DeadlineExceeded after `timeout` s."""
+        futures = self.submit(items)
+        _, waiting = wait(futures, timeout)
+        if waiting:
+            for future in futures:
+                future.cancel()  # the worker skips those whose forward has not started
+            raise DeadlineExceeded(f"encoding {len(futures)} item(s) did not finish in time")
+        return [future.result() for future in futures]
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the worker after the running forward; waiting callers get Unavailable."""
@@ -90,7 +96,8 @@ class EncodeEngine:
             abandoned, self._pending = list(self._pending), deque()
             self._wakeup.notify_all()
         for job in abandoned:
-            job.finish(error=Unavailable("encode engine closed before the item was encoded"))
+            if job.future.set_running_or_notify_cancel():
+                job.future.set_exception(Unavailable("encode engine closed before the item was encoded"))
         self._worker.join(timeout)
 
     def __enter__(self) -> EncodeEngine:
@@ -98,15 +105,6 @@ class EncodeEngine:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-    def _wait(self, job: _Job, jobs: list[_Job], deadline: float | None) -> None:
-        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-        if not job.done.wait(remaining):
-            for other in jobs:
-                other.cancelled = True  # the worker skips them if they have not started
-            raise DeadlineExceeded(f"encoding {len(jobs)} item(s) did not finish in time")
-        if job.error is not None:
-            raise job.error
 
     def _run(self) -> None:
         while (batch := self._next_batch()) is not None:
@@ -120,12 +118,14 @@ class EncodeEngine:
                 self._wakeup.wait()
             if self._closed:
                 return None
-            batch = [self._pending.popleft()]
-            tokens = batch[0].num_tokens
-            while self._pending and tokens + self._pending[0].num_tokens <= self.max_batch_tokens:
-                tokens += self._pending[0].num_tokens
-                batch.append(self._pending.popleft())
-        return [job for job in batch if not job.cancelled]
+            batch: list[_Job] = []
+            tokens = 0
+            while self._pending and (not batch or tokens + self._pending[0].num_tokens <= self.max_batch_tokens):
+                job = self._pending.popleft()
+                if job.future.set_running_or_notify_cancel():  # False: its caller gave up, skip it
+                    batch.append(job)
+                    tokens += job.num_tokens
+        return batch
 
     def _encode(self, batch: list[_Job]) -> None:
         self.num_forwards += 1
@@ -134,12 +134,12 @@ class EncodeEngine:
                 outputs = self.vision.encode_entries([job.item for job in batch])
         except Exception as exc:  # reported to the callers, never lost
             if len(batch) == 1:
-                batch[0].finish(error=exc)
+                batch[0].future.set_exception(exc)
             else:
                 for job in batch:
                     self._encode([job])
             return
-        for job, output in zip(batch, outputs, strict=True):
-            job.finish(output=output)
         self.num_items += len(batch)
         self.num_tokens += sum(job.num_tokens for job in batch)
+        for job, output in zip(batch, outputs, strict=True):
+            job.future.set_result(output)

@@ -1,7 +1,10 @@
 """Encode's core: kwargs items -> EC entries (embedding + family extras) in the EC store -> handles.
 
 An item whose mm_hash is already stored is not encoded again (counted as a
-cache hit); concurrent requests for the same item share one encode.
+cache hit); concurrent requests for the same item share one encode.  Items
+wait for the engine as futures (no thread each), so items of every request in
+flight batch together; the EC put runs in a thread while the engine already
+runs the next batch.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from services.connectors.base import ConnectorError, TensorStore
 from services.connectors.ec import ec_key
 from services.connectors.wiring import as_epd_error
 from services.owned_metrics import OwnedGauges
-from services.protocol.errors import InvalidRequest
+from services.protocol.errors import DeadlineExceeded, InvalidRequest
 from services.protocol.items import Item
 from services.protocol.tensors import to_torch
 
@@ -84,7 +87,12 @@ class EncodeService:
     async def _encode(self, key: str, mm_hash: str, item: Item) -> EncodedResult:
         tensors = {name: to_torch(elem.data) for name, elem in item.items() if elem.data is not None}
         # One entry per item: the embedding plus whatever else the family's prefill needs (deepstack).
-        [entry] = await asyncio.to_thread(self.engine.encode, [tensors], self.timeout_s)
+        # Awaited as a future, not in a thread: every waiting item can join the engine's next batch.
+        [future] = self.engine.submit([tensors])
+        try:
+            entry = await asyncio.wait_for(asyncio.wrap_future(future), self.timeout_s)
+        except TimeoutError:
+            raise DeadlineExceeded(f"encoding item {mm_hash} did not finish in {self.timeout_s} s") from None
         try:
             handle = await asyncio.to_thread(self.store.put, key, entry)
         except ConnectorError as exc:
