@@ -1,4 +1,5 @@
-"""Gauges owned by the object they measure, read at scrape time.
+"""Gauges (and owner-kept counters: names ending in _total) owned by the object they measure, read at scrape
+time.
 
 A role's core (EncodeService, PrefillService, DecodeService) builds one
 `OwnedGauges` over itself at construction: each gauge is a function of the
@@ -21,7 +22,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
 from prometheus_client import REGISTRY, CollectorRegistry
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 O = TypeVar("O")  # noqa: E741 - the owner type
 Read = Callable[[Any], float]
@@ -44,7 +45,10 @@ class OwnedGauges(Generic[O]):
         if owner is None:
             return
         for name, (doc, read) in self._gauges.items():
-            yield GaugeMetricFamily(name, doc, value=_safe(read, owner))
+            if name.endswith("_total"):  # a monotonic count the owner keeps (e.g. bytes copied)
+                yield CounterMetricFamily(name.removesuffix("_total"), doc, value=_safe(read, owner))
+            else:
+                yield GaugeMetricFamily(name, doc, value=_safe(read, owner))
 
     def _unregister(self) -> None:
         try:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-PURPOSES = ("ec", "kv")
+PURPOSES = ("ec", "kv", "mm")
 # Names end up in /dev/shm file names and Redis keys: keep them to a safe alphabet.
 _INSTANCE_RE = re.compile(r"^[A-Za-z0-9_.]{1,64}$")
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_]{1,32}$")
@@ -51,7 +51,8 @@ class StoreConfig:
     backend: str
     """Registered backend name: "shm" or "redis"."""
     purpose: str
-    """"ec" (encoder outputs) or "kv" (KV cache); part of every shm/redis name."""
+    """"ec" (encoder outputs), "kv" (KV cache) or "mm" (multimodal inputs: render's processed items);
+    part of every shm/redis name."""
     instance_id: str
     """Unique per process instance; part of every shm/redis name so instances never collide."""
     capacity_bytes: int = 1 << 30
@@ -93,6 +94,9 @@ class StoreStats:
     misses: int
     evictions: int
     puts: int
+    bytes_copied: int = 0
+    """Payload bytes this store copied: into its memory (put, and what put_into's fill writes) and out of
+    it (get); zero-copy views count nothing.  The copy-count tests and /metrics read it."""
 
 
 TensorSpec = tuple[Any, tuple[int, ...]]
@@ -113,8 +117,11 @@ class TensorStore(ABC):
     backend: str
 
     @abstractmethod
-    def put(self, key: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-        """Store `tensors` (each in its own dtype) under `key`, replacing any entry; return the handle."""
+    def put(self, key: str, tensors: dict[str, Any]) -> dict[str, Any]:
+        """Store `tensors` (each in its own dtype) under `key`, replacing any entry; return the handle.
+
+        Values are torch tensors or numpy arrays (torch-free producers, render and the coordinator, put
+        multimodal inputs as numpy); readers always get torch tensors back."""
 
     def put_into(self, key: str, specs: dict[str, TensorSpec], fill: Callable[[dict[str, torch.Tensor]], None]
                  ) -> dict[str, Any]:

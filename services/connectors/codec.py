@@ -3,6 +3,11 @@
 A payload is the raw bytes of each tensor, each starting at a multiple of
 ALIGN so a consumer can view any dtype in place.  A `TensorSpec` describes one
 tensor inside it and travels in handles and headers as a plain dict.
+
+Writers may hand torch tensors or numpy arrays (torch-free producers: render
+and the coordinator write multimodal inputs as numpy); torch is imported only
+where a torch tensor is made or read (`tensor_at`, `torch_dtype`), so a
+process that never reads tensors never imports it.
 """
 
 from __future__ import annotations
@@ -11,39 +16,42 @@ import hashlib
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
-import torch
 
 from services.connectors.base import EntryCorrupt
 
-ALIGN = 64
+if TYPE_CHECKING:
+    import torch
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
-_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+ALIGN = 64
+# dtype name -> bytes per element (the names are torch's without "torch."; numpy's where it has them)
+ITEMSIZE: dict[str, int] = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
+                            "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
+Data = Union["torch.Tensor", np.ndarray]
 
 
 def align_up(n: int, align: int = ALIGN) -> int:
     return -(-n // align) * align
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    try:
-        return _NAMES[dtype]
-    except KeyError:
-        raise ValueError(f"unsupported dtype {dtype}; supported: {', '.join(DTYPES)}") from None
+def torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    return getattr(torch, name)  # ITEMSIZE's names are torch attribute names
+
+
+def dtype_name(dtype: Any) -> str:
+    """The wire name of a torch or numpy dtype."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in ITEMSIZE:
+        raise ValueError(f"unsupported dtype {dtype}; supported: {', '.join(ITEMSIZE)}")
+    return name
+
+
+def is_array(t: Any) -> bool:
+    return isinstance(t, np.ndarray)
 
 
 def key_hash(key: str) -> int:
@@ -75,10 +83,10 @@ class TensorSpec:
 
     def check(self) -> None:
         """The spec is self-consistent: known dtype, nbytes = numel * itemsize, aligned offset."""
-        if self.dtype not in DTYPES:
+        if self.dtype not in ITEMSIZE:
             raise EntryCorrupt(f"tensor {self.name!r}: unknown dtype {self.dtype!r}")
         numel = int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
-        itemsize = DTYPES[self.dtype].itemsize
+        itemsize = ITEMSIZE[self.dtype]
         if min(self.shape, default=0) < 0 or numel * itemsize != self.nbytes:
             raise EntryCorrupt(f"tensor {self.name!r}: shape {self.shape} of {self.dtype} is not "
                                f"{self.nbytes} bytes")
@@ -92,28 +100,59 @@ def specs_from(items: Any) -> list[TensorSpec]:
     return [TensorSpec.from_dict(d) for d in items]
 
 
-def plan(tensors: dict[str, torch.Tensor]) -> tuple[list[TensorSpec], int]:
-    """Specs of `tensors` laid out back to back, and the payload length."""
-    specs, offset = [], 0
-    for name, t in tensors.items():
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"tensor {name!r} is a {type(t).__name__}, not a torch.Tensor")
-        nbytes = t.numel() * t.element_size()
-        specs.append(TensorSpec(name, dtype_name(t.dtype), tuple(t.shape), offset, nbytes))
+def plan(tensors: dict[str, Data]) -> tuple[list[TensorSpec], int]:
+    """Specs of `tensors` (torch tensors or numpy arrays) laid out back to back, and the payload length."""
+    return plan_specs({name: (_dtype_of(name, t), tuple(t.shape)) for name, t in tensors.items()})
+
+
+def plan_specs(specs: dict[str, tuple[Any, tuple[int, ...]]]) -> tuple[list[TensorSpec], int]:
+    """Specs for (dtype, shape) pairs laid out back to back, and the payload length."""
+    out, offset = [], 0
+    for name, (dtype, shape) in specs.items():
+        wire = dtype_name(dtype)
+        shape = tuple(int(n) for n in shape)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * ITEMSIZE[wire] if shape else ITEMSIZE[wire]
+        out.append(TensorSpec(name, wire, shape, offset, nbytes))
         offset = align_up(offset + nbytes)
-    return specs, offset
+    return out, offset
 
 
-def byte_view(t: torch.Tensor) -> np.ndarray:
-    """The bytes of a CPU tensor as a flat uint8 array (copies only if it is not contiguous)."""
-    flat = t.detach().contiguous().reshape(-1)
-    return flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, np.uint8)
+def _dtype_of(name: str, t: Any) -> Any:
+    if not hasattr(t, "dtype") or not hasattr(t, "shape") or isinstance(t, np.generic):
+        raise TypeError(f"tensor {name!r} is a {type(t).__name__}, not a torch.Tensor or numpy array")
+    return t.dtype
+
+
+def byte_view(t: Data) -> np.ndarray:
+    """The bytes of a CPU tensor or array as a flat uint8 array (copies only if it is not contiguous)."""
+    if is_array(t):
+        flat = np.ascontiguousarray(t).reshape(-1)
+        return flat.view(np.uint8) if flat.size else np.empty(0, np.uint8)
+    flat_t = t.detach().contiguous().reshape(-1)
+    import torch
+
+    return flat_t.view(torch.uint8).numpy() if flat_t.numel() else np.empty(0, np.uint8)
+
+
+def bytes_at(buf: np.ndarray, spec: TensorSpec, base: int = 0) -> np.ndarray:
+    """spec's bytes inside `buf` (a uint8 array) as a uint8 slice; no copy."""
+    return buf[base + spec.offset: base + spec.offset + spec.nbytes]
+
+
+def copy_into(buf: np.ndarray, spec: TensorSpec, base: int, t: Data) -> int:
+    """Copy `t` into its place in `buf` (one copy); the bytes copied."""
+    if is_array(t):
+        np.copyto(bytes_at(buf, spec, base), byte_view(t))
+    else:
+        tensor_at(buf, spec, base).copy_(t.detach())
+    return spec.nbytes
 
 
 def tensor_at(buf: np.ndarray, spec: TensorSpec, base: int = 0) -> torch.Tensor:
     """A tensor viewing spec's bytes inside `buf` (a uint8 array); no copy."""
-    raw = buf[base + spec.offset: base + spec.offset + spec.nbytes]
-    return torch.from_numpy(raw).view(DTYPES[spec.dtype]).view(spec.shape)
+    import torch
+
+    return torch.from_numpy(bytes_at(buf, spec, base)).view(torch_dtype(spec.dtype)).view(spec.shape)
 
 
 def crc_of(chunks: Iterable[np.ndarray]) -> int:

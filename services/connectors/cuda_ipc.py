@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from services.connectors.base import ConnectorError, EntryCorrupt, EntryMissing
-from services.connectors.codec import DTYPES, dtype_name
+from services.connectors.codec import dtype_name, torch_dtype
 
 
 def _b64(raw: bytes | None) -> str | None:
@@ -52,7 +52,7 @@ def open_shared(d: dict[str, Any]) -> torch.Tensor:
     try:
         return rebuild_cuda_tensor(
             torch.Tensor, torch.Size(d["shape"]), tuple(d["stride"]), int(d["tensor_offset"]),
-            torch.storage.TypedStorage, DTYPES[d["dtype"]], int(d["device"]), _unb64(d["handle"]),
+            torch.storage.TypedStorage, torch_dtype(d["dtype"]), int(d["device"]), _unb64(d["handle"]),
             int(d["storage_size"]), int(d["storage_offset"]), False, _unb64(d["ref_counter_handle"]),
             int(d["ref_counter_offset"]), _unb64(d["event_handle"]), bool(d["event_sync_required"]))
     except (KeyError, TypeError, ValueError) as exc:

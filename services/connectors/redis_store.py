@@ -9,6 +9,11 @@ verifies prefix, nonce, header, length and crc32.  This producer remembers
 what it wrote (LRU) to stay under capacity_bytes and to delete it on close().
 Connection problems surface as BackendUnavailable within the socket timeouts
 (connect 2 s, operation 10 s); the pool re-dials after a server restart.
+
+Copies (StoreStats.bytes_copied counts user-space payload copies; socket I/O
+is not a copy here): put() sends straight from tensor or array memory (0);
+put_into() lets `fill` write into the one buffer that is then sent (1);
+get() receives straight into the buffer its tensors view (0).
 """
 
 from __future__ import annotations
@@ -17,15 +22,16 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import redis
-import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from services.connectors.base import ConnectorError, StoreConfig, StoreStats, TensorStore, check_key
-from services.connectors.codec import byte_view, crc_of, plan, tensor_at
+from services.connectors.base import ConnectorError, StoreConfig, StoreStats, TensorSpec, TensorStore, check_key
+from services.connectors.codec import Data, byte_view, bytes_at, crc_of, is_array, plan, plan_specs, tensor_at
 from services.connectors.redis_errors import backend_errors
 from services.connectors.redis_format import (
     READ_CHUNK,
@@ -37,6 +43,9 @@ from services.connectors.redis_format import (
     value_pieces,
 )
 from services.connectors.redis_resp import Arg, RespError, RespSession, borrowed
+
+if TYPE_CHECKING:
+    import torch
 
 _LOOKUP_BYTES = 4096
 _RELEASE_LUA = ("if redis.call('GETRANGE', KEYS[1], 8, 15) == ARGV[1] then "
@@ -57,17 +66,30 @@ class RedisTensorStore(TensorStore):
         self._written: OrderedDict[str, tuple[int, float]] = OrderedDict()  # redis key -> (bytes, expiry)
         self._bytes = 0
         self._lock = threading.Lock()
-        self._hits = self._misses = self._puts = self._evictions = 0
+        self._hits = self._misses = self._puts = self._evictions = self._copied = 0
         self._closed = False
 
     def redis_key(self, key: str) -> str:
         return f"{self.config.namespace}:{self.config.purpose}:{check_key(key)}"
 
-    def put(self, key: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-        rkey = self.redis_key(key)
-        cpu = {n: t.detach().cpu() for n, t in tensors.items()}
+    def put(self, key: str, tensors: dict[str, Data]) -> dict[str, Any]:
+        cpu = {n: t if is_array(t) else t.detach().cpu() for n, t in tensors.items()}
         specs, length = plan(cpu)
-        views = [byte_view(t) for t in cpu.values()]
+        return self._send(key, specs, length, [byte_view(t) for t in cpu.values()])
+
+    def put_into(self, key: str, specs: dict[str, TensorSpec],
+                 fill: Callable[[dict[str, torch.Tensor]], None]) -> dict[str, Any]:
+        """One copy: `fill` writes into the buffer whose bytes are then sent."""
+        planned, length = plan_specs(specs)
+        buf = np.empty(length, np.uint8)
+        fill({s.name: tensor_at(buf, s) for s in planned})
+        handle = self._send(key, planned, length, [bytes_at(buf, s) for s in planned])
+        with self._lock:
+            self._copied += sum(s.nbytes for s in planned)
+        return handle
+
+    def _send(self, key: str, specs: list[Any], length: int, views: list[np.ndarray]) -> dict[str, Any]:
+        rkey = self.redis_key(key)
         crc = crc_of(views) if self._verify else None
         nonce = os.urandom(8)
         head = encode_head(key, nonce, specs, length, crc)
@@ -130,8 +152,7 @@ class RedisTensorStore(TensorStore):
 
     def get(self, handle: dict[str, Any]) -> dict[str, torch.Tensor]:
         ref = RedisRef.from_handle(handle)
-        out = torch.empty(ref.total, dtype=torch.uint8)  # one owned buffer; tensors are views into it
-        buf = out.numpy()
+        buf = np.empty(ref.total, np.uint8)  # one owned buffer, received into; tensors are views into it
         ranges = [(a, min(a + READ_CHUNK, ref.total)) for a in range(0, ref.total, READ_CHUNK)]
         commands: list[list[Arg]] = [["MULTI"]]
         commands += [["GETRANGE", ref.rkey, a, b - 1] for a, b in ranges]
@@ -165,7 +186,7 @@ class RedisTensorStore(TensorStore):
         with self._lock:
             self._drop_expired()
             return StoreStats(self._bytes, len(self._written), self.config.capacity_bytes, self._hits,
-                              self._misses, self._evictions, self._puts)
+                              self._misses, self._evictions, self._puts, self._copied)
 
     def close(self) -> None:
         with self._lock:

@@ -1,8 +1,15 @@
 """The producer side of the shm backend: one pre-faulted segment, entries allocated inside it.
 
 Only the owning process writes entries (consumers write nothing but the
-consumed mark).  Entries are kept in LRU order; room for a new entry is made by
-first reclaiming expired and consumed entries, then evicting the least recently
+consumed mark).  A write is three steps: `reserve` (room made, slot marked
+WRITING with a new generation), the payload copy into the extent (done by the
+caller without holding the store's lock: `put` copies the given tensors,
+`put_into` lets the producer fill views of the extent), then `publish` (crc,
+slot READY, entry visible to lookups) or `abort`.  Readers reject a slot that
+is not READY with their generation, so the seqlock holds for both.
+
+Entries are kept in LRU order; room for a new entry is made by first
+reclaiming expired and consumed entries, then evicting the least recently
 used ones.  `bytes_used` (aligned payload bytes plus any extra charge, e.g.
 CUDA tensors kept alive for IPC) never exceeds the capacity.
 """
@@ -15,10 +22,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from services.connectors.base import ConnectorError
-from services.connectors.codec import TensorSpec, align_up, crc_of, key_hash, plan, tensor_at
+from services.connectors.codec import TensorSpec, align_up, bytes_at, crc_of, key_hash
 from services.connectors.shm_alloc import ExtentAllocator, SlotAllocator
 from services.connectors.shm_layout import HAS_CRC, SLOT_MAGIC, Layout, SlotHeader
 from services.connectors.shm_segment import Segment, create_segment, unlink_segment
@@ -62,36 +67,37 @@ class ShmPool:
     def num_entries(self) -> int:
         return len(self._entries)
 
-    def put(self, key: str, tensors: dict[str, torch.Tensor], extra_charge: int = 0,
-            keep: list[Any] | None = None) -> PoolEntry:
-        """Copy CPU `tensors` into a new entry for `key`, replacing any previous one."""
-        self.free(key)
-        specs, length = plan(tensors)
+    def reserve(self, key: str, specs: list[TensorSpec], length: int, extra_charge: int = 0,
+                keep: list[Any] | None = None) -> PoolEntry:
+        """Room for an entry of `specs`, its slot marked WRITING; the caller fills the extent, then publishes."""
         size = align_up(length)
         charge = size + extra_charge
         if charge > self.layout.capacity:
             raise ConnectorError(f"entry {key!r} needs {charge} bytes, more than the store capacity "
                                  f"{self.layout.capacity}; raise capacity_bytes")
+        self.free(key)
         slot, offset = self._make_room(size, charge)
         entry = PoolEntry(key, slot, self.layout.data_start + offset, size, self._next_gen,
                           time.monotonic() + self._ttl_s, charge, specs, length, keep=keep or [])
         self._next_gen += 1
-        self._write(entry, tensors)
-        self._entries[key] = entry
-        self.bytes_used += charge
+        self.bytes_used += charge  # counted while it is filled, so the capacity holds
+        header = SlotHeader(SLOT_MAGIC, 0, entry.gen, key_hash(key), entry.offset, entry.length, 0, 0, 0,
+                            entry.expires_at)
+        self.layout.begin_write(self.segment.mm, entry.slot, header)
         return entry
 
-    def _write(self, entry: PoolEntry, tensors: dict[str, torch.Tensor]) -> None:
-        mm, buf = self.segment.mm, self.segment.buf
-        header = SlotHeader(SLOT_MAGIC, 0, entry.gen, key_hash(entry.key), entry.offset, entry.length,
-                            0, 0, 0, entry.expires_at)
-        self.layout.begin_write(mm, entry.slot, header)
-        for spec, t in zip(entry.specs, tensors.values(), strict=True):
-            tensor_at(buf, spec, entry.offset).copy_(t.detach())
+    def publish(self, entry: PoolEntry) -> PoolEntry:
+        """Make a filled entry readable (crc first, then READY) and visible to lookups."""
         if self._use_crc:
-            entry.crc = crc_of(buf[entry.offset + s.offset: entry.offset + s.offset + s.nbytes]
-                               for s in entry.specs)
-        self.layout.publish(mm, entry.slot, entry.crc or 0, HAS_CRC if self._use_crc else 0)
+            entry.crc = crc_of(bytes_at(self.segment.buf, s, entry.offset) for s in entry.specs)
+        self.layout.publish(self.segment.mm, entry.slot, entry.crc or 0, HAS_CRC if self._use_crc else 0)
+        self.free(entry.key)  # a concurrent write of the same key published first: the later one wins
+        self._entries[entry.key] = entry
+        return entry
+
+    def abort(self, entry: PoolEntry) -> None:
+        """Give back a reserved entry whose fill failed."""
+        self._release(entry)
 
     def find(self, key: str) -> PoolEntry | None:
         """The live entry for `key` (now most recently used), or None; drops it if expired or consumed."""
@@ -111,12 +117,15 @@ class ShmPool:
         entry = self._entries.pop(key, None)
         if entry is None:
             return False
+        self._release(entry)
+        return True
+
+    def _release(self, entry: PoolEntry) -> None:
         self.layout.mark_free(self.segment.mm, entry.slot)  # before the extent can be reused
         self._extents.release(entry.offset - self.layout.data_start, entry.size)
         self._slots.release(entry.slot)
         self.bytes_used -= entry.charge
         entry.keep.clear()
-        return True
 
     def reclaim(self) -> None:
         """Free every expired entry and every entry a consumer marked consumed."""

@@ -23,15 +23,16 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from services.connectors.base import EntryCorrupt, EntryMissing
 from services.connectors.codec import TensorSpec, byte_view, crc_of, key_hash, specs_from, tensor_at
 from services.connectors.shm_fence import ensure as ensure_fence
 from services.connectors.shm_layout import HAS_CRC, READY, SLOT_MAGIC, Layout, SlotHeader
 from services.connectors.shm_segment import Segment, attach_segment, producer_gone
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 LIVENESS_INTERVAL_S = 1.0

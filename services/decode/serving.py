@@ -29,6 +29,8 @@ TOKENS = Counter("epd_decode_tokens", "Output tokens produced")
 GAUGES = {
     "epd_decode_slots_used": ("Decode slots in use", lambda s: s.engine.stats().active),
     "epd_decode_queued": ("Requests waiting for a decode slot", lambda s: s.engine.stats().queued),
+    "epd_kv_store_bytes_copied_total": ("Payload bytes the KV store reader copied (gets; views none)",
+                                        lambda s: s.kv_store.stats().bytes_copied),
 }
 
 

@@ -40,6 +40,10 @@ MM_BYTES = Counter("epd_prefill_mm_bytes_received", "Multimodal bytes (kwargs_da
 GAUGES = {
     "epd_kv_store_bytes": ("Bytes held by this instance's KV store", lambda s: s.kv_store.stats().bytes_used),
     "epd_kv_store_entries": ("Entries held by this instance's KV store", lambda s: s.kv_store.stats().entries),
+    "epd_kv_store_bytes_copied_total": ("Payload bytes the KV store copied (put_into's fill; views none)",
+                                        lambda s: s.kv_store.stats().bytes_copied),
+    "epd_ec_store_bytes_copied_total": ("Payload bytes the EC store reader copied (gets; views none)",
+                                        lambda s: s.ec_store.stats().bytes_copied),
     "epd_prefill_forwards": ("Prefill forward passes so far (each runs one or more prompts or chunks)",
                              lambda s: s.engine.num_forwards),
     "epd_prefill_prefix_cache_blocks": ("KV blocks the prefix cache keeps for later prompts",
