@@ -229,8 +229,10 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag_name(f.name), dest=f.name, nargs="?", const="1", default=None,
                                 type=str, help=f"{f.metadata['help']} (env {env_name(f.name)})")
         else:
+            # A help text that explains its own default ("default: random") is not given the raw one too.
+            default = "" if "(default" in f.metadata["help"] else f"default {f.default!r}; "
             parser.add_argument(flag_name(f.name), dest=f.name, default=None, type=str,
-                                help=f"{f.metadata['help']} (default {f.default!r}; env {env_name(f.name)})")
+                                help=f"{f.metadata['help']} ({default}env {env_name(f.name)})")
 
 
 def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> EpdConfig:

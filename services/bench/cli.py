@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import secrets
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -73,18 +74,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _workload_flags(g: argparse._ArgumentGroup) -> None:
-    g.add_argument("--workload", default="random-mm", choices=("random-mm", "text", "replay"))
+    g.add_argument("--workload", default="random-mm", choices=("random-mm", "text", "replay"),
+                   help="random-mm: random words then images (vLLM's random multimodal); text: no images; "
+                   "replay: bodies from --replay-file")
     g.add_argument("--input-len", type=int, default=128, help="prompt length in words (~tokens)")
     g.add_argument("--output-len", type=int, default=64, help="max_tokens (sent with ignore_eos)")
     g.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in len*[1-r, 1+r]")
-    g.add_argument("--images-per-request", type=int, default=1)
+    g.add_argument("--images-per-request", type=int, default=1, help="images per request (random-mm)")
     g.add_argument("--image-sizes", type=_flag_type(parse_image_sizes), default=parse_image_sizes("224x224"),
                    metavar="WxH:P,...", help="size buckets with probabilities, e.g. 224x224:0.5,448x448:0.5")
     g.add_argument("--image-pool", type=int, default=0, help="draw images from N distinct ones (0: all unique)")
-    g.add_argument("--image-format", default="jpeg", choices=("jpeg", "png"))
+    g.add_argument("--image-format", default="jpeg", choices=("jpeg", "png"), help="how images are encoded "
+                   "in their data URLs")
     g.add_argument("--replay-file", help="JSONL of chat request bodies (workload replay)")
     g.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos: true")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None, help="workload and arrival seed (default: a fresh one per "
+                   "run, printed, so a second run never finds the first one's images in the encoder cache; "
+                   "give the printed one to send the same requests again)")
 
 
 def _load_flags(g: argparse._ArgumentGroup) -> None:
@@ -99,6 +105,7 @@ def _load_flags(g: argparse._ArgumentGroup) -> None:
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     urls = args.compare or ([args.url] if args.url else [])
+    seed = args.seed if args.seed is not None else secrets.randbelow(2**31)
     if not urls or (args.compare and args.url):
         raise BenchError("give one endpoint URL, or --compare URL_A URL_B")
     models, metrics = (args.model, args.model_b), (tuple(args.metrics_url), tuple(args.metrics_url_b))
@@ -108,25 +115,28 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         kind=args.workload, input_len=args.input_len, output_len=args.output_len, range_ratio=args.range_ratio,
         images_per_request=args.images_per_request, image_sizes=args.image_sizes, image_pool=args.image_pool,
         image_format=args.image_format, replay_file=args.replay_file, ignore_eos=not args.no_ignore_eos,
-        seed=args.seed)
+        seed=seed)
     count = args.num_requests if args.num_requests or args.duration else 100
     load = LoadConfig(concurrency=args.concurrency, request_rate=args.request_rate, burstiness=args.burstiness,
-                      num_requests=count, duration_s=args.duration, warmup=args.warmup, seed=args.seed,
+                      num_requests=count, duration_s=args.duration, warmup=args.warmup, seed=seed,
                       timeout_s=args.timeout)
     return BenchConfig(endpoints, workload, load, parse_slo(args.goodput), tuple(args.sweep), args.round_size,
-                       args.calibrate, args.api_key, not args.no_progress, args.save_requests)
+                       args.calibrate, args.api_key, not args.no_progress, args.save_requests,
+                       seed_given=args.seed is not None)
 
 
 def write_plots(outcome: BenchOutcome, doc: dict[str, object], folder: str) -> list[str]:
     os.makedirs(folder, exist_ok=True)
     paths = []
-    for level in outcome.levels:
+    for level, level_doc in zip(outcome.levels, doc["levels"], strict=True):  # type: ignore[call-overload]
         name = f"latency_cdf_c{level.load.max_in_flight}.png" if outcome.config.sweep else "latency_cdf.png"
         paths.append(os.path.join(folder, name))
-        plots.latency_cdfs(level, paths[-1])
+        title, names = plots.describe(doc, level_doc)
+        plots.latency_cdfs(level, paths[-1], title, names)
     if outcome.config.sweep:
         paths.append(os.path.join(folder, "sweep.png"))
-        plots.sweep(doc, paths[-1])
+        title, names = plots.describe(doc)
+        plots.sweep(doc, paths[-1], title, names)
     return paths
 
 
@@ -142,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     print(render(doc))
     if args.output:
         write_json(doc, args.output)
+        print(f"wrote {args.output} (the full results, {doc['schema']})", file=sys.stderr)
     if args.plot_dir:
         for path in write_plots(outcome, doc, args.plot_dir):
             print(f"wrote {path}", file=sys.stderr)

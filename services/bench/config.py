@@ -150,6 +150,7 @@ class BenchConfig:
     api_key: str | None = None
     show_progress: bool = True
     save_requests: bool = False
+    seed_given: bool = True   # False: the seed was drawn at random for this run (the report says so)
 
     def __post_init__(self) -> None:
         if len(self.endpoints) not in (1, 2):

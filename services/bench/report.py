@@ -75,7 +75,8 @@ def to_json(outcome: BenchOutcome) -> dict[str, Any]:
                             "metrics_urls": list(ep.metrics_urls), "extra_body": ep.extra_body}
                  for ep in cfg.endpoints}
     config = {"workload": dataclasses.asdict(cfg.workload), "load": dataclasses.asdict(cfg.load),
-              "slo_ms": cfg.slo.as_dict(), "sweep": list(cfg.sweep), "round_size": cfg.round_size}
+              "slo_ms": cfg.slo.as_dict(), "sweep": list(cfg.sweep), "round_size": cfg.round_size,
+              "seed": cfg.workload.seed, "seed_source": "given" if cfg.seed_given else "random"}
     doc = {"schema": SCHEMA, "mode": "compare" if cfg.is_compare else "single", "definitions": DEFINITIONS,
            "endpoints": endpoints, "config": config, "calibration": outcome.calibration,
            "levels": [level_json(level, outcome) for level in outcome.levels]}

@@ -44,12 +44,15 @@ def _cache_lines(s: dict[str, Any]) -> list[str]:
     images = s.get("images") or {}
     if images.get("images"):
         lines.append(_line("Images sent / distinct:", f"{images['images']} / {images['distinct_images']}"))
+    ideal = images.get("ideal_hit_ratio")
     cache = s.get("encoder_cache")
     if cache:
-        lines.append(_line("Encoder-cache hit ratio per item:",
-                           f"{_num(cache['hit_ratio'], 3)} of {cache['items']:g} items"))
+        lines.append(_line("Encoder-cache hits, measured / ideal:",
+                           f"{_num(cache['hit_ratio'], 3)} / {_num(ideal, 3)} of {cache['items']:g} items"))
         if cache.get("encoded") is not None:
             lines.append(_line("Items encoded (ran the vision tower):", f"{cache['encoded']:g}"))
+    elif ideal:  # images reused, no --metrics-url to measure the cache with
+        lines.append(_line("Encoder-cache hits, ideal:", _num(ideal, 3)))
     if s.get("metrics_error"):
         lines.append("  " + s["metrics_error"][:120])
     return lines
@@ -83,7 +86,12 @@ def calibration_lines(cal: dict[str, Any]) -> list[str]:
 
 
 def render(doc: dict[str, Any]) -> str:
+    config = doc.get("config") or {}
     lines: list[str] = []
+    if "seed" in config:
+        how = "given" if config.get("seed_source") == "given" else "random: --seed " + str(config["seed"]) + \
+            " sends the same requests again"
+        lines.append(f"seed {config['seed']} ({how})")
     if doc.get("calibration"):
         lines += calibration_lines(doc["calibration"])
     for level in doc["levels"]:

@@ -34,7 +34,7 @@ def test_single_run_writes_json_and_cdf_plot(fake, tmp_path, capsys):
     assert rc == 0
     text = capsys.readouterr().out
     assert "Request throughput (req/s):" in text and "Goodput (req/s) [ttft<=500ms tpot<=50ms]:" in text
-    assert "Encoder-cache hit ratio per item:" in text
+    assert "Encoder-cache hits, measured / ideal:   0.700 / 0.700 of 10 items\n" in text
     doc = json.loads(out.read_text())
     assert doc["schema"] == "epd-bench/1" and doc["mode"] == "single" and "vLLM" in doc["definitions"]
     assert doc["endpoints"]["A"]["model"] == "fake-model"
@@ -45,7 +45,30 @@ def test_single_run_writes_json_and_cdf_plot(fake, tmp_path, capsys):
     assert SUMMARY_KEYS <= set(s) and STAT_KEYS == set(s["ttft_ms"])
     assert s["images"]["distinct_images"] == 3 and s["encoder_cache"]["hit_ratio"] == 0.7
     assert len(s["requests"]) == 10 and s["requests"][0]["ok"] is True
-    assert _png(plots / "latency_cdf.png") == (1040, 760)
+    assert _png(plots / "latency_cdf.png") == (1120, 856)   # 2 x 2 panels under a two-line title
+
+
+def _hit_ratios(fake_endpoint, tmp_path, name: str, *seed: str) -> tuple[float, float, int]:
+    out = tmp_path / f"{name}.json"
+    assert epd_main(["bench", fake_endpoint.url, "--num-requests", "10", "--output-len", "2", "--image-sizes",
+                     "32x32", "--image-pool", "3", "--metrics-url", fake_endpoint.url, "--output", str(out),
+                     "--no-progress", *seed]) == 0
+    doc = json.loads(out.read_text())
+    s = doc["levels"][0]["results"]["A"]
+    return s["encoder_cache"]["hit_ratio"], s["images"]["ideal_hit_ratio"], doc["config"]["seed"]
+
+
+def test_two_runs_against_one_server_measure_the_same_hit_ratio(fake, tmp_path, capsys):
+    server = fake()  # its encoder-cache counters remember every image they saw, as a real cluster's do
+    first, second = _hit_ratios(server, tmp_path, "first"), _hit_ratios(server, tmp_path, "second")
+    assert first[:2] == second[:2] == (0.7, 0.7) and first[2] != second[2]   # fresh images each run
+    text = capsys.readouterr()
+    assert f"seed {second[2]} (random: --seed {second[2]} sends the same requests again)" in text.out
+    assert f"wrote {tmp_path / 'second.json'} (the full results, epd-bench/1)" in text.err
+    # a given seed sends the same images again: then the server has them all (the old default's trap)
+    again = _hit_ratios(server, tmp_path, "again", "--seed", str(second[2]))
+    assert again == (1.0, 0.7, second[2])
+    assert f"seed {second[2]} (given)" in capsys.readouterr().out
 
 
 def test_sweep_compare_and_calibration(fake, tmp_path, capsys):
@@ -62,7 +85,7 @@ def test_sweep_compare_and_calibration(fake, tmp_path, capsys):
     assert all({"A", "B"} == set(lv["results"]) and lv["ratios"] for lv in doc["levels"])
     assert doc["calibration"]["concurrency"] == 4 and doc["calibration"]["failed"] == 0
     assert doc["calibration"]["request_throughput"] > 50
-    assert _png(plots / "sweep.png") == (1560, 380)
+    assert _png(plots / "sweep.png") == (1680, 478)          # 3 panels under a three-line title
     for level in (1, 2, 4):
         _png(plots / f"latency_cdf_c{level}.png")
     # every level gets fresh requests (its own seed), both endpoints the same ones
