@@ -6,6 +6,10 @@ keys, request ids, deadlines) is one entry there.  The route modules import
 the pipeline, never this module:
 
     app.py ─▶ openai_api.py, generate_api.py, control_api.py, openapi.py ─▶ pipeline.py ─▶ steps/ ─▶ clients.py
+
+Probes: GET /health is liveness (200 while the process serves HTTP), GET /ready readiness (200 only
+when every role has a ready instance, probed now, and no drain is running); both, and /metrics, are
+services.server.PROBE_PATHS: open whatever authentication wraps the rest.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from services.config import EpdConfig
 from .admission import AdmissionMiddleware
 from .cluster import Cluster
 from .control_api import ControlApi
+from .drain import Drain, DrainMiddleware
 from .generate_api import GenerateApi
 from .http_io import BODY_READ_TIMEOUT_S
 from .inflight import InflightRegistry
@@ -39,19 +44,36 @@ class CoordinatorApp:
         self.cluster = Cluster(config)
         self.pipeline = Pipeline(self.cluster)
         self.inflight = InflightRegistry()
+        self.drain = Drain(self.inflight, config.shutdown_grace_s)
 
     async def models(self, _: Request) -> Response:
         card = {"id": self.config.served_model_id(), "object": "model", "created": 0, "owned_by": "epd",
                 "max_model_len": self.config.max_model_len}
         return JSONResponse({"object": "list", "data": [card]})
 
-    async def health(self, _: Request) -> Response:
-        roles = {pool.role: len(pool.healthy()) for pool in self.cluster.pools}
+    def _required(self) -> list[str]:
         # A text-only model runs no encoders (none configured): an empty encode pool is then fine.
         optional = set() if self.config.urls("encode") else {"encode"}
-        ok = all(count for role, count in roles.items() if role not in optional)
-        return JSONResponse({"status": "ok" if ok else "degraded", "healthy_instances": roles},
-                            status_code=200 if ok else 503)
+        return [pool.role for pool in self.cluster.pools if pool.role not in optional or pool.instances]
+
+    async def health(self, _: Request) -> Response:
+        """Liveness; the body also says what routing sees now (instances taking work per role)."""
+        roles = {pool.role: len(pool.healthy()) for pool in self.cluster.pools}
+        ok = all(roles[role] for role in self._required())
+        return JSONResponse({"status": "ok", "ready": ok and not self.drain.draining, "healthy_instances": roles})
+
+    async def ready(self, _: Request) -> Response:
+        """Readiness: every needed role has an instance that answers SERVING to a probe made now."""
+        probes = {pool.role: await pool.check_all() for pool in self.cluster.pools}
+        ready = {role: sum(results.values()) for role, results in probes.items()}
+        problems = ["draining for shutdown"] if self.drain.draining else []
+        for role in self._required():
+            if not ready[role]:
+                known = len(probes[role])
+                problems.append(f"no ready {role} instance ({known} known; GET /ready on each says why)"
+                                if known else f"no {role} instance is configured or registered")
+        return JSONResponse({"status": "not_ready" if problems else "ready", "ready_instances": ready,
+                             "problems": problems}, status_code=503 if problems else 200)
 
     async def metrics(self, _: Request) -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
@@ -63,6 +85,7 @@ class CoordinatorApp:
             *OpenAIApi(self.config, self.cluster, self.pipeline).routes(),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
+            Route("/ready", self.ready, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
             *ControlApi(self.cluster, self.inflight).routes(),
             Route("/openapi.json", OpenApiRoute(title).serve, methods=["GET"]),
@@ -70,7 +93,8 @@ class CoordinatorApp:
 
     def middleware(self) -> list[Middleware]:
         """Outermost first."""
-        return [Middleware(AdmissionMiddleware, registry=self.inflight, metrics=self.cluster.metrics,
+        return [Middleware(DrainMiddleware, drain=self.drain),
+                Middleware(AdmissionMiddleware, registry=self.inflight, metrics=self.cluster.metrics,
                            max_inflight=self.config.max_inflight_requests, saturated=self.decode_saturated,
                            max_request_s=self.config.request_timeout_s + BODY_READ_TIMEOUT_S + 5.0)]
 

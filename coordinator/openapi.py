@@ -39,7 +39,8 @@ OPERATIONS: list[tuple[str, str, str, type[BaseModel] | None, type[BaseModel] | 
     ("post", "/v1/instances", "Announce (or refresh) a role instance", InstanceAnnouncement, None),
     ("delete", "/v1/instances", "Remove a role instance", InstanceRef, None),
     ("get", "/cluster", "Role instances with a fresh health probe", None, None),
-    ("get", "/health", "Healthy instances per role (503 while a role has none)", None, None),
+    ("get", "/health", "Liveness, with the instances taking work per role", None, None),
+    ("get", "/ready", "Readiness: 503 while a role has no ready instance or while draining", None, None),
 ]
 
 

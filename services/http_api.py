@@ -21,7 +21,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from services.observability import request_id_var
-from services.protocol.errors import EpdError, InvalidRequest, as_epd_error
+from services.protocol.errors import EpdError, InvalidRequest, NotFound, as_epd_error
 from services.protocol.parsing import parse_model
 from services.protocol.streaming import SSE_MEDIA_TYPE
 
@@ -76,7 +76,7 @@ def sse_response(events: AsyncIterator[bytes], headers: dict[str, str] | None = 
 def check_model(model: str | None, served: str) -> None:
     """None passes; otherwise it must be the served model id (same message as render's check)."""
     if model is not None and model != served:
-        raise InvalidRequest(f"The model `{model}` does not exist (served: {served})", code="model_not_found")
+        raise NotFound(f"The model `{model}` does not exist (served: {served})", code="model_not_found")
 
 
 def endpoint(handler: Handler) -> Handler:

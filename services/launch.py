@@ -65,7 +65,7 @@ def _http_urls(children: list[Child], role: str, host: str) -> str:
 
 
 def coordinator_child(config: EpdConfig, children: list[Child]) -> Child:
-    return Child("coordinator", f"{config.instance_id}_coordinator", 0, config.port, ready_path="/health")
+    return Child("coordinator", f"{config.instance_id}_coordinator", 0, config.port)
 
 
 def spawn(child: Child, config: EpdConfig, extra_env: dict[str, str]) -> None:

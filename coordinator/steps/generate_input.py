@@ -24,7 +24,7 @@ import binascii
 import time
 
 from services.config import EpdConfig
-from services.protocol.errors import InvalidRequest
+from services.protocol.errors import InvalidRequest, NotFound
 from services.protocol.features import FeatureItem
 from services.protocol.generate import GenerateRequest
 from services.protocol.items import metadata_only
@@ -70,7 +70,7 @@ def rendered_from_features(req: GenerateRequest, model: str) -> pb.RenderRespons
 def check_model(req: GenerateRequest, config: EpdConfig) -> None:
     served = config.served_model_id()
     if req.model is not None and req.model != served:
-        raise InvalidRequest(f"The model `{req.model}` does not exist (served: {served})",
+        raise NotFound(f"The model `{req.model}` does not exist (served: {served})",
                              code="model_not_found")
 
 

@@ -30,7 +30,7 @@ from typing import Any
 from services.models.base import RenderSpec
 from services.models.processing import load_tokenizer
 from services.protocol.common import fresh_id
-from services.protocol.errors import InvalidRequest
+from services.protocol.errors import InvalidRequest, NotFound
 from services.protocol.features import ContentPart
 from services.protocol.openai import ChatCompletionRequest, CompletionRequest
 from services.protocol.parsing import validate_model
@@ -142,7 +142,7 @@ class RenderService:
         """None passes; otherwise the served id or one of its aliases."""
         if model is not None and model not in self.served_model_names:
             served = ", ".join(self.served_model_names)
-            raise InvalidRequest(f"The model `{model}` does not exist (served: {served})",
+            raise NotFound(f"The model `{model}` does not exist (served: {served})",
                                  code="model_not_found")
 
     def close(self) -> None:

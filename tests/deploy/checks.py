@@ -104,8 +104,8 @@ def probes_match_ports(docs: list[Doc]) -> list[str]:
         elif command == "coordinator":
             port = int(env.get("EPD_PORT", "8000"))
             get = c["readinessProbe"].get("httpGet") or {}
-            if get.get("path") != "/health" or port_number(c, get["port"]) != port or port not in declared:
-                problems.append(f"{where}: readiness must GET /health on EPD_PORT {port}")
+            if get.get("path") != "/ready" or port_number(c, get["port"]) != port or port not in declared:
+                problems.append(f"{where}: readiness must GET /ready on EPD_PORT {port}")
     return problems
 
 
@@ -235,7 +235,7 @@ ALL = (pod_hygiene, epd_settings, probes_match_ports, coordinator_wiring, regist
 
 # (readiness path, liveness path) per epd command: readiness means "can serve" (GET /ready), liveness only
 # "runs" (never a check that a Redis outage fails, or the kubelet would restart healthy processes).
-PROBE_PATHS = {"coordinator": ("/health", "/v1/models")}
+PROBE_PATHS = {"coordinator": ("/ready", "/health")}
 ROLE_PROBE_PATHS = ("/ready", "/health")
 STOP_MARGIN_S = 5.0
 

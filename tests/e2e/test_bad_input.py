@@ -28,7 +28,6 @@ def _big_flat_png(width: int, height: int) -> str:
 CASES = [
     ("malformed_json", b"{not json", "malformed JSON"),
     ("missing_messages", {"model": MODEL}, "messages"),
-    ("unknown_model", {"model": "gpt-17", "messages": [{"role": "user", "content": "hi"}]}, "gpt-17"),
     ("undecodable_image", _with_parts(_image_part("data:image/png;base64," + base64.b64encode(
         b"\x89PNG\r\n\x1a\n" + b"\0" * 64).decode())), "image"),
     ("data_url_not_image", _with_parts(_image_part("data:text/plain;base64,aGVsbG8gd29ybGQ=")), "image"),
@@ -58,6 +57,22 @@ def test_bad_input_is_a_400_naming_the_problem(shm_cluster, name, body, needle):
     assert set(error) >= {"message", "type", "code"}
     assert error["type"] == "invalid_request_error"
     assert needle.lower() in error["message"].lower(), error
+
+
+def test_an_unknown_model_is_a_404_as_in_openai_and_vllm(shm_cluster):
+    import openai
+
+    for path, body in (("/v1/chat/completions", {"model": "gpt-17", "messages": [{"role": "user", "content": "hi"}]}),
+                       ("/v1/completions", {"model": "gpt-17", "prompt": "hi"})):
+        with shm_cluster.client() as client:
+            reply = client.post(path, json=body)
+        assert reply.status_code == 404, (path, reply.text)
+        assert reply.json()["error"] == {"message": f"The model `gpt-17` does not exist (served: {MODEL})",
+                                         "type": "not_found_error", "code": "model_not_found"}, path
+    client = openai.OpenAI(base_url=shm_cluster.url + "/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model="gpt-17", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert caught.value.status_code == 404 and "gpt-17" in caught.value.message
 
 
 def test_cluster_keeps_serving_after_bad_input(shm_cluster):

@@ -104,12 +104,16 @@ def test_readiness_follows_redis_while_liveness_stays(redis_faults):
             live = httpx.get(url + "/health", timeout=5)
             assert live.status_code == 200 and live.json()["ready"] is False     # alive, only not ready
         assert httpx.get(render + "/ready", timeout=5).status_code == 200       # render uses no store
-        coordinator = _wait_status(cluster.url + "/health", 503)                 # no ready instance of a role
+        coordinator = _wait_status(cluster.url + "/ready", 503)                  # no ready instance of a role
         assert coordinator.status_code == 503, coordinator.text
+        assert coordinator.json()["problems"] == [
+            f"no ready {role} instance (1 known; GET /ready on each says why)" for role in ("encode", "prefill",
+                                                                                          "decode")]
+        assert httpx.get(cluster.url + "/health", timeout=5).status_code == 200  # alive all the same
     finally:
         server.start()
     for url in [*roles.values(), cluster.url]:
-        assert _wait_status(url + ("/ready" if url != cluster.url else "/health"), 200).status_code == 200
+        assert _wait_status(url + "/ready", 200).status_code == 200
     with cluster.client() as client:
         reply = client.post("/v1/chat/completions", json=chat("Back?", [noise_image(56, 56, 990)], max_tokens=2))
         assert reply.status_code == 200, reply.text

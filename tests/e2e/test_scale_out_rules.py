@@ -111,8 +111,9 @@ def test_golden_vector_is_what_render_answers_for_a_4x4_grid(orch):
 
 def test_unknown_model_is_refused_everywhere(orch):
     for target in TARGETS:
-        error = _error(orch.post(target, "/inference/v1/generate", {"token_ids": IDS, "model": "gpt-17"}))
+        error = _error(orch.post(target, "/inference/v1/generate", {"token_ids": IDS, "model": "gpt-17"}), 404)
         assert error["message"].startswith("The model `gpt-17` does not exist"), (target, error)
+        assert error["code"] == "model_not_found", (target, error)
 
 
 def test_role_specific_rules(orch):

@@ -16,7 +16,7 @@ import pytest
 from PIL import Image
 
 from services.models.processing import load_processor
-from services.protocol.errors import InvalidRequest
+from services.protocol.errors import InvalidRequest, NotFound
 from services.protocol.generate import GenerateRequest
 from services.protocol.openai import ChatCompletionRequest, CompletionRequest
 from services.protocol.sampling import SamplingParams
@@ -221,9 +221,9 @@ def test_context_length(service) -> None:
 
 
 def test_model_check(service) -> None:
-    with pytest.raises(InvalidRequest, match="other-model") as info:
+    with pytest.raises(NotFound, match="other-model") as info:   # 404, as OpenAI and vLLM answer
         run(service.render_chat(chat("Hello", model="other-model")))
-    assert info.value.code == "model_not_found"
+    assert info.value.code == "model_not_found" and info.value.status == 404
     run(service.render_chat(chat("Hello", model="demo-alias")))
     run(service.render_chat(chat("Hello", model=None)))
 

@@ -230,18 +230,18 @@ several roles share a pod).
       port: http
     periodSeconds: 2
     failureThreshold: 30
-  # 503 while a role has no healthy instance: the coordinator then leaves the Service.
+  # /ready: 503 while a role has no ready instance or while draining: the coordinator then leaves the Service.
   readinessProbe:
     httpGet:
-      path: /health
+      path: /ready
       port: http
     periodSeconds: 5
     timeoutSeconds: 3
     failureThreshold: 2
-  # Must not depend on the roles: a dead encoder must not restart the coordinator.
+  # Liveness only (never the roles: a dead encoder must not restart the coordinator).
   livenessProbe:
     httpGet:
-      path: /v1/models
+      path: /health
       port: http
     periodSeconds: 10
     timeoutSeconds: 5
