@@ -37,11 +37,16 @@ _SAMPLING_NAMES = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "st
                    "skip_special_tokens", "include_stop_str_in_output")
 
 
+MAX_UUID_CHARS = 1024
+
+
 class ImageURL(ProtocolModel):
     """The image_url object of a content part."""
 
     url: str = Field(min_length=1, description="http(s) URL or data: URL of the image.")
     detail: str | None = Field(default=None, description="OpenAI detail hint (auto/low/high); ignored.")
+    uuid: str | None = Field(default=None, min_length=1, max_length=MAX_UUID_CHARS,
+                             description="The item's id, as on the part itself (the part's own uuid wins).")
 
 
 class ChatContentPart(ProtocolModel):
@@ -52,6 +57,10 @@ class ChatContentPart(ProtocolModel):
     image_url: ImageURL | None = Field(
         default=None, description="The image, for type 'image_url' (a bare URL "
         "string is accepted too).")
+    uuid: str | None = Field(
+        default=None, min_length=1, max_length=MAX_UUID_CHARS,
+        description="vLLM's item id: the same uuid is the same item, so its embedding is reused; scoped by model "
+        "and cache_salt (another salt is another tenant), never a global key (docs/security.md).")
 
     @field_validator("image_url", mode="before")
     @classmethod

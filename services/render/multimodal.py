@@ -6,7 +6,8 @@ The three stages every input path shares (chat messages, content_parts):
    tightened to the render limits so oversize media is refused before it is
    decoded; any failure cancels the other fetches and names the image index.
 2. `process` runs the HF image processor and the mm_hash of each image in the
-   bounded thread pool (both are CPU-heavy; the event loop never blocks).
+   bounded thread pool (both are CPU-heavy; the event loop never blocks); an
+   image with a client uuid is named by uuid_scope (model, cache_salt, uuid).
 3. `place` sizes each image's placeholder run and builds the items.
 """
 
@@ -29,6 +30,7 @@ from services.render.limits import RenderLimits
 from services.render.media import MediaPolicy, load_image
 from services.render.placeholders import VisionTokens, fit_runs
 from services.render.processor import ImageProcessor, ProcessedImage
+from services.render.uuid_scope import scoped_uuid
 
 T = TypeVar("T")
 # Media error code -> (render limit, the policy field it tightens).
@@ -66,10 +68,11 @@ class ImagePipeline:
         self.limits.check_image_count(len(refs))
         return await gather_or_cancel([self._load_one(i, ref) for i, ref in enumerate(refs)])
 
-    async def process(self, images: Sequence[LoadedImage]) -> list[ReadyImage]:
+    async def process(self, images: Sequence[LoadedImage], cache_salt: str | None = None) -> list[ReadyImage]:
+        """Processed images with their mm_hash (a client uuid is scoped by model and cache_salt)."""
         loop = asyncio.get_running_loop()
         return await gather_or_cancel(
-            [loop.run_in_executor(self.executor, self._process_one, image) for image in images])
+            [loop.run_in_executor(self.executor, self._process_one, image, cache_salt) for image in images])
 
     def place(self, token_ids: Sequence[int], ready: Sequence[ReadyImage], vision: VisionTokens,
               metadata_keys: Sequence[str]) -> tuple[list[int], list[RenderedItem]]:
@@ -88,9 +91,10 @@ class ImagePipeline:
             raise self._named(index, exc) from None
         return LoadedImage(ref, image, data)
 
-    def _process_one(self, image: LoadedImage) -> ReadyImage:
+    def _process_one(self, image: LoadedImage, cache_salt: str | None) -> ReadyImage:
         processed = self.processor.process(image.image)
-        mm_hash = item_hash(IMAGE, image.data, self.model_id, self.processor.hash_kwargs, image.ref.uuid)
+        uuid = scoped_uuid(self.model_id, cache_salt, image.ref.uuid) if image.ref.uuid else None
+        mm_hash = item_hash(IMAGE, image.data, self.model_id, self.processor.hash_kwargs, uuid)
         return ReadyImage(processed, mm_hash)
 
     def _named(self, index: int, exc: InvalidRequest) -> InvalidRequest:

@@ -57,8 +57,9 @@ class RenderServicer(rpc.RenderServiceServicer):
     @rpc_method
     async def RenderContentParts(self, request: pb.RenderContentPartsRequest, context: grpc.aio.ServicerContext):
         parts = parse_json(request.content_parts_json)
+        salt = request.cache_salt if request.HasField("cache_salt") else None
         prompt = await self.service.render_content_parts(list(request.token_ids), parts,
-                                                         request_id=request.request_id or None)
+                                                         request_id=request.request_id or None, cache_salt=salt)
         return to_response(prompt, self.service.max_model_len)
 
     @rpc_method

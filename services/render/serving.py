@@ -112,7 +112,7 @@ class RenderService:
             self._refuse_images(len(refs))
             ids, items = list(token_ids), []  # type: tuple[list[int], list[RenderedItem]]
         else:
-            ready = await self.images.process(await self.images.load(refs))
+            ready = await self.images.process(await self.images.load(refs), cache_salt)
             ids, items = self.images.place(token_ids, ready, self.vision, self.metadata_keys)
         sampling = sampling_params or SamplingParams()
         check_context_length(len(ids), sampling.max_tokens, self.max_model_len)
@@ -169,7 +169,7 @@ class RenderService:
             text_task.cancel()
             raise
         text, ids = await text_task
-        ready = await self.images.process(loaded)
+        ready = await self.images.process(loaded, req.cache_salt)
         token_ids, items = self.images.place(ids, ready, self.vision, self.metadata_keys)
         return text, token_ids, items
 

@@ -142,22 +142,27 @@ def test_content_parts_follow_the_chat_media_policy(orch):
     assert via_parts["message"] == via_chat["message"]
 
 
-def test_content_part_uuid_is_the_mm_hash(orch):
-    """A uuid given with a content part is the hash: encode later finds the embedding under it."""
+def test_content_part_uuid_names_the_item_scoped_by_model_and_salt(orch):
+    """A uuid given with a content part names the item (never as is: scoped by model and cache_salt, see
+    docs/security.md): encode later finds the embedding under the key render reports for that uuid."""
     image = noise_image(56, 56, 42)
     rendered = orch.render(chat("x", [image], max_tokens=3, temperature=0))
-    uuid = "caller-chosen-hash-42"
+    uuid = "caller-chosen-id-42"
+    with_uuid = chat("x", [image], max_tokens=3, temperature=0)
+    with_uuid["messages"][0]["content"][0]["uuid"] = uuid
+    key = orch.render(with_uuid)["features"]["mm_hashes"]["image"][0]
+    assert key not in (uuid, rendered["features"]["mm_hashes"]["image"][0])
     part = {"type": "image_url", "url": data_url(image), "uuid": uuid}
     sampling = {"max_tokens": 3, "temperature": 0}
     first = orch.ok("coordinator", "/inference/v1/generate",
                     {"token_ids": rendered["token_ids"], "content_parts": [part], "sampling_params": sampling})
     by_hash = {"token_ids": rendered["token_ids"], "features": {
-        "mm_hashes": {"image": [uuid]}, "mm_placeholders": rendered["features"]["mm_placeholders"],
+        "mm_hashes": {"image": [key]}, "mm_placeholders": rendered["features"]["mm_placeholders"],
         "kwargs_data": {"image": [None]}}}  # a null entry: resolve by hash from the encoder cache
     ec = orch.encode(by_hash)["ec_transfer_params"]
-    assert list(ec) == [uuid]
+    assert list(ec) == [key]
     light = metadata_only(rendered)
-    light["features"]["mm_hashes"] = {"image": [uuid]}
+    light["features"]["mm_hashes"] = {"image": [key]}
     second = orch.ok("coordinator", "/inference/v1/generate",
                      {**light, "ec_transfer_params": ec, "sampling_params": sampling})
     assert second["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]

@@ -89,14 +89,16 @@ class RenderResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., items: _Optional[_Iterable[_Union[MultiModalItem, _Mapping]]] = ..., sampling_params_json: _Optional[bytes] = ..., model: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class RenderContentPartsRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "content_parts_json")
+    __slots__ = ("request_id", "token_ids", "content_parts_json", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CONTENT_PARTS_JSON_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     content_parts_json: bytes
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., content_parts_json: _Optional[bytes] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., content_parts_json: _Optional[bytes] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class DetokenizeRequest(_message.Message):
     __slots__ = ("token_ids",)

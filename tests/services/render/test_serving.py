@@ -24,6 +24,7 @@ from services.protocol.serialization import item_from_b64
 from services.render.limits import RenderLimits
 from services.render.media import MediaPolicy
 from services.render.serving import RenderService
+from services.render.uuid_scope import scoped_uuid
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 MODEL = "epd-demo"
@@ -268,7 +269,7 @@ def test_content_parts_uuid_wrong_run_and_modality(service) -> None:
     ids = [1, 151652, IMAGE_PAD, 151653, 2]
     rendered = run(service.render_content_parts(ids, [{"type": "image_url", "url": url, "uuid": "my-id"}],
                                                 sampling_params=SamplingParams(max_tokens=3), cache_salt="s"))
-    assert rendered.mm_hashes == ["my-id"] and rendered.cache_salt == "s"
+    assert rendered.mm_hashes == [scoped_uuid(service.images.model_id, "s", "my-id")] and rendered.cache_salt == "s"
     assert len(rendered.token_ids) == 4 + 64
     with pytest.raises(InvalidRequest, match="expected 1 or 64"):
         run(service.render_content_parts([151652, IMAGE_PAD, IMAGE_PAD, 151653], [{"type": "image_url",
