@@ -41,7 +41,8 @@ Each setting is a command-line flag and an environment variable with the same na
   means true.
 - The whole configuration is checked at start-up; an invalid value stops the process with
   `epd: configuration error: ...` and exit status 2.
-- `epd config` prints this table as JSON.
+- `epd config` (with any flags and EPD_* variables) prints the effective value of every setting and
+  where it comes from (flag, env or default); `epd config --schema` prints this table as JSON.
 - In containers, prefer the `EPD_*` variables (Kubernetes: the `epd-config` ConfigMap, see
   [deployment.md](deployment.md)); the image's health check finds the ports through them.
 """

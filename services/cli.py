@@ -19,7 +19,9 @@ COMMANDS = {
     "encode": "run one encode instance",
     "prefill": "run one prefill instance",
     "decode": "run one decode instance",
-    "config": "print the settings table (flags, environment variables, defaults) as JSON",
+    "config": "print the effective settings (the same flags and EPD_* variables as the other commands) with "
+              "where each value comes from: flag, env or default; --json for JSON, --schema for the table of "
+              "every setting",
     "bench": "load-test an OpenAI-compatible endpoint (own flags: epd bench --help)",
 }
 
@@ -28,8 +30,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="epd", description="Disaggregated Encode/Prefill/Decode serving")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_text in COMMANDS.items():
-        add_flags(sub.add_parser(name, help=help_text, description=help_text))
+        command = sub.add_parser(name, help=help_text, description=help_text)
+        add_flags(command)
+        if name == "config":
+            command.add_argument("--json", dest="as_json", action="store_true", help="print JSON instead of text")
+            command.add_argument("--schema", action="store_true", help="print every setting's flag, variable, "
+                                 "type, default and help as JSON (what docs/configuration.md is made of)")
     return parser
+
+
+def show_config(args: argparse.Namespace) -> int:
+    from .config_report import effective, render
+
+    if args.schema:
+        print(json.dumps(schema(), indent=2, default=str))
+        return 0
+    rows = effective(args)
+    print(json.dumps(rows, indent=2, default=str) if args.as_json else render(rows))
+    return 0
 
 
 def run_role(role: str, config: EpdConfig) -> int:
@@ -45,10 +63,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
-    if args.command == "config":
-        print(json.dumps(schema(), indent=2, default=str))
-        return 0
     try:
+        if args.command == "config":
+            return show_config(args)
         config = from_args(args)
     except ConfigError as exc:
         print(f"epd: configuration error: {exc}", file=sys.stderr)
