@@ -21,6 +21,16 @@ ROLE_MODULES = {
 }
 
 
+class _NoTorchExpected(logging.Filter):
+    """Drops transformers' advice that torch is missing, in render, which blocks torch on purpose."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return NO_TORCH_MESSAGE not in record.getMessage()
+
+
+NO_TORCH_MESSAGE = "PyTorch was not found"
+
+
 def run(role: str, config: EpdConfig) -> int:
     setup_logging(role, config.instance_id, config.log_level)
     if role == "coordinator":
@@ -30,6 +40,8 @@ def run(role: str, config: EpdConfig) -> int:
     if role == "render":
         # transformers imports torch whenever it is installed; render needs none of it (PIL processors).
         sys.modules.setdefault("torch", None)  # type: ignore[arg-type]
+        # ...and then says "PyTorch was not found" (twice): expected here, so not said.
+        logging.getLogger("transformers").addFilter(_NoTorchExpected())
     from .connectors.registry import sweep_stale_segments
 
     sweep_stale_segments()  # a restarted container's old pools (owners are dead; live owners hold a lock)

@@ -48,6 +48,8 @@ def test_serve_runs_five_processes_and_cleans_up(demo_model_path):
         assert segments, "the shm connectors should own segments while serving"
         with cluster.client() as client:
             assert client.get("/health").status_code == 200
+        # render blocks torch on purpose: transformers' "PyTorch was not found" advice is not printed
+        assert not [line for line in cluster.output if "PyTorch was not found" in line]
     finally:
         assert cluster.stop() == 0
     deadline = time.monotonic() + 5
