@@ -16,8 +16,8 @@ from .manifests import ROOT
 
 DOCS = ROOT / "docs"
 OWN_DOCS = ("deployment.md", "operations.md", "configuration.md", "troubleshooting.md", "llm-d.md", "security.md")
-# Variables read outside services.config: the demo model cache, and the image's health check.
-OTHER_VARIABLES = {"EPD_CACHE_DIR", "EPD_HEALTH_PORT"}
+# Variables read outside services.config: the demo model cache, the image's health check, benchmark output.
+OTHER_VARIABLES = {"EPD_CACHE_DIR", "EPD_HEALTH_PORT", "EPD_BENCH_RESULTS_DIR", "EPD_BENCH_PROFILES_DIR"}
 
 
 def doc(name: str) -> str:
@@ -97,3 +97,25 @@ def test_links_between_these_docs_resolve(name):
         if not path.exists() or (anchor and anchor not in _anchors(path)):
             broken.append(f"{target}#{anchor}")
     assert broken == []
+
+
+def test_the_readme_links_every_docs_page():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    linked = set(re.findall(r"\]\(docs/([\w.-]+\.md)(?:#[\w-]+)?\)", readme))
+    assert sorted(p.name for p in DOCS.glob("*.md") if p.name not in linked) == []
+    assert "epd bench" in readme
+
+
+@pytest.mark.parametrize("name", ["README.md", *sorted(p.name for p in DOCS.glob("*.md"))])
+def test_relative_links_stay_inside_the_repository_and_resolve(name):
+    path = ROOT / name if name == "README.md" else DOCS / name
+    text = path.read_text(encoding="utf-8")
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if target.startswith(("http://", "https://", "mailto:", "#")):
+            continue
+        resolved = (path.parent / target.split("#")[0]).resolve()
+        if not resolved.is_relative_to(ROOT.resolve()) or not resolved.exists():
+            broken.append(target)
+    assert broken == []
+    assert "shared/design" not in text   # the team's design notes are not part of the repository
