@@ -111,7 +111,9 @@ def language_probes(costs: StageCosts, path: Any, prompt_lens: list[int], batche
                     ) -> dict[tuple[str, Any], Probe]:
     import torch
 
+    from services.decode.block_pool import BlockPool
     from services.decode.params import DecodeParams
+    from services.decode.request_blocks import RequestBlocks
     from services.decode.runner import DecodeRunner
     from services.decode.sampler import RowSampling, Sampler
     from services.models.registry import adapter_for
@@ -127,16 +129,24 @@ def language_probes(costs: StageCosts, path: Any, prompt_lens: list[int], batche
     for length in prompt_lens:
         ids = torch.randint(0, 150000, (length,), generator=gen).tolist()
         probes[("prefill", length)] = lambda ids=ids: engine.prefill(ids)
-    runner = DecodeRunner(lm, max(batches), context + 8, Sampler(0))
+    rows_max, per_row = max(batches), -(-(context + 8) // 16)
+    from services.decode.block_pool import block_bytes
+
+    pool = BlockPool(layout, rows_max * per_row * block_bytes(layout, 16), 16)
+    runner = DecodeRunner(lm, pool, rows_max, context + 8, Sampler(0))
     kv = torch.randn(layout.num_layers, 2, layout.num_kv_heads, context, layout.head_dim, dtype=layout.dtype)
-    for row in range(max(batches)):
-        runner.load(row, kv)
+    seqs = []
+    for row in range(rows_max):
+        assert pool.try_reserve(per_row)
+        seqs.append(RequestBlocks(pool, per_row))
+        seqs[-1].load(kv)
+        runner.place(row, seqs[-1])
     greedy = DecodeParams(temperature=0.0)
 
     def step(batch: int, rows: list[Any]) -> None:
-        runner.step([100] * batch, [0] * batch, rows)
-        for row in range(batch):   # back to `context` tokens: every sample sees the same context
-            runner.cache.lengths[row] = context
+        runner.step([100] * batch, [0] * batch, seqs[:batch], rows)
+        for seq in seqs[:batch]:   # back to `context` tokens: every sample sees the same context
+            seq.truncate(context)
 
     for batch in batches:
         rows = [RowSampling(greedy, ()) for _ in range(batch)]

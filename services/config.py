@@ -23,6 +23,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 DEMO_ALIASES = {"demo": "epd-demo-qwen2-vl", "epd-demo-qwen2-vl": "epd-demo-qwen2-vl",
                 "demo-medium": "epd-demo-qwen2-vl-medium"}
 LINEAR_KERNELS = ("auto", "prepacked", "default")   # services.models.prepack.MODES (checked by a test)
+ATTENTION_KERNELS = ("auto", "c", "torch")          # services.decode.attention.KERNELS (checked by a test)
 ROLES = ("coordinator", "render", "encode", "prefill", "decode")
 # The names of coordinator.routing.policies.POLICIES (checked by a test): config cannot import the coordinator.
 ROUTING_POLICIES = ("affinity", "least_loaded", "round_robin")
@@ -70,6 +71,18 @@ class EpdConfig:
     max_model_len: int = _f(8192, "context length (prompt + output tokens)")
     decode_slots: int = _f(16, "concurrent sequences one decode instance runs (continuous batching)")
     decode_queue: int = _f(64, "requests waiting for a decode slot before new ones are refused")
+    kv_cache_mb: int = _f(1024, "bytes (MiB) of one decode instance's KV block pool; running and waiting "
+                          "requests share it (each reserves prompt + max_tokens at admission)")
+    kv_block_size: int = _f(16, "tokens per KV block of the decode pool")
+    decode_kv_wait_s: float = _f(10.0, "seconds a request waits for room in the decode KV pool before 429")
+    role_threads: str = _f("", "torch threads per role process: '' (torch's default: one per core), N, or "
+                           "'encode=1,prefill=2,decode=2'", roles="roles")
+    omp_wait_policy: str = _f("", "OpenMP wait policy of model roles: passive (idle threads sleep, no spinning) "
+                              "| active | '' (libgomp's default)", roles="roles")
+    role_nice: str = _f("encode=5,prefill=5", "niceness added per role at start ('decode=0,prefill=5'): decode's "
+                        "per-token latency wins when a long prefill shares its cores", roles="roles")
+    decode_attention: str = _f("auto", "decode attention kernel: auto (the compiled C kernel where it applies) "
+                               "| c | torch")
     encode_max_batch_tokens: int = _f(16384, "patches one vision-tower forward may take")
     max_images_per_request: int = _f(8, "images one request may carry")
     max_image_pixels: int = _f(16_777_216, "largest accepted image, width x height")
@@ -118,9 +131,17 @@ class EpdConfig:
         _check(self.kv_connector in CONNECTORS, f"kv_connector must be one of {', '.join(CONNECTORS)}")
         _check(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}")
         _check(self.linear_kernel in LINEAR_KERNELS, f"linear_kernel must be one of {', '.join(LINEAR_KERNELS)}")
+        _check(self.decode_attention in ATTENTION_KERNELS,
+               f"decode_attention must be one of {', '.join(ATTENTION_KERNELS)}")
+        _check(1 <= self.kv_block_size <= 256, "kv_block_size must be in 1..256")
+        _check(self.omp_wait_policy in ("", "passive", "active"), "omp_wait_policy must be passive, active or ''")
+        for name in ("role_threads", "role_nice"):
+            _check(_role_map_ok(getattr(self, name)), f"{name} must be N or role=N,role=N (roles: "
+                   f"{', '.join(ROLES)})")
+        _check(self.decode_kv_wait_s >= 0, "decode_kv_wait_s must be >= 0")
         _check(self.device.split(":")[0] in DEVICES_PREFIXES, "device must be cpu, cuda or cuda:N")
         for name in ("encode_instances", "prefill_instances", "decode_instances", "decode_slots",
-                     "max_model_len", "ec_capacity_mb", "kv_capacity_mb", "max_images_per_request",
+                     "max_model_len", "ec_capacity_mb", "kv_capacity_mb", "kv_cache_mb", "max_images_per_request",
                      "max_image_pixels", "max_image_bytes", "encode_max_batch_tokens", "max_inflight_requests",
                      "prefill_max_queue", "encode_max_queue", "max_num_batched_tokens"):
             _check(getattr(self, name) >= 1, f"{name} must be >= 1")
@@ -189,6 +210,14 @@ class EpdConfig:
 
 class ConfigError(ValueError):
     pass
+
+
+def _role_map_ok(raw: str) -> bool:
+    parts = [p.strip() for p in raw.split(",") if p.strip()]
+    if len(parts) == 1 and "=" not in parts[0]:
+        return parts[0].lstrip("-").isdigit()
+    return all(p.partition("=")[0].strip() in ROLES and p.partition("=")[2].strip().lstrip("-").isdigit()
+               for p in parts)
 
 
 def _check(ok: bool, message: str) -> None:

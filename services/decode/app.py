@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 
 from services.config import EpdConfig
 from services.server import RoleServer
+
+logger = logging.getLogger(__name__)
 
 
 async def build(config: EpdConfig) -> RoleServer:
@@ -23,9 +27,12 @@ async def build(config: EpdConfig) -> RoleServer:
     lm = adapter_for(path).load_language(path, config.device, config.dtype, config.max_model_len)
     export(prepack_language(lm, config.linear_kernel), "language")
     engine = DecodeEngine(lm, load_tokenizer(path), config.decode_slots, config.max_model_len,
-                          max_queued=config.decode_queue, stream_timeout=config.request_timeout_s)
+                          max_queued=config.decode_queue, stream_timeout=config.request_timeout_s,
+                          kv_cache_bytes=config.kv_cache_mb << 20, block_size=config.kv_block_size,
+                          attention=config.decode_attention)
+    logger.info("decode engine: %s", engine.describe())
     kv_store = open_store(config, "kv", producer=False)
-    service = DecodeService(engine, kv_store)
+    service = DecodeService(engine, kv_store, kv_wait_s=config.decode_kv_wait_s)
     servicer = DecodeServicer(service)
 
     def register(server: grpc.aio.Server) -> None:

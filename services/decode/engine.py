@@ -1,21 +1,28 @@
-"""The decode engine: continuous batching over a fixed number of KV slots.
+"""The decode engine: continuous batching over a paged KV block pool.
 
-Who calls what: the decode servicer / HTTP core calls `submit` (any thread)
-with what prefill handed over (KV [num_layers, 2, num_kv_heads, prompt_len,
-head_dim] in the model dtype, rope_delta, the first sampled token) and reads
-the returned `DecodeStream`; `abort`, `stats` and `close` likewise.
+Who calls what: the decode serving core calls `reserve` (any thread) for a request's share of
+the block pool, fills it with `RequestBlocks.load` straight from the KV store's view (one copy),
+then `submit` with what prefill handed over (rope_delta, the first sampled token) and reads the
+returned `DecodeStream`; `abort`, `stats` and `close` likewise.  `submit` also takes a KV
+tensor [num_layers, 2, num_kv_heads, prompt_len, head_dim] and does reserve + load itself
+(EngineFull when the pool has no room).
 
-One worker thread runs the loop.  Between steps it takes new requests (their
-first token goes through the stop checks at once, so max_tokens=1 or an EOS
-first token ends without a slot), applies aborts, and admits waiting requests
-into free slots (FIFO).  A step is one forward for all active slots.  Active
-requests occupy rows 0..n-1; a leaving request's row is filled by the last one.
-An exception in a step fails the active requests (finish_reason "error") and
-the engine carries on.
+One worker thread runs the loop.  Between steps it takes new requests (their first token goes
+through the stop checks at once, so max_tokens=1 or an EOS first token ends without a row),
+applies aborts, and admits waiting requests into free rows (FIFO, at most `num_slots` rows).
+A step is one paged forward for all active rows (services/decode/paged_forward.py); a row's
+attention reads only its own blocks, so a step costs the sum of the rows' lengths.  Active
+requests occupy rows 0..n-1; a leaving request's row is filled by the last one (its block
+table row moves, its KV does not).  An exception in a step fails the active requests
+(finish_reason "error") and the engine carries on.
 
-Capacity: num_slots running plus `max_queued` waiting; beyond that `submit`
-raises EngineFull.  A request must fit: prompt_len + max_tokens <= max_model_len
-(ContextTooLong otherwise); max_tokens=None means exactly that much.
+Memory: one `BlockPool` of `kv_cache_bytes`.  A request reserves ceil((prompt_len + max_tokens
+- 1) / block_size) blocks at `reserve` and holds only the blocks its tokens fill; running and
+waiting requests count in the same pool, and nothing is kept on the heap.  Whatever ends a
+request returns its blocks.  Capacity: num_slots running plus `max_queued` waiting; beyond
+that, or when the pool cannot promise the blocks, `submit` raises EngineFull.  A request must
+fit: prompt_len + max_tokens <= max_model_len (ContextTooLong otherwise); max_tokens=None
+means exactly that much.
 """
 
 from __future__ import annotations
@@ -27,10 +34,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from services.decode.block_pool import BlockPool, PoolStats
 from services.decode.detokenizer import IncrementalDetokenizer, decode_function
 from services.decode.errors import ContextTooLong, EngineClosed, EngineFull
 from services.decode.params import DecodeParams
 from services.decode.request import DecodeRequest
+from services.decode.request_blocks import RequestBlocks
 from services.decode.runner import DecodeRunner
 from services.decode.sampler import Sampler
 from services.decode.stop import FINISH_ABORT, FINISH_ERROR
@@ -46,17 +57,22 @@ _IDLE_WAIT_S = 0.5   # the worker re-checks its flags at least this often when i
 @dataclass(frozen=True)
 class EngineStats:
     num_slots: int
-    active: int       # requests holding a slot
-    queued: int       # accepted, waiting for a slot
+    active: int       # requests holding a batch row
+    queued: int       # accepted, waiting for a row (their KV already in the pool)
     steps: int        # forwards run
     tokens: int       # output tokens emitted (first tokens from prefill included)
     finished: int     # requests ended, any reason
+    kv: PoolStats     # the block pool: blocks total/used/reserved, tokens and bytes held
+    kv_bytes_copied: int = 0      # prompt KV bytes copied into the pool (one copy per request)
+    attention_kernel: str = ""    # "c" | "torch" (services/decode/attention.py)
+    step_mode: str = "eager"      # how the step runs (services/decode/compiled.py)
 
 
 class DecodeEngine:
     def __init__(self, lm: LanguageModel, tokenizer: Any, num_slots: int, max_model_len: int,
                  max_queued: int | None = None, stream_timeout: float | None = 60.0,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, kv_cache_bytes: int | None = None, block_size: int = 16,
+                 attention: str = "auto") -> None:
         if num_slots < 1 or max_model_len < 2:
             raise ValueError(f"need num_slots >= 1 and max_model_len >= 2, got {num_slots}, {max_model_len}")
         if max_model_len > lm.layout.max_model_len:
@@ -65,7 +81,11 @@ class DecodeEngine:
         self.num_slots, self.max_model_len = num_slots, max_model_len
         self.max_queued = 4 * num_slots if max_queued is None else max_queued
         self.stream_timeout = stream_timeout
-        self._runner = DecodeRunner(lm, num_slots, max_model_len, Sampler(seed))
+        if kv_cache_bytes is None:  # room for every slot at full length, as a preallocated engine had
+            kv_cache_bytes = num_slots * -(-max_model_len // block_size) * _block_bytes(lm, block_size)
+        self.pool = BlockPool(lm.layout, kv_cache_bytes, block_size, device=lm.device or "cpu")
+        self._runner = DecodeRunner(lm, self.pool, num_slots, max_model_len, Sampler(seed), attention)
+        self._bytes_copied = 0
         self._decoders = {skip: decode_function(tokenizer, skip) for skip in (True, False)}
         self._cond = threading.Condition()
         self._requests: dict[str, DecodeRequest] = {}   # every request not yet finished
@@ -80,24 +100,45 @@ class DecodeEngine:
 
     # ---- API (any thread) -------------------------------------------------------------------
 
-    def submit(self, request_id: str, kv: Any, prompt_len: int, rope_delta: int, first_token: int,
-               params: DecodeParams | None = None, on_event: Callable[[DecodeEvent], None] | None = None,
+    def reserve(self, prompt_len: int, params: DecodeParams | None = None) -> RequestBlocks | None:
+        """The blocks a request of `prompt_len` tokens can ever need, promised now; None if the pool cannot.
+
+        Raises ContextTooLong when prompt_len + max_tokens exceeds max_model_len.  The caller owns the
+        result until `submit` takes it, and must `release()` it if it never submits."""
+        max_tokens = self._max_tokens(prompt_len, params or DecodeParams())
+        count = self.pool.blocks_for(prompt_len + max_tokens - 1)
+        return RequestBlocks(self.pool, count) if self.pool.try_reserve(count) else None
+
+    def submit(self, request_id: str, kv: torch.Tensor | RequestBlocks, prompt_len: int, rope_delta: int,
+               first_token: int, params: DecodeParams | None = None,
+               on_event: Callable[[DecodeEvent], None] | None = None,
                prompt_token_ids: Sequence[int] | None = None) -> DecodeStream:
-        """Queue a prefilled request; its events (the first token's included) arrive on the stream."""
-        request = self._build(request_id, kv, prompt_len, rope_delta, first_token, params or DecodeParams(),
-                              on_event, prompt_token_ids)
-        with self._cond:
-            if self._closed:
-                raise EngineClosed("the decode engine is closed")
-            if request_id in self._requests:
-                raise InvalidRequest(f"request {request_id!r} is already being decoded",
-                                     code="duplicate_request")
-            if len(self._requests) >= self.num_slots + self.max_queued:
-                raise EngineFull(f"decode is full: {self.num_slots} slots busy, {self.max_queued} waiting")
-            self._requests[request_id] = request
-            self._inbox.append(request)
-            self._cond.notify()
+        """Queue a prefilled request (its KV in loaded `RequestBlocks`, or as a tensor to load now); its
+        events (the first token's included) arrive on the stream.  On any error the blocks are released."""
+        params = params or DecodeParams()
+        blocks = kv if isinstance(kv, RequestBlocks) else None
+        try:
+            request = self._build(request_id, kv, prompt_len, rope_delta, first_token, params, on_event,
+                                  prompt_token_ids)
+            blocks = request.blocks
+            with self._cond:
+                self._check_accept(request_id)
+                self._requests[request_id] = request
+                self._inbox.append(request)
+                self._cond.notify()
+        except BaseException:
+            if blocks is not None:
+                blocks.release()
+            raise
         return request.stream
+
+    def _check_accept(self, request_id: str) -> None:
+        if self._closed:
+            raise EngineClosed("the decode engine is closed")
+        if request_id in self._requests:
+            raise InvalidRequest(f"request {request_id!r} is already being decoded", code="duplicate_request")
+        if len(self._requests) >= self.num_slots + self.max_queued:
+            raise EngineFull(f"decode is full: {self.num_slots} slots busy, {self.max_queued} waiting")
 
     def abort(self, request_id: str) -> bool:
         """Ends the request before the next step (finish_reason "abort"); False if it is not running."""
@@ -112,7 +153,14 @@ class DecodeEngine:
         with self._cond:
             active = len(self._rows)
             return EngineStats(self.num_slots, active, len(self._requests) - active, self._steps,
-                               self._tokens, self._finished)
+                               self._tokens, self._finished, self.pool.stats(), self._bytes_copied,
+                               self._runner.attention_kernel)
+
+    def describe(self) -> str:
+        """One line for the start-up log: pool, kernel, step mode."""
+        kv, stats = self.pool.stats(), self.stats()
+        return (f"{kv.num_blocks} KV blocks of {kv.block_size} tokens ({kv.num_blocks * kv.block_bytes / 2**20:.0f} "
+                f"MiB), {self.num_slots} rows, attention {stats.attention_kernel}, step {stats.step_mode}")
 
     def close(self, timeout: float = 5.0) -> None:
         """Stops the worker (unfinished requests end with "abort"); waits at most `timeout` s."""
@@ -128,26 +176,57 @@ class DecodeEngine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _build(self, request_id: str, kv: Any, prompt_len: int, rope_delta: int, first_token: int,
-               params: DecodeParams, on_event: Callable[[DecodeEvent], None] | None,
-               prompt_token_ids: Sequence[int] | None) -> DecodeRequest:
+    def _max_tokens(self, prompt_len: int, params: DecodeParams) -> int:
         if not 1 <= prompt_len < self.max_model_len:
             raise ContextTooLong(f"prompt_len {prompt_len} must be in [1, {self.max_model_len - 1}]")
         max_tokens = params.max_tokens or self.max_model_len - prompt_len
         if prompt_len + max_tokens > self.max_model_len:
             raise ContextTooLong(f"prompt_len {prompt_len} + max_tokens {max_tokens} > max_model_len "
                                  f"{self.max_model_len}")
+        return max_tokens
+
+    def _build(self, request_id: str, kv: torch.Tensor | RequestBlocks, prompt_len: int, rope_delta: int,
+               first_token: int, params: DecodeParams, on_event: Callable[[DecodeEvent], None] | None,
+               prompt_token_ids: Sequence[int] | None) -> DecodeRequest:
+        max_tokens = self._max_tokens(prompt_len, params)
         if not 0 <= first_token < self.lm.vocab_size:
             raise InvalidRequest(f"first_token {first_token} is outside the vocabulary")
+        blocks = kv if isinstance(kv, RequestBlocks) else self._load(kv, prompt_len, params)
+        if blocks.num_tokens != prompt_len:
+            raise InvalidRequest(f"the loaded KV holds {blocks.num_tokens} tokens, prompt_len is {prompt_len}",
+                                 code="invalid_kv")
+        decode = self._decoders[params.skip_special_tokens]
+        detokenizer = IncrementalDetokenizer(self.tokenizer, decode=decode)
+        stream = DecodeStream(request_id, self.stream_timeout)
+        return DecodeRequest(request_id, blocks, prompt_len, int(rope_delta), first_token, params, max_tokens,
+                             self.lm.eos_token_ids, detokenizer, stream, on_event, prompt_token_ids)
+
+    def check_prefill(self, kv: Any, prompt_len: int) -> None:
+        """InvalidRequest unless `kv` is a KV tensor of `prompt_len` tokens in the model's layout and dtype."""
         try:
             self._runner.check_prefill(kv, prompt_len)
         except ValueError as exc:
             raise InvalidRequest(str(exc), code="invalid_kv") from exc
-        decode = self._decoders[params.skip_special_tokens]
-        detokenizer = IncrementalDetokenizer(self.tokenizer, decode=decode)
-        stream = DecodeStream(request_id, self.stream_timeout)
-        return DecodeRequest(request_id, kv, prompt_len, int(rope_delta), first_token, params, max_tokens,
-                             self.lm.eos_token_ids, detokenizer, stream, on_event, prompt_token_ids)
+
+    def load(self, blocks: RequestBlocks, kv: torch.Tensor, prompt_len: int) -> None:
+        """Check `kv` and copy it into `blocks` (the one copy of the hand-off); any thread."""
+        self.check_prefill(kv, prompt_len)
+        blocks.load(kv)
+        with self._cond:
+            self._bytes_copied += blocks.bytes_copied
+
+    def _load(self, kv: torch.Tensor, prompt_len: int, params: DecodeParams) -> RequestBlocks:
+        self.check_prefill(kv, prompt_len)
+        blocks = self.reserve(prompt_len, params)
+        if blocks is None:
+            stats = self.pool.stats()
+            raise EngineFull(f"decode KV pool is full: {stats.free_blocks} of {stats.num_blocks} blocks free")
+        try:
+            self.load(blocks, kv, prompt_len)
+        except BaseException:
+            blocks.release()
+            raise
+        return blocks
 
     # ---- worker thread ----------------------------------------------------------------------
 
@@ -197,20 +276,14 @@ class DecodeEngine:
     def _admit(self) -> None:
         while self._waiting and len(self._rows) < self.num_slots:
             request = self._waiting.popleft()
-            try:
-                self._runner.load(len(self._rows), request.kv)
-            except Exception as exc:
-                logger.exception("loading the KV of request %s failed", request.request_id)
-                self._end(request, request.end(FINISH_ERROR, f"kv load failed: {type(exc).__name__}"))
-                continue
-            request.kv = None
+            self._runner.place(len(self._rows), request.blocks)
             self._rows.append(request)
 
     def _step(self) -> None:
         rows = self._rows
         try:
             tokens = self._runner.step([r.last_token for r in rows], [r.rope_delta for r in rows],
-                                       [r.sampling for r in rows])
+                                       [r.blocks for r in rows], [r.sampling for r in rows])
         except Exception as exc:
             logger.exception("decode step failed; failing %d requests", len(rows))
             self._fail_all(f"decode step failed: {type(exc).__name__}")
@@ -238,12 +311,13 @@ class DecodeEngine:
     def _release(self, row: int) -> None:
         """Free `row`; the last active row moves into it so rows stay contiguous."""
         last = len(self._rows) - 1
-        self._runner.move(last, row)
+        self._runner.move(last, row, len(self._rows[last].blocks.blocks))
         self._rows[row] = self._rows[last]
         self._rows.pop()
 
     def _end(self, request: DecodeRequest, event: DecodeEvent) -> None:
         # Forget the id first: a consumer may resubmit it as soon as it sees the final event.
+        request.blocks.release()
         with self._cond:
             self._requests.pop(request.request_id, None)
             self._finished += 1
@@ -251,7 +325,6 @@ class DecodeEngine:
 
     def _fail_all(self, message: str) -> None:
         rows, self._rows = self._rows, []
-        self._runner.clear(len(rows))
         for request in rows:
             self._end(request, request.end(FINISH_ERROR, message))
 
@@ -259,6 +332,16 @@ class DecodeEngine:
         with self._cond:
             pending = list(self._requests.values())
         self._rows, self._waiting = [], deque()
+        with self._cond:
+            inbox, self._inbox = list(self._inbox), deque()
+        for request in inbox:
+            request.blocks.release()
         for request in pending:
             if not request.finished:
                 self._end(request, request.end(FINISH_ABORT, "decode engine closed"))
+
+
+def _block_bytes(lm: LanguageModel, block_size: int) -> int:
+    from services.decode.block_pool import block_bytes
+
+    return block_bytes(lm.layout, block_size)

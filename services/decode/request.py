@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from services.decode.detokenizer import IncrementalDetokenizer
 from services.decode.params import DecodeParams
+from services.decode.request_blocks import RequestBlocks
 from services.decode.sampler import RowSampling
 from services.decode.stop import FINISH_STOP, StopChecker
 from services.decode.stream import DecodeEvent, DecodeStream
@@ -22,13 +22,13 @@ logger = logging.getLogger(__name__)
 
 
 class DecodeRequest:
-    def __init__(self, request_id: str, kv: Any, prompt_len: int, rope_delta: int, first_token: int,
+    def __init__(self, request_id: str, blocks: RequestBlocks, prompt_len: int, rope_delta: int, first_token: int,
                  params: DecodeParams, max_tokens: int, eos_token_ids: Sequence[int],
                  detokenizer: IncrementalDetokenizer, stream: DecodeStream,
                  on_event: Callable[[DecodeEvent], None] | None = None,
                  prompt_token_ids: Sequence[int] | None = None) -> None:
         self.request_id = request_id
-        self.kv = kv                  # dropped once copied into a slot
+        self.blocks = blocks          # its KV in the pool; released when the request ends
         self.prompt_len = prompt_len
         self.rope_delta = rope_delta
         self.first_token = first_token

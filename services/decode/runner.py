@@ -1,32 +1,49 @@
-"""The model side of a decode step: one forward for all active slots, then sampling.
+"""The model side of a decode step: one paged forward for all active rows, then sampling.
 
-Owned and called only by the engine's worker thread.  Uses the LanguageModel
-contract (services.models.base): `embed`, `model` (the HF decoder stack, fed
-inputs_embeds, position_ids, an explicit 4-D mask and our `SlotCache`),
-`lm_head`, `decode_position_ids`, `layout`.  Row i of every tensor is slot i.
+Owned and called only by the engine's worker thread.  Row i of every step tensor is the
+engine's row i; each row's block table lives in row i of the preallocated `tables` [max_rows,
+max_blocks_per_request] int32 tensor, written only when a row gains a block (or moves, when a
+leaving row is filled by the last one).  Per step the host work is O(rows): one block/offset
+per row for the new token, its position and its length, written into preallocated buffers.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
 from services.compute_metrics import compute_timer
+from services.decode.attention import select_attention
+from services.decode.block_pool import BlockPool
+from services.decode.paged_forward import PagedDecoder
+from services.decode.request_blocks import RequestBlocks
 from services.decode.sampler import RowSampling, Sampler
-from services.decode.slot_cache import SlotCache
 from services.models.base import LanguageModel
+
+# Step buffer rows: token ids, positions, write blocks, write offsets (int64) and lengths (int32).
+_IDS, _POS, _BLOCK, _OFFSET = range(4)
 
 
 class DecodeRunner:
-    def __init__(self, lm: LanguageModel, num_slots: int, max_model_len: int, sampler: Sampler) -> None:
-        self.lm = lm
-        self.device = _device_of(lm)
-        self.cache = SlotCache(lm.layout, num_slots, max_model_len, device=self.device)
-        self.sampler = sampler
-        self._cache_kwarg = _cache_kwarg(lm.model)
+    def __init__(self, lm: LanguageModel, pool: BlockPool, max_rows: int, max_model_len: int, sampler: Sampler,
+                 attention: str = "auto") -> None:
+        self.lm, self.pool, self.sampler = lm, pool, sampler
+        self.device = pool.kv.device
+        layout = lm.layout
+        first = lm.model.layers[0].self_attn
+        self.attention = select_attention(attention, layout.dtype, self.device, first.config.num_attention_heads,
+                                          layout.num_kv_heads, layout.head_dim)
+        self.decoder = PagedDecoder(lm, pool, self.attention)
+        self.max_blocks = pool.blocks_for(max_model_len)
+        self.tables = torch.zeros((max_rows, self.max_blocks), dtype=torch.int32)
+        self._step64 = torch.zeros((4, max_rows), dtype=torch.int64)
+        self._lens = torch.zeros(max_rows, dtype=torch.int32)
+        self._step64_np, self._lens_np = self._step64.numpy(), self._lens.numpy()
+
+    @property
+    def attention_kernel(self) -> str:
+        return self.attention.name
 
     def check_prefill(self, kv: torch.Tensor, prompt_len: int) -> None:
         """Raises ValueError unless kv can be loaded for a prompt of `prompt_len` tokens."""
@@ -38,45 +55,38 @@ class DecodeRunner:
         if kv.dtype != layout.dtype:
             raise ValueError(f"kv dtype must be the model dtype {layout.dtype}, got {kv.dtype}")
 
-    def load(self, row: int, kv: torch.Tensor) -> None:
-        self.cache.load_prefill(row, kv)
+    def place(self, row: int, blocks: RequestBlocks) -> None:
+        """Row `row` now belongs to `blocks`: copy its block table in (done when a request joins)."""
+        ids = blocks.blocks
+        self.tables[row, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
 
-    def move(self, src: int, dst: int) -> None:
-        self.cache.move_slot(src, dst)
+    def move(self, src: int, dst: int, num_blocks: int) -> None:
+        if src != dst:
+            self.tables[dst, :num_blocks] = self.tables[src, :num_blocks]
 
-    def clear(self, num_rows: int) -> None:
-        for row in range(num_rows):
-            self.cache.lengths[row] = 0
-
-    def step(self, last_tokens: Sequence[int], rope_deltas: Sequence[int], rows: Sequence[RowSampling]
-             ) -> list[int]:
+    def step(self, last_tokens: Sequence[int], rope_deltas: Sequence[int], blocks: Sequence[RequestBlocks],
+             rows: Sequence[RowSampling]) -> list[int]:
         """Feed each row's last token at its own position; returns one sampled token per row."""
         with compute_timer("decode_step"):
-            return self._step(last_tokens, rope_deltas, rows)
+            return self._step(last_tokens, rope_deltas, blocks, rows)
 
     @torch.inference_mode()
-    def _step(self, last_tokens: Sequence[int], rope_deltas: Sequence[int], rows: Sequence[RowSampling]
-              ) -> list[int]:
-        num_rows = len(last_tokens)
-        positions, mask = self.cache.begin_step(num_rows)
-        deltas = torch.tensor(rope_deltas, dtype=torch.long, device=self.device)
-        ids = torch.tensor(last_tokens, dtype=torch.long, device=self.device).view(num_rows, 1)
-        out = self.lm.model(inputs_embeds=self.lm.embed(ids),
-                            position_ids=self.lm.decode_position_ids(positions + deltas),
-                            attention_mask=mask, use_cache=True, **{self._cache_kwarg: self.cache})
-        hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
-        logits = self.lm.lm_head(hidden[:, -1])
+    def _step(self, last_tokens: Sequence[int], rope_deltas: Sequence[int], blocks: Sequence[RequestBlocks],
+              rows: Sequence[RowSampling]) -> list[int]:
+        count = len(last_tokens)
+        buf, lens = self._step64_np, self._lens_np
+        num_blocks: list[int] = []
+        for row, (token, delta, seq) in enumerate(zip(last_tokens, rope_deltas, blocks, strict=True)):
+            position = seq.num_tokens
+            block, offset, is_new = seq.append_slot()
+            if is_new:
+                self.tables[row, len(seq.blocks) - 1] = block
+            buf[_IDS, row], buf[_POS, row] = token, position + delta
+            buf[_BLOCK, row], buf[_OFFSET, row] = block, offset
+            lens[row] = seq.num_tokens
+            num_blocks.append(len(seq.blocks))
+        step = self._step64[:, :count].to(self.device)
+        logits = self.decoder.forward(step[_IDS], step[_POS], step[_BLOCK], step[_OFFSET],
+                                      self.tables[:count].to(self.device), self._lens[:count].to(self.device),
+                                      num_blocks)
         return self.sampler.sample(logits, rows, inplace=True)
-
-
-def _device_of(lm: LanguageModel) -> torch.device:
-    for module in (lm.lm_head, lm.model):
-        for parameter in getattr(module, "parameters", lambda: iter(()))():
-            return parameter.device
-    return torch.device("cpu")
-
-
-def _cache_kwarg(model: Any) -> str:
-    # transformers 5.x renamed past_key_values to cache (the old name still works, with a warning).
-    parameters = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in parameters else "past_key_values"

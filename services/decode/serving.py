@@ -1,14 +1,17 @@
 """Decode's core: kv_transfer_params + first token -> a stream of DecodeEvents.
 
-The KV entry is loaded from the KV store by handle (one copy into this
-process), released so its producer can free it, and handed to the
-continuous-batching engine.  Leaving the stream early (client gone, call
-cancelled) aborts the request, which frees its slot before the next step.
+Admission: the engine reserves the request's blocks in its KV pool first (waiting up to
+`kv_wait_s` for room, at most `max_waiting` requests at a time, else EngineFull -> 429, with
+the KV entry left in the store for another instance); then the entry is read through the
+store's view (zero-copy for shm; Redis falls back to a get) and copied once, straight into the
+blocks, and released so its producer can free it.  Leaving the stream early (client gone, call
+cancelled) aborts the request, which frees its row and blocks before the next step.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -21,14 +24,18 @@ from services.protocol.errors import InvalidRequest
 
 from .engine import DecodeEngine
 from .errors import EngineFull
+from .metrics import ENGINE_GAUGES, export_info
+from .params import DecodeParams
 from .params_from import decode_params
+from .request_blocks import RequestBlocks
 from .stream import DecodeEvent
+
+_POLL_S = 0.005   # how often a request waiting for KV room looks again
 
 FINISHED = Counter("epd_decode_requests_finished", "Decode requests by finish reason", ["reason"])
 TOKENS = Counter("epd_decode_tokens", "Output tokens produced")
 GAUGES = {
-    "epd_decode_slots_used": ("Decode slots in use", lambda s: s.engine.stats().active),
-    "epd_decode_queued": ("Requests waiting for a decode slot", lambda s: s.engine.stats().queued),
+    **{name: (doc, lambda s, read=read: read(s.engine.stats())) for name, (doc, read) in ENGINE_GAUGES.items()},
     "epd_kv_store_bytes_copied_total": ("Payload bytes the KV store reader copied (gets; views none)",
                                         lambda s: s.kv_store.stats().bytes_copied),
 }
@@ -46,19 +53,29 @@ def _transfer_fields(kv_params: Any) -> tuple[dict, int, int, int]:
 
 
 class DecodeService:
-    def __init__(self, engine: DecodeEngine, kv_store: TensorStore) -> None:
+    def __init__(self, engine: DecodeEngine, kv_store: TensorStore, kv_wait_s: float = 10.0,
+                 max_waiting: int | None = None) -> None:
         self.engine, self.kv_store = engine, kv_store
-        # Read at scrape time: an aborted request's slot shows free as soon as the engine let it go.
+        self.kv_wait_s = kv_wait_s
+        self.max_waiting = engine.max_queued if max_waiting is None else max_waiting
+        self._num_waiting = 0
+        # Read at scrape time: an aborted request's row and blocks show free as soon as the engine let them go.
         self.gauges = OwnedGauges(self, GAUGES)
+        export_info(engine)
 
     async def decode(self, request_id: str, kv_params: Any, sampling: dict[str, Any],
                      prompt_token_ids: list[int] | None = None) -> AsyncIterator[DecodeEvent]:
         params = decode_params(sampling)
         handle, prompt_len, rope_delta, first_token = _transfer_fields(kv_params)
         self._check_room()  # before the KV is loaded (and released): a full instance leaves it for another
-        kv = await asyncio.to_thread(self._load, handle)
-        stream = self.engine.submit(request_id, kv, prompt_len, rope_delta, first_token, params,
-                                    prompt_token_ids=prompt_token_ids or None)
+        blocks = await self._reserve(prompt_len, params)
+        try:
+            await asyncio.to_thread(self._load, handle, blocks, prompt_len)
+            stream = self.engine.submit(request_id, blocks, prompt_len, rope_delta, first_token, params,
+                                        prompt_token_ids=prompt_token_ids or None)
+        except BaseException:
+            blocks.release()
+            raise
         finished = False
         try:
             async for event in stream.events():
@@ -72,11 +89,36 @@ class DecodeService:
                 self.engine.abort(request_id)
                 FINISHED.labels("abort").inc()
 
-    def _load(self, handle: dict) -> Any:
+    async def _reserve(self, prompt_len: int, params: DecodeParams) -> RequestBlocks:
+        """The request's blocks; waits (bounded in time and in waiters) while the pool is full."""
+        blocks = self.engine.reserve(prompt_len, params)
+        if blocks is not None:
+            return blocks
+        if self._num_waiting >= self.max_waiting:
+            raise self._pool_full("its admission queue is full too")
+        self._num_waiting += 1
         try:
-            kv = self.kv_store.get(handle)["kv"]
+            deadline = time.monotonic() + self.kv_wait_s
+            while blocks is None:
+                if time.monotonic() >= deadline:
+                    raise self._pool_full(f"no room within {self.kv_wait_s:g} s")
+                await asyncio.sleep(_POLL_S)
+                blocks = self.engine.reserve(prompt_len, params)
+            return blocks
+        finally:
+            self._num_waiting -= 1
+
+    def _pool_full(self, why: str) -> EngineFull:
+        kv = self.engine.stats().kv
+        return EngineFull(f"decode KV pool is full ({kv.free_blocks} of {kv.num_blocks} blocks free) and {why}",
+                          code="decode_kv_full")
+
+    def _load(self, handle: dict, blocks: RequestBlocks, prompt_len: int) -> None:
+        """Copy the entry from the store's view into `blocks` (one copy), then release the entry."""
+        try:
+            with self.kv_store.view(handle) as views:
+                self.engine.load(blocks, views["kv"], prompt_len)
             self.kv_store.release(handle)
-            return kv
         except ConnectorError as exc:
             raise as_epd_error(exc, "kv") from None
         except (KeyError, TypeError, ValueError) as exc:

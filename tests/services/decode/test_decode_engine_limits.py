@@ -99,7 +99,7 @@ def test_abort_a_waiting_request(make_engine, pre, submit):
 
 
 def test_engine_full_when_the_queue_is_at_its_bound(make_engine, pre, submit):
-    engine = make_engine(num_slots=1, max_queued=1)
+    engine = make_engine(num_slots=1, max_queued=1, kv_cache_bytes=8 << 20)   # the pool is not the bound here
     first = submit(engine, "a", pre, max_tokens=300, ignore_eos=True, **GREEDY)
     submit(engine, "b", pre, max_tokens=300, ignore_eos=True, **GREEDY)
     with pytest.raises(EngineFull) as err:
@@ -132,8 +132,8 @@ def test_bad_submissions(make_engine, pre):
             engine.submit(**args)
 
 
-class _FailingPositions:
-    """The tiny LanguageModel, except that decode positions raise while `failing` is set."""
+class _FailingEmbed:
+    """The tiny LanguageModel, except that embedding decode tokens raises while `failing` is set."""
 
     def __init__(self, lm) -> None:
         self._lm, self.failing = lm, False
@@ -141,14 +141,14 @@ class _FailingPositions:
     def __getattr__(self, name):
         return getattr(self._lm, name)
 
-    def decode_position_ids(self, positions: torch.Tensor) -> torch.Tensor:
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.failing:
             raise RuntimeError("injected step failure")
-        return self._lm.decode_position_ids(positions)
+        return self._lm.embed(token_ids)
 
 
 def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(tiny, pre, ref, submit):
-    lm = _FailingPositions(tiny.lm)
+    lm = _FailingEmbed(tiny.lm)
     lm.failing = True
     with DecodeEngine(lm, tiny.tokenizer, num_slots=2, max_model_len=256) as engine:
         failed = submit(engine, "f", pre, max_tokens=8, **GREEDY).wait_done()
@@ -160,7 +160,7 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(tiny, pre, ref,
 
 
 def test_close_aborts_pending_requests(tiny, pre, submit):
-    engine = DecodeEngine(tiny.lm, tiny.tokenizer, num_slots=1, max_model_len=256)
+    engine = DecodeEngine(tiny.lm, tiny.tokenizer, num_slots=1, max_model_len=256, kv_cache_bytes=8 << 20)
     sinks = [submit(engine, f"c{i}", pre, max_tokens=200, ignore_eos=True, **GREEDY) for i in range(2)]
     sinks[0].wait_tokens(2)
     engine.close()

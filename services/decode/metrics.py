@@ -1,0 +1,47 @@
+"""Decode's /metrics gauges, read from `DecodeEngine.stats()` at scrape time.
+
+Every figure comes from the engine's own counters (one place: `EngineStats`), so an aborted
+request's row and blocks show free as soon as the engine let them go.  `ENGINE_GAUGES` maps a
+name to (help, read(stats)); the serving core owns them (services.owned_metrics).  Names are
+epd's; the vLLM-named aliases (vllm:kv_cache_usage_perc etc.) are built on the same
+`engine.stats()`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from prometheus_client import Gauge
+
+if TYPE_CHECKING:
+    from .engine import DecodeEngine, EngineStats
+
+ENGINE_GAUGES: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
+    "epd_decode_slots_used": ("Batch rows (slots) in use", lambda s: s.active),
+    "epd_decode_queued": ("Requests whose KV is in the pool, waiting for a batch row", lambda s: s.queued),
+    "epd_decode_kv_blocks_total": ("KV blocks in the decode pool", lambda s: s.kv.num_blocks),
+    "epd_decode_kv_blocks_used": ("KV blocks holding tokens", lambda s: s.kv.used_blocks),
+    "epd_decode_kv_blocks_reserved": ("KV blocks promised to admitted requests, not yet holding tokens",
+                                      lambda s: s.kv.reserved_blocks),
+    "epd_decode_kv_bytes_held": ("Bytes of the KV blocks holding tokens", lambda s: s.kv.bytes_held),
+    "epd_decode_kv_tokens_held": ("Tokens whose K/V the pool holds (running and waiting requests)",
+                                  lambda s: s.kv.tokens_held),
+    "epd_decode_kv_held_ratio": ("KV bytes held / (tokens held x bytes per token); 1 = no waste",
+                                 lambda s: s.kv.held_ratio),
+    "epd_decode_kv_usage_ratio": ("Fraction of the pool's blocks used or reserved",
+                                  lambda s: (s.kv.used_blocks + s.kv.reserved_blocks) / s.kv.num_blocks),
+    "epd_decode_kv_copied_bytes_total": ("Prompt KV bytes copied into the pool (one copy per request)",
+                                   lambda s: s.kv_bytes_copied),
+}
+_INFO: dict[str, Gauge] = {}
+
+
+def export_info(engine: DecodeEngine) -> None:
+    """`epd_decode_attention_kernel_info{kernel}` and `epd_decode_step_mode_info{mode}`: 1 for what runs."""
+    stats = engine.stats()
+    for name, label, value in (("epd_decode_attention_kernel_info", "kernel", stats.attention_kernel),
+                               ("epd_decode_step_mode_info", "mode", stats.step_mode)):
+        info = _INFO.get(name) or _INFO.setdefault(name, Gauge(name, f"Decode {label} in use (1)", [label]))
+        info.clear()
+        info.labels(value).set(1)

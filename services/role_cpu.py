@@ -1,0 +1,73 @@
+"""How a role process shares the CPU: torch threads, the OpenMP wait policy, and OS priority.
+
+Called once by `services.role_main.run` at start-up, before torch is imported (the OpenMP
+runtime reads its environment when it loads), so it applies the same way to `epd serve`'s
+children (which inherit the config through EPD_* variables) and to roles started alone.
+
+Why: on one machine encode, prefill and decode are separate processes sharing the cores, each
+with torch's default of one thread per core; when two are busy their threads contend, and
+libgomp's threads spin-wait after each parallel region, taking cores the other process could
+use.  The knobs, all flags (docs/configuration.md):
+
+- `--role-threads`: "" (torch's default), "N" for every role, or "prefill=2,decode=2,...";
+- `--omp-wait-policy`: "passive" (idle OpenMP threads sleep at once; GOMP_SPINCOUNT=0),
+  "active" (they spin), "" (leave the environment alone);
+- `--role-nice`: niceness added per role, default "encode=5,prefill=5": decode's per-token
+  latency wins when a long prefill competes for the same cores (the prefill engineer's
+  TPOT-while-4k-prefill benchmark measures the effect).  Raising niceness needs no privilege;
+  a negative value needs CAP_SYS_NICE and is skipped with a warning otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from .config import EpdConfig
+
+logger = logging.getLogger(__name__)
+
+WAIT_POLICIES = ("", "passive", "active")
+
+
+def role_values(raw: str, role: str) -> int | None:
+    """"4" -> 4 for every role; "prefill=2,decode=1" -> that role's value; None when not given."""
+    raw = raw.strip()
+    if not raw:
+        return None
+    if "=" not in raw:
+        return int(raw)
+    for part in raw.split(","):
+        name, _, value = part.partition("=")
+        if name.strip() == role:
+            return int(value)
+    return None
+
+
+def apply(config: EpdConfig, role: str) -> str:
+    """Set this process's threads, wait policy and niceness for `role`; returns a one-line summary."""
+    done = []
+    if config.omp_wait_policy:
+        policy = config.omp_wait_policy.upper()
+        if "torch" in sys.modules:
+            logger.warning("torch already imported: OMP_WAIT_POLICY=%s may not take effect", policy)
+        os.environ["OMP_WAIT_POLICY"] = policy
+        if policy == "PASSIVE":
+            os.environ["GOMP_SPINCOUNT"] = "0"
+        done.append(f"OMP_WAIT_POLICY={policy}")
+    threads = role_values(config.role_threads, role)
+    if threads is not None:
+        os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(threads)
+        if "torch" in sys.modules and sys.modules["torch"] is not None:
+            sys.modules["torch"].set_num_threads(threads)
+        done.append(f"threads={threads}")
+    nice = role_values(config.role_nice, role)
+    if nice:
+        try:
+            done.append(f"nice={os.nice(nice)}")
+        except OSError as exc:
+            logger.warning("could not change niceness by %d: %s", nice, exc)
+    summary = f"{role} cpu policy: " + (", ".join(done) or "defaults")
+    logger.info(summary)
+    return summary

@@ -1,0 +1,154 @@
+"""Paged decode: block accounting, one copy in, pool-full admission, both attention kernels exact,
+and negative controls (a wrong rope position or a wrong mask must be caught)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.decode.attention import CPagedAttention, TorchPagedAttention, select_attention
+from services.decode.block_pool import BlockPool
+from services.decode.errors import EngineFull
+from services.decode.paged_forward import PagedDecoder
+
+GREEDY = {"temperature": 0.0}
+PROMPTS = ["hi", "Tell me a long story about cats and dogs living together in a small house.",
+           "Translate to French: the weather is nice today, let us go for a walk in the park."]
+
+
+@pytest.fixture(scope="module")
+def prefilled(tiny):
+    return [tiny.prefill_text(tiny.chat_ids(p)) for p in PROMPTS]
+
+
+def _kv_bytes(pre) -> int:
+    return pre.kv.numel() * pre.kv.element_size()
+
+
+def test_blocks_follow_tokens_and_all_return(make_engine, prefilled, submit):
+    engine = make_engine(num_slots=4, block_size=16)
+    sinks = [submit(engine, f"b{i}", p, max_tokens=40, ignore_eos=True, **GREEDY) for i, p in enumerate(prefilled)]
+    sinks[0].wait_tokens(20)
+    stats = engine.stats()
+    # tokens held -> blocks: each request holds ceil(tokens / 16) blocks, never more
+    assert stats.kv.used_blocks <= sum(-(-(p.prompt_len + 40) // 16) for p in prefilled)
+    assert stats.kv.bytes_held == stats.kv.used_blocks * stats.kv.block_bytes
+    assert stats.kv.tokens_held >= sum(p.prompt_len for p in prefilled)
+    assert 1.0 <= stats.kv.held_ratio <= 1 + 16 * len(prefilled) / stats.kv.tokens_held
+    for sink in sinks:
+        sink.wait_done()
+    stats = engine.stats()
+    assert (stats.kv.used_blocks, stats.kv.reserved_blocks, stats.kv.tokens_held) == (0, 0, 0)
+    assert stats.kv_bytes_copied == sum(_kv_bytes(p) for p in prefilled)       # one copy per request
+
+
+def test_a_full_pool_refuses_then_takes_the_request_once_room_returns(tiny, make_engine, prefilled, submit):
+    pre = prefilled[1]
+    per_request = -(-(pre.prompt_len + 30 - 1) // 16)
+    engine = make_engine(num_slots=4, block_size=16, kv_cache_bytes=per_request * engine_block_bytes(tiny))
+    first = submit(engine, "first", pre, max_tokens=30, ignore_eos=True, **GREEDY)
+    assert engine.reserve(pre.prompt_len, None) is None      # the pool promised all its blocks
+    with pytest.raises(EngineFull, match="KV pool is full") as err:
+        submit(engine, "second", pre, max_tokens=30, ignore_eos=True, **GREEDY)
+    assert err.value.status == 429
+    assert engine.stats().kv.reserved_blocks + engine.stats().kv.used_blocks == per_request  # nothing leaked
+    first.wait_done()
+    second = submit(engine, "second", pre, max_tokens=30, ignore_eos=True, **GREEDY).wait_done()
+    assert second.completion_tokens == 30
+
+
+def engine_block_bytes(tiny) -> int:
+    from services.decode.block_pool import block_bytes
+
+    return block_bytes(tiny.lm.layout, 16)
+
+
+@pytest.mark.parametrize("attention", ["c", "torch"])
+def test_both_kernels_give_generate_tokens(tiny, make_engine, prefilled, submit, attention):
+    engine = make_engine(num_slots=4, block_size=8, attention=attention)
+    assert engine.stats().attention_kernel == attention
+    sinks = [submit(engine, f"k{i}", p, max_tokens=24, **GREEDY) for i, p in enumerate(prefilled)]
+    for sink, pre in zip(sinks, prefilled, strict=True):
+        sink.wait_done()
+        assert sink.token_ids == tiny.reference(pre, 24)
+
+
+class _DropNewest:
+    """A masking bug on purpose: each row attends to all but its newest token."""
+
+    name = "drop-newest"
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def __call__(self, q, keys, values, tables, lens, scale, num_blocks=None):
+        return self.inner(q, keys, values, tables, lens - 1, scale, num_blocks)
+
+
+@torch.inference_mode()
+def _first_step_logits(tiny, pre, attention, position_shift: int = 0) -> torch.Tensor:
+    """Logits of the first decode step through the paged forward (batch of one)."""
+    lm = tiny.lm
+    pool = BlockPool(lm.layout, 64 * 1024 * 1024 // 8, block_size=16)
+    decoder = PagedDecoder(lm, pool, attention)
+    from services.decode.request_blocks import RequestBlocks
+
+    assert pool.try_reserve(pool.blocks_for(pre.prompt_len + 1))
+    blocks = RequestBlocks(pool, pool.blocks_for(pre.prompt_len + 1))
+    blocks.load(pre.kv)
+    position = blocks.num_tokens
+    block, offset, _ = blocks.append_slot()
+    tables = torch.tensor([blocks.blocks], dtype=torch.int32)
+    shifted = torch.tensor([position + pre.rope_delta + position_shift])
+    logits = decoder.forward(torch.tensor([pre.first_token]), shifted, torch.tensor([block]), torch.tensor([offset]),
+                             tables, torch.tensor([blocks.num_tokens], dtype=torch.int32))
+    blocks.release()
+    return logits[0]
+
+
+@torch.inference_mode()
+def _hf_first_step_logits(tiny, pre) -> torch.Tensor:
+    from services.models.kv import cache_from_kv
+
+    lm = tiny.lm
+    position = torch.tensor([pre.prompt_len + pre.rope_delta])
+    out = lm.model(inputs_embeds=lm.embed(torch.tensor([[pre.first_token]])), cache=cache_from_kv(pre.kv),
+                   position_ids=lm.decode_position_ids(position), use_cache=True)
+    return lm.lm_head(out.last_hidden_state[:, -1])[0]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def test_logits_match_hf_within_1e4_and_the_negative_controls_are_caught(tiny, prefilled):
+    kernels = [TorchPagedAttention()] + ([CPagedAttention()] if CPagedAttention.applies(
+        torch.float32, torch.device("cpu"), 4, 2, 16) else [])
+    for pre in prefilled:
+        want = _hf_first_step_logits(tiny, pre)
+        for kernel in kernels:
+            assert _rel(_first_step_logits(tiny, pre, kernel), want) <= 1e-4, kernel.name
+        # controls: an off-by-one rope position and a mask that hides the newest token both fail the check
+        assert _rel(_first_step_logits(tiny, pre, kernels[-1], position_shift=1), want) > 1e-3
+        assert _rel(_first_step_logits(tiny, pre, _DropNewest(kernels[-1])), want) > 1e-3
+
+
+def test_the_engine_comparison_catches_a_wrong_rope_position(tiny, make_engine, prefilled, submit):
+    pre = prefilled[1]
+    shifted = type(pre)(pre.kv, pre.prompt_len, pre.rope_delta + 1, pre.first_token, pre.inputs)
+    engine = make_engine(num_slots=2)
+    sink = submit(engine, "shifted", shifted, max_tokens=16, ignore_eos=True, **GREEDY)
+    sink.wait_done()
+    assert sink.token_ids != tiny.reference(pre, 16)
+
+
+def test_unknown_kernel_and_c_on_bfloat16_are_refused():
+    with pytest.raises(ValueError, match="supported: auto, c, torch"):
+        select_attention("flash", torch.float32, torch.device("cpu"), 4, 2, 16)
+    with pytest.raises(ValueError, match="float32 on CPU"):
+        select_attention("c", torch.bfloat16, torch.device("cpu"), 4, 2, 16)
+    assert select_attention("auto", torch.bfloat16, torch.device("cpu"), 4, 2, 16).name == "torch"
+    from services.config import ATTENTION_KERNELS
+    from services.decode.attention import KERNELS
+
+    assert ATTENTION_KERNELS == KERNELS
