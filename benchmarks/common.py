@@ -179,3 +179,11 @@ def replace_block(path: Path, name: str, body: str) -> None:
     else:
         text = text.rstrip() + ("\n\n" if text else "") + block + "\n"
     path.write_text(text, encoding="utf-8")
+
+
+def write_doc_block(name: str, command: str, figures: Sequence[Figure], extra: str = "") -> None:
+    """Refresh one script's block of docs/benchmarks.md: its command, the machine's load, its figures."""
+    where = machine()
+    body = (f"Command: `{command}` ({where['time']}, {where['cpus']} CPUs shared with other jobs, load average "
+            f"{where['loadavg_at_start']}).\n\n{markdown_table(figures)}" + (f"\n\n{extra}" if extra else ""))
+    replace_block(ROOT / "docs" / "benchmarks.md", name, body)

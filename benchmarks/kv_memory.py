@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 import threading
 import time
 from typing import Any
 
-from benchmarks.common import Figure, machine, print_figures, results_dir, write_json
+from benchmarks.common import Figure, machine, print_figures, results_dir, write_doc_block, write_json
 
 
 def _engine(model: str, max_model_len: int, block_size: int) -> Any:
@@ -100,7 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--model", default="tiny", help="demo size: tiny | medium")
     args = parser.parse_args(argv)
-    print_figures(run(args.quick, args.model), "decode KV memory")
+    figures = run(args.quick, args.model)
+    if not args.quick:
+        command = " ".join(["python -m benchmarks.kv_memory", *(sys.argv[1:] if argv is None else argv)])
+        write_doc_block("decode-kv-memory", command, figures)
+    print_figures(figures, "decode KV memory")
     return 0
 
 

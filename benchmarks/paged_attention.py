@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks.common import Figure, machine, median, print_figures, results_dir, write_json
+from benchmarks.common import Figure, machine, median, print_figures, results_dir, write_doc_block, write_json
 
 HEADS, KV_HEADS, DIM, BLOCK = 16, 4, 64, 16
 
@@ -157,7 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--with-flex", action="store_true", help="also time flex_attention (compiles for minutes)")
     args = parser.parse_args(argv)
-    print_figures(run(args.quick, args.with_flex), "paged decode attention")
+    figures = run(args.quick, args.with_flex)
+    if not args.quick:
+        command = " ".join(["python -m benchmarks.paged_attention", *(sys.argv[1:] if argv is None else argv)])
+        write_doc_block("decode-attention", command, figures)
+    print_figures(figures, "paged decode attention")
     return 0
 
 

@@ -38,10 +38,11 @@ def models_url(url: str) -> str:
     return api_base(url) + "/models"
 
 
-def new_session(timeout_s: float, api_key: str | None = None) -> aiohttp.ClientSession:
+def new_session(timeout_s: float, api_key: str | None = None, force_close: bool = False) -> aiohttp.ClientSession:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    # limit=0: the load generator decides concurrency, not the connection pool.
-    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+    # limit=0: the load generator decides concurrency, not the connection pool.  force_close: one
+    # connection per request (llama-server closes reused connections after a few requests).
+    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, force_close=force_close)
     return aiohttp.ClientSession(connector=connector, headers=headers,
                                  timeout=aiohttp.ClientTimeout(total=timeout_s))
 

@@ -136,6 +136,7 @@ class Endpoint:
     metrics_urls: tuple[str, ...] = ()
     label: str = "A"
     extra_body: dict[str, Any] = field(default_factory=dict)
+    new_connection_per_request: bool = False   # a fresh HTTP connection for every request
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,8 @@ class Bench:
 
     async def run(self) -> BenchOutcome:
         cfg = self.config
-        sessions = {ep.label: new_session(cfg.load.timeout_s, cfg.api_key) for ep in cfg.endpoints}
+        sessions = {ep.label: new_session(cfg.load.timeout_s, cfg.api_key, ep.new_connection_per_request)
+                    for ep in cfg.endpoints}
         try:
             async with aiohttp.ClientSession() as metrics_session:
                 self.metrics_session = metrics_session

@@ -91,10 +91,12 @@ class TorchPagedAttention:
             values = v_pool[ids].permute(0, 2, 1, 3, 4).reshape(len(members), kv_heads, count * block, dim)
             columns = torch.arange(count * block, device=q.device)
             mask = columns[None, :] < lens[index].to(columns.dtype)[:, None]     # [G, L]
+            # The query heads sharing a kv head become that head's "query positions": one SDPA over
+            # [G, kv_heads, group, D] x [G, kv_heads, L, D], no K/V expansion for grouped heads.
+            grouped = q[index].view(len(members), kv_heads, heads // kv_heads, dim)
             result = torch.nn.functional.scaled_dot_product_attention(
-                q[index].unsqueeze(2), keys, values, attn_mask=mask[:, None, None, :], scale=scale,
-                enable_gqa=heads != kv_heads)
-            out[index] = result.squeeze(2)
+                grouped, keys, values, attn_mask=mask[:, None, None, :], scale=scale)
+            out[index] = result.reshape(len(members), heads, dim)
         return out
 
 
