@@ -132,15 +132,19 @@ def start_epd(model: str, *flags: str, threads: int | None = None, timeout_s: fl
     process, log_path = _spawn(cmd, "epd", _env(threads, env))
     server = Server("epd", f"http://127.0.0.1:{port}", process, log_path)
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        match = READY.search(server.log_tail(400))
-        if match:
-            for role, http, _grpc in ROLE.findall(server.log_tail(400)):
-                server.roles.setdefault(role, []).append(http)
-            return server
-        if process.poll() is not None:
-            break
-        time.sleep(0.25)
+    try:
+        while time.monotonic() < deadline:
+            match = READY.search(server.log_tail(400))
+            if match:
+                for role, http, _grpc in ROLE.findall(server.log_tail(400)):
+                    server.roles.setdefault(role, []).append(http)
+                return server
+            if process.poll() is not None:
+                break
+            time.sleep(0.25)
+    except BaseException:  # interrupted while starting (Ctrl-C, SIGTERM): leave nothing behind
+        server.stop()
+        raise
     server.stop()
     raise ServerError(f"epd serve did not become ready:\n{server.log_tail()}")
 
@@ -207,12 +211,32 @@ def wait_http(server: Server, path: str, timeout_s: float) -> None:
 
 @contextmanager
 def running(*servers: Server):
-    """Stop the given servers whatever happens in the block."""
+    """Stop the given servers whatever happens in the block, SIGTERM to this process included (it
+    raises SystemExit here, so a benchmark stopped by a timeout leaves no cluster behind)."""
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if _is_main_thread() else None
     try:
         yield servers
     finally:
         for server in servers:
             server.stop()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM raises SystemExit in the main thread, so `finally` blocks stop the servers a benchmark
+    started (call it first thing in a script's main)."""
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+
+
+def _exit_on_sigterm(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _is_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
 
 
 def redis_server_binary() -> str | None:

@@ -62,8 +62,8 @@ def _medium(quick: bool) -> list[Figure]:
     servers = vs_transformers_serve.start_both(setup)
     try:
         side, doc = vs_transformers_serve.run(setup, servers, plots=vs_transformers_serve.IMG)
-        vs_transformers_serve.write_docs(doc, setup, "python -m benchmarks.targets --only medium")
         write_json({"figures": side, "bench": doc}, results_dir(False) / "vs_transformers_serve.json")
+        vs_transformers_serve.write_docs(doc, setup, "python -m benchmarks.targets --only medium")
         return side + reuse.run(reuse.ReuseSetup(), servers.epd)
     finally:
         servers.stop()

@@ -16,6 +16,8 @@ from contextlib import contextmanager
 
 from prometheus_client import Histogram
 
+from services.activity import span
+
 _BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 STAGE_COMPUTE_SECONDS = Histogram("epd_stage_compute_seconds", "Model compute per stage, timed inside the role "
                                   "(encode: one vision forward; prefill: one packed forward; decode_step: one batched "
@@ -24,9 +26,11 @@ STAGE_COMPUTE_SECONDS = Histogram("epd_stage_compute_seconds", "Model compute pe
 
 @contextmanager
 def compute_timer(stage: str) -> Iterator[None]:
-    """Observe the block's wall time under `stage` (also when it raises: the time was spent)."""
+    """Observe the block's wall time under `stage` (also when it raises: the time was spent); also a span
+    of the opt-in activity log (services/activity.py)."""
     started = time.perf_counter()
     try:
-        yield
+        with span(stage):
+            yield
     finally:
         STAGE_COMPUTE_SECONDS.labels(stage).observe(time.perf_counter() - started)

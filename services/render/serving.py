@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from services.activity import span
 from services.models.base import RenderSpec
 from services.models.processing import load_tokenizer
 from services.protocol.common import fresh_id
@@ -79,7 +80,8 @@ class RenderService:
         """One chat request -> one prompt (token ids, items, sampling)."""
         self.check_model(req.model)
         sampling = req.to_sampling_params()
-        text, token_ids, items = await self._render_messages(normalize_messages(req.messages), req)
+        with span("render"):  # the opt-in activity log (pipeline-overlap plot); a no-op otherwise
+            text, token_ids, items = await self._render_messages(normalize_messages(req.messages), req)
         check_context_length(len(token_ids), sampling.max_tokens, self.max_model_len)
         return self._prompt(req, request_id, token_ids, items, sampling, text)
 

@@ -1,0 +1,80 @@
+"""Issue 10's benchmark scripts: their --quick runs measure what they claim, the overlap arithmetic and
+the generated targets table are right."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import engine_targets
+from benchmarks.common import RESULTS_ENV, ROOT, Figure, write_json
+from benchmarks.stage_overlap import STAGES, summary, union
+
+S = 1_000_000_000
+
+
+def _run(module: str, results, timeout: float = 400) -> None:
+    """Run a script's --quick mode; past the deadline it gets SIGTERM first, so it stops its servers."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), RESULTS_ENV: str(results)}
+    proc = subprocess.Popen([sys.executable, "-m", module, "--quick"], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        out, err = proc.communicate(timeout=60)
+        pytest.fail(f"{module} --quick took more than {timeout} s:\n{err[-3000:]}")
+    assert proc.returncode == 0, f"{module} failed:\n{out[-3000:]}\n{err[-5000:]}"
+
+
+def test_union_clips_and_merges():
+    assert union([(5, 8), (0, 3), (2, 4), (9, 20)], 1, 10) == [(1, 4), (5, 8), (9, 10)]
+
+
+def test_summary_counts_time_with_several_stages_busy():
+    spans = {"render": [(0, 2 * S)], "encode": [(1 * S, 3 * S)], "prefill": [(1 * S, 2 * S)]}
+    result = summary(spans, 0, 4 * S)
+    assert result["busy_fraction"] == {"render": 0.5, "encode": 0.5, "prefill": 0.25, "decode_step": 0.0}
+    assert result["stages_busy_fraction"] == {"0": 0.25, "1": 0.5, "2": 0.0, "3": 0.25, "4": 0.0}
+    assert result["overlap_of_busy"] == pytest.approx(1 / 3)
+
+
+@pytest.mark.timeout(480)
+def test_stage_overlap_quick_logs_every_stage(tmp_path):
+    _run("benchmarks.stage_overlap", tmp_path)
+    result = json.loads((tmp_path / "stage_overlap_quick.json").read_text())
+    assert result["failed"] == 0 and all(result["summary"]["spans"].get(stage, 0) > 0 for stage in STAGES)
+    assert all(result["summary"]["busy_fraction"][stage] > 0 for stage in STAGES)
+    assert (tmp_path / "stage_overlap_c16.png").stat().st_size > 1000
+
+
+@pytest.mark.timeout(480)
+def test_tpot_under_prefill_quick_measures_both_windows(tmp_path):
+    _run("benchmarks.tpot_under_prefill", tmp_path)
+    doc = json.loads((tmp_path / "tpot_under_prefill_quick.json").read_text())
+    [figure] = doc["figures"]
+    assert figure["value"] is not None and figure["value"] > 0
+    assert doc["rounds"][0]["long_prompt_tokens"] == 1024  # the long prompt is exactly that long
+    assert len(doc["rounds"][0]["with_ms"]) == len(doc["rounds"][0]["without_ms"]) == 8
+
+
+def test_targets_table_says_how_far_a_target_is_missed(tmp_path):
+    write_json({"figures": [Figure("decode TPOT p50 while a 4096-token prompt prefills beside 8 streams", 1.56,
+                                   1.3, "le", note="78 vs 50 ms")],
+                "machine": {"time": "t0", "loadavg_at_start": [0.5, 0.4, 0.3]}}, tmp_path / "tpot_under_prefill.json")
+    write_json({"figures": [Figure("output tok/s, c16, one 224x224 image, medium model, epd / vLLM CPU", 1.2)]},
+               tmp_path / "vs_vllm.json")
+    page = tmp_path / "page.md"
+    page.write_text("# t\n")
+    engine_targets.write_table(tmp_path, page)
+    lines = {line.split(" | ")[0]: line for line in page.read_text().splitlines() if line.startswith("| ")}
+    assert "| 1.56x | MISSED by 20% | 78 vs 50 ms |" in lines["| decode TPOT p50 while a 4k-token prompt prefills "
+                                                            "beside 8 streams, vs without"]
+    assert "t0 (0.5, 0.4, 0.3)" in lines["| decode TPOT p50 while a 4k-token prompt prefills beside 8 streams, "
+                                         "vs without"]
+    assert "| 1.20x | met |" in lines["| output tok/s, medium, one image, c=16, epd / vLLM CPU (stretch 1.5x)"]
+    assert "not measured" in lines["| TTFT p50, medium, one image, c=1, epd / vLLM CPU"]
