@@ -138,7 +138,7 @@ class AdmissionMiddleware:
         if exchange.disconnected or exchange.complete:
             self.metrics.requests.labels(scope["path"], "499").inc()
             return  # nobody is listening any more
-        err = _cancel_error(reason, record.request_id)
+        err = _cancel_error(reason, record.label)
         self._count(scope["path"], err)
         if reason == "deadline" and exchange.started:
             return  # the client stopped reading: sending more would block again; the server closes it

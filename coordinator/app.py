@@ -7,6 +7,10 @@ the pipeline, never this module:
 
     app.py ─▶ openai_api.py, generate_api.py, control_api.py, openapi.py ─▶ pipeline.py ─▶ steps/ ─▶ clients.py
 
+The public app sits behind the API keys (services.auth: every route but
+PROBE_PATHS); the control routes are not on it (404) but on the admin app
+(admin.py), served on --admin-host/--admin-port.
+
 Probes: GET /health is liveness (200 while the process serves HTTP), GET /ready readiness (200 only
 when every role has a ready instance, probed now, and no drain is running); both, and /metrics, are
 services.server.PROBE_PATHS: open whatever authentication wraps the rest.
@@ -15,7 +19,10 @@ services.server.PROBE_PATHS: open whatever authentication wraps the rest.
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
@@ -24,18 +31,23 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from services.auth import protect
 from services.config import EpdConfig
+from services.server import PROBE_PATHS, route_table
 
+from .admin import build_admin_app
 from .admission import AdmissionMiddleware
 from .cluster import Cluster
-from .control_api import ControlApi
 from .drain import Drain, DrainMiddleware
+from .errors_http import JSON_ERRORS
 from .generate_api import GenerateApi
 from .http_io import BODY_READ_TIMEOUT_S
 from .inflight import InflightRegistry
 from .openai_api import OpenAIApi
 from .openapi import OpenApiRoute
 from .pipeline import Pipeline
+
+log = logging.getLogger(__name__)
 
 
 class CoordinatorApp:
@@ -87,7 +99,6 @@ class CoordinatorApp:
             Route("/health", self.health, methods=["GET"]),
             Route("/ready", self.ready, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
-            *ControlApi(self.cluster, self.inflight).routes(),
             Route("/openapi.json", OpenApiRoute(title).serve, methods=["GET"]),
         ]
 
@@ -106,8 +117,17 @@ class CoordinatorApp:
         finally:
             await self.cluster.close()
 
-    def build(self) -> Starlette:
-        return Starlette(routes=self.routes(), lifespan=self.lifespan, middleware=self.middleware())
+    def build(self) -> Any:
+        """The public app: routes and middleware, behind the API keys."""
+        routes = self.routes()
+        log.info("coordinator http routes: %s", json.dumps(route_table(routes)))
+        app = Starlette(routes=routes, lifespan=self.lifespan, middleware=self.middleware(),
+                        exception_handlers=JSON_ERRORS)
+        return protect(app, self.config.api_keys(), PROBE_PATHS, "the coordinator API")
+
+    def build_admin(self) -> Any:
+        """The private control plane (admin.py), sharing this app's cluster and in-flight registry."""
+        return build_admin_app(self.config, self.cluster, self.inflight)
 
     def decode_saturated(self) -> str | None:
         """Why no new request can start now, or None.

@@ -57,7 +57,7 @@ def is_transport_failure(exc: grpc.aio.AioRpcError) -> bool:
     return not any(k == ERROR_CODE_METADATA_KEY for k, _ in exc.trailing_metadata() or ())
 
 
-_METADATA_SAFE = re.compile(r"[\x20-\x7e]{1,256}")
+_METADATA_SAFE = re.compile(r"[\x20-\x7e]{1,300}")  # a label (<= 256) plus the internal suffix
 
 
 def call_metadata(ctx: RequestContext) -> list[tuple[str, str]]:

@@ -9,6 +9,7 @@ from typing import Any
 import grpc
 
 from services.config import EpdConfig
+from services.grpc_tls import channel_credentials, channel_options
 from services.rpc.v1 import epd_pb2_grpc as rpc
 
 from .metrics import CoordinatorMetrics
@@ -64,7 +65,8 @@ class Cluster:
         config = self.config
         return InstancePool(role, config.urls(role), stub, policy=getattr(config, f"{role}_routing_policy"),
                             http_urls=config.http_urls(role), metrics=self.metrics,
-                            forget_after_s=config.instance_forget_after_s)
+                            forget_after_s=config.instance_forget_after_s,
+                            credentials=channel_credentials(config), channel_options=channel_options(config))
 
     def pool(self, role: str) -> InstancePool:
         """The pool of `role` (render, encode, prefill, decode)."""

@@ -6,7 +6,9 @@ clears what a missing entry made stale before it runs steps again.
 
 | field            | set by                          | used by                                   |
 |------------------|---------------------------------|-------------------------------------------|
-| request_id       | http entry (header or body)     | every step (gRPC request ids, metadata), logs |
+| request_id       | http entry (request_ids.py)     | every step (ids, metadata, store keys), logs: unique |
+| label            | http entry (header or body)     | answers (response id, X-Request-Id), aborts |
+| principal        | http entry (the API key's name) | aborts (only the same key's requests)     |
 | deadline         | http entry                      | every call (gRPC timeouts: what is left)  |
 | kind             | http entry                      | render step, answers                      |
 | body             | http entry (chat / completion)  | render step                               |
@@ -45,8 +47,10 @@ Kind = Literal["chat", "completion", "generate"]
 
 @dataclass
 class RequestContext:
-    request_id: str
+    request_id: str                       # internal: unique per request (request_ids.internal_id)
     deadline: float                       # time.monotonic() value
+    label: str = ""                       # the client's id (X-Request-Id / request_id), echoed, not unique
+    principal: str = ""                   # who sent it (services.auth.principal): scopes aborts
     kind: Kind = "chat"
     body: bytes = b""
     stream: bool = False

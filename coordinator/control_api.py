@@ -10,7 +10,11 @@
   source ("config" for flags, "registered").
 - POST /abort_requests {"request_ids": [...]}: cancel those running requests
   in every stage (vLLM's body; "chatcmpl-", "cmpl-" and "generate-tokens-"
-  prefixes are accepted) -> {"aborted": n}.
+  prefixes are accepted) -> {"aborted": n}.  Ids are labels (request_ids.py):
+  with the admin token every request with that label, with a tenant's API
+  key only the ones it sent.
+
+These routes are served by the admin app (admin.py), never the public one.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from services.auth import principal
 from services.http_api import endpoint, parse_body
 from services.protocol.common import ProtocolModel
 from services.protocol.errors import NotFound
@@ -99,7 +104,7 @@ class ControlApi:
     async def abort(self, request: Request) -> Response:
         body = await parse_body(request, AbortRequest)
         ids = {rid for raw in body.request_ids for rid in (raw, plain_id(raw))}
-        return JSONResponse({"aborted": self.registry.abort(sorted(ids))})
+        return JSONResponse({"aborted": self.registry.abort(sorted(ids), principal(request.scope))})
 
     def routes(self) -> list[Route]:
         return [Route("/v1/instances", self.announce, methods=["POST"]),

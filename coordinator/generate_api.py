@@ -4,7 +4,7 @@ Generate runs the whole pipeline for a GenerateRequest on any of its three
 input paths (steps/generate_input.py) and answers like a decode instance
 (services.protocol.answers.GenerateAnswer).  The response id is
 "generate-tokens-<id>", <id> being the X-Request-Id header when given, else
-request_id; <id> is also the id every stage sees.
+request_id; <id> is a label (request_ids.py): stages see a unique internal id.
 
 /cluster lists every role instance as {"role", "http_url", "grpc_address",
 "healthy"} (healthy: a gRPC health probe made now), so an operator or an
@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from services.auth import principal
 from services.config import EpdConfig
 from services.observability import request_id_var
 from services.protocol.answers import GenerateAnswer
@@ -32,6 +33,7 @@ from .cluster import Cluster
 from .context import RequestContext
 from .http_io import answer, off_loop, read_json
 from .pipeline import Pipeline
+from .request_ids import internal_id, label_of
 from .routing.pool import InstancePool
 
 ENDPOINT = "/inference/v1/generate"
@@ -42,8 +44,9 @@ class GenerateApi:
         self.config, self.cluster, self.pipeline = config, cluster, pipeline
 
     def context(self, request: Request, req: GenerateRequest) -> RequestContext:
-        header = request.headers.get("x-request-id") or None
-        return RequestContext(request_id=header or req.request_id, kind="generate", stream=req.stream,
+        label = label_of(request.headers.get("x-request-id"), req.request_id)
+        return RequestContext(request_id=internal_id(label), label=label, principal=principal(request.scope),
+                              kind="generate", stream=req.stream,
                               generate=req, deadline=time.monotonic() + self.config.request_timeout_s)
 
     async def _run(self, request: Request) -> Response:
@@ -56,7 +59,7 @@ class GenerateApi:
                                req.model or self.config.served_model_id(), ctx.prompt_tokens(),
                                req.stream_options, ctx.created)
         deltas = self.pipeline.stream(ctx)
-        headers = {"X-Request-Id": ctx.request_id}
+        headers = {"X-Request-Id": ctx.label}
         if req.stream:
             return StreamingResponse(built.sse(deltas), media_type=SSE_MEDIA_TYPE, headers=headers)
         result = await built.collect(deltas)

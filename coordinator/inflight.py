@@ -20,6 +20,8 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from services.auth import ADMIN
+
 log = logging.getLogger(__name__)
 Cleanup = Callable[[], Awaitable[None] | None]
 
@@ -28,7 +30,9 @@ class InflightRequest:
     def __init__(self, registry: InflightRegistry, path: str) -> None:
         self.registry = registry
         self.path = path
-        self.request_id: str | None = None
+        self.request_id: str | None = None      # internal, unique (request_ids.py)
+        self.label: str | None = None           # the client's id: what aborts name
+        self.principal = ""                     # the API key it came with (services.auth.principal)
         self.task: asyncio.Task | None = None
         self.started = time.monotonic()
         self.cancel_reason: str | None = None   # "disconnect" | "abort" once cancelled
@@ -64,7 +68,7 @@ current_request: contextvars.ContextVar[InflightRequest | None] = contextvars.Co
 class InflightRegistry:
     def __init__(self) -> None:
         self._open: set[InflightRequest] = set()
-        self._by_id: dict[str, set[InflightRequest]] = {}
+        self._by_label: dict[str, set[InflightRequest]] = {}
 
     def __len__(self) -> int:
         return len(self._open)
@@ -74,29 +78,35 @@ class InflightRegistry:
         self._open.add(record)
         return record
 
-    def bind(self, record: InflightRequest, request_id: str) -> None:
-        record.request_id = request_id
-        self._by_id.setdefault(request_id, set()).add(record)
+    def bind(self, record: InflightRequest, request_id: str, label: str, principal: str = "") -> None:
+        self._unindex(record)
+        record.request_id, record.label, record.principal = request_id, label, principal
+        self._by_label.setdefault(label, set()).add(record)
+
+    def _unindex(self, record: InflightRequest) -> None:
+        if record.label is not None:
+            same = self._by_label.get(record.label, set())
+            same.discard(record)
+            if not same:
+                self._by_label.pop(record.label, None)
 
     def discard(self, record: InflightRequest) -> None:
         self._open.discard(record)
-        if record.request_id is not None:
-            same = self._by_id.get(record.request_id, set())
-            same.discard(record)
-            if not same:
-                self._by_id.pop(record.request_id, None)
+        self._unindex(record)
 
-    def abort(self, request_ids: list[str]) -> int:
-        """Cancel the running requests with these ids; returns how many were cancelled."""
-        records = [r for rid in request_ids for r in list(self._by_id.get(rid, ()))]
+    def abort(self, labels: list[str], principal: str = ADMIN) -> int:
+        """Cancel the running requests with these labels (the admin's: all of them; a key's: only those it
+        sent); returns how many were cancelled."""
+        records = [r for label in labels for r in list(self._by_label.get(label, ()))
+                   if principal == ADMIN or r.principal == principal]
         return sum(r.cancel("abort") for r in records)
 
 
-def bind(request_id: str) -> None:
-    """Make the current request abortable by `request_id` (no-op outside the middleware)."""
+def bind(request_id: str, label: str, principal: str = "") -> None:
+    """Make the current request abortable by its label (no-op outside the middleware)."""
     record = current_request.get()
     if record is not None and record.request_id != request_id:
-        record.registry.bind(record, request_id)
+        record.registry.bind(record, request_id, label, principal)
 
 
 def on_close(cleanup: Cleanup) -> bool:

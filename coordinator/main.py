@@ -1,6 +1,16 @@
-"""Runs the coordinator process: uvicorn on --host/--port, draining on SIGTERM (coordinator.drain)."""
+"""Runs the coordinator process: the public app on --host/--port and the admin app on --admin-host/--admin-port.
+
+One event loop serves both (they share the cluster and the in-flight
+registry).  The public server owns SIGTERM/SIGINT and drains
+(coordinator.drain); the admin server stops once the public one has.
+"""
 
 from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterator
 
 import uvicorn
 
@@ -9,13 +19,36 @@ from services.config import EpdConfig
 from .app import CoordinatorApp
 from .drain import DrainingServer
 
+log = logging.getLogger(__name__)
 AFTER_DRAIN_S = 2.0  # uvicorn's own wait for connections once the drain is over (idle keep-alives)
+
+
+class _AdminServer(uvicorn.Server):
+    """The admin server: no signal handling of its own (the public server drains and stops both)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+async def _serve(public: DrainingServer, admin: _AdminServer, config: EpdConfig) -> None:
+    admin_socket = admin.config.bind_socket()
+    host, port = admin_socket.getsockname()[:2]
+    log.info("coordinator admin API on http://%s:%d", f"[{host}]" if ":" in host else host, port)
+    admin_task = asyncio.create_task(admin.serve(sockets=[admin_socket]))
+    try:
+        await public.serve()
+    finally:
+        admin.should_exit = True
+        await asyncio.wait({admin_task}, timeout=AFTER_DRAIN_S + 1)
 
 
 def run_coordinator(config: EpdConfig) -> int:
     coordinator = CoordinatorApp(config)
-    server = DrainingServer(uvicorn.Config(coordinator.build(), host=config.host, port=config.port,
+    public = DrainingServer(uvicorn.Config(coordinator.build(), host=config.host, port=config.port,
                                            log_level="warning", timeout_graceful_shutdown=AFTER_DRAIN_S),
                             coordinator.drain)
-    server.run()
-    return 0 if server.started else 1
+    admin = _AdminServer(uvicorn.Config(coordinator.build_admin(), host=config.admin_host, port=config.admin_port,
+                                        log_level="warning", lifespan="off", timeout_graceful_shutdown=1))
+    asyncio.run(_serve(public, admin, config))
+    return 0 if public.started else 1

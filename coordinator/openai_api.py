@@ -3,19 +3,19 @@
 Routes only read the body, build the RequestContext, run the pipeline and
 hand its output deltas to the one answer builder (services.protocol.answers);
 the pipeline holds the logic, http_io.answer maps errors once.  Response ids
-are "chatcmpl-<id>" / "cmpl-<id>", <id> being X-Request-Id when given.
+are "chatcmpl-<id>" / "cmpl-<id>", <id> being X-Request-Id when given (a label: request_ids.py).
 """
 
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from services.auth import principal
 from services.config import EpdConfig
 from services.observability import request_id_var
 from services.protocol.answers import OpenAIAnswer
@@ -25,12 +25,13 @@ from .cluster import Cluster
 from .context import Kind, RequestContext
 from .http_io import answer, read_json, stream_flags
 from .pipeline import Pipeline
+from .request_ids import internal_id, label_of
 
 
 def openai_answer(ctx: RequestContext) -> OpenAIAnswer:
     assert ctx.rendered is not None and ctx.kind != "generate"
     prefix = "chatcmpl-" if ctx.kind == "chat" else "cmpl-"
-    return OpenAIAnswer(ctx.kind, prefix + ctx.request_id, ctx.rendered.model, ctx.created, ctx.prompt_tokens(),
+    return OpenAIAnswer(ctx.kind, prefix + ctx.label, ctx.rendered.model, ctx.created, ctx.prompt_tokens(),
                         ctx.include_usage, list(ctx.rendered.token_ids) if ctx.return_token_ids else None)
 
 
@@ -40,7 +41,8 @@ class OpenAIApi:
 
     def context(self, request: Request, kind: Kind, raw: bytes, body: dict[str, Any]) -> RequestContext:
         stream, include_usage = stream_flags(body)
-        return RequestContext(request_id=request.headers.get("x-request-id") or uuid.uuid4().hex, kind=kind,
+        label = label_of(request.headers.get("x-request-id"))
+        return RequestContext(request_id=internal_id(label), label=label, principal=principal(request.scope), kind=kind,
                               body=raw, stream=stream, include_usage=include_usage,
                               return_token_ids=body.get("return_token_ids") is True,
                               deadline=time.monotonic() + self.config.request_timeout_s)
@@ -51,7 +53,7 @@ class OpenAIApi:
         request_id_var.set(ctx.request_id)
         await self.pipeline.prepare(ctx)
         built, deltas = openai_answer(ctx), self.pipeline.stream(ctx)
-        headers = {"X-Request-Id": ctx.request_id}
+        headers = {"X-Request-Id": ctx.label}
         if ctx.stream:
             return StreamingResponse(built.sse(deltas), media_type=SSE_MEDIA_TYPE, headers=headers)
         return JSONResponse(await built.collect(deltas), headers=headers)

@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from services.protocol.generate import AbortRequest, GenerateRequest
+from services.protocol.generate import GenerateRequest
 from services.protocol.openai import ChatCompletionRequest, CompletionRequest
 from services.protocol.openai_responses import (
     ChatCompletionResponse,
@@ -23,8 +23,6 @@ from services.protocol.openai_responses import (
     ErrorResponse,
     ModelList,
 )
-
-from .control_api import InstanceAnnouncement, InstanceRef
 
 REF = "#/components/schemas/{model}"
 # (method, path, summary, request model, 200 model)
@@ -34,10 +32,6 @@ OPERATIONS: list[tuple[str, str, str, type[BaseModel] | None, type[BaseModel] | 
     ("post", "/v1/completions", "OpenAI completion (one prompt)", CompletionRequest, CompletionResponse),
     ("post", "/inference/v1/generate", "Token-in generation over the whole pipeline", GenerateRequest, None),
     ("get", "/v1/models", "The served model", None, ModelList),
-    ("post", "/abort_requests", "Cancel running requests in every stage", AbortRequest, None),
-    ("get", "/v1/instances", "Role instances with health and live load", None, None),
-    ("post", "/v1/instances", "Announce (or refresh) a role instance", InstanceAnnouncement, None),
-    ("delete", "/v1/instances", "Remove a role instance", InstanceRef, None),
     ("get", "/cluster", "Role instances with a fresh health probe", None, None),
     ("get", "/health", "Liveness, with the instances taking work per role", None, None),
     ("get", "/ready", "Readiness: 503 while a role has no ready instance or while draining", None, None),

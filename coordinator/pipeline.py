@@ -66,7 +66,7 @@ class Pipeline:
 
     async def prepare(self, ctx: RequestContext) -> None:
         """Run every step up to the decode stream's first chunk; each records its own timing."""
-        inflight.bind(ctx.request_id)  # POST /abort_requests can cancel it from now on
+        inflight.bind(ctx.request_id, ctx.label, ctx.principal)  # POST /abort_requests can cancel it from now on
         index = 0
         while index < len(self.steps):
             step = self.steps[index]

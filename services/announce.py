@@ -1,7 +1,9 @@
 """A role instance announcing itself to the coordinator (POST /v1/instances), for pools that grow at run time.
 
-With --coordinator-url set, a role process posts {role, grpc_address,
-http_url} at start and every ANNOUNCE_EVERY_S (so a coordinator that
+With --coordinator-url set (the coordinator's admin API: --admin-host /
+--admin-port, never its public port), a role process posts {role,
+grpc_address, http_url}, with `Authorization: Bearer <first --admin-token>`
+when a token is configured, at start and every ANNOUNCE_EVERY_S (so a coordinator that
 restarted, or forgot the instance while it was down, learns it again), and
 sends DELETE /v1/instances when it stops, so no new work is routed to it.
 The coordinator admits an announced instance only once its health probe
@@ -17,6 +19,7 @@ import logging
 import urllib.request
 from typing import Any
 
+from .auth import parse_keys
 from .config import EpdConfig
 
 log = logging.getLogger(__name__)
@@ -30,16 +33,17 @@ def announcement(config: EpdConfig, role: str, grpc_port: int, http_port: int) -
     return {"role": role, "grpc_address": f"{host}:{grpc_port}", "http_url": f"http://{host}:{http_port}"}
 
 
-def _send(url: str, method: str, body: dict[str, Any]) -> int:
+def _send(url: str, method: str, body: dict[str, Any], token: str | None = None) -> int:
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
     request = urllib.request.Request(url.rstrip("/") + "/v1/instances", data=json.dumps(body).encode(),
-                                     method=method, headers={"Content-Type": "application/json"})
+                                     method=method, headers=headers)
     with urllib.request.urlopen(request, timeout=TIMEOUT_S) as reply:
         return int(reply.status)
 
 
 class Announcer:
-    def __init__(self, coordinator_url: str, body: dict[str, Any]) -> None:
-        self.url, self.body = coordinator_url, body
+    def __init__(self, coordinator_url: str, body: dict[str, Any], token: str | None = None) -> None:
+        self.url, self.body, self._token = coordinator_url, body, token
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -49,7 +53,7 @@ class Announcer:
         failing = False
         while True:
             try:
-                await asyncio.to_thread(_send, self.url, "POST", self.body)
+                await asyncio.to_thread(_send, self.url, "POST", self.body, self._token)
                 if failing:
                     log.info("announced to %s again", self.url)
                 failing = False
@@ -64,7 +68,7 @@ class Announcer:
             self._task.cancel()
         try:
             ref = {"role": self.body["role"], "grpc_address": self.body["grpc_address"]}
-            await asyncio.to_thread(_send, self.url, "DELETE", ref)
+            await asyncio.to_thread(_send, self.url, "DELETE", ref, self._token)
         except OSError:
             pass  # the coordinator forgets us once our probes fail
 
@@ -72,6 +76,8 @@ class Announcer:
 def start_announcing(config: EpdConfig, role: str, grpc_port: int, http_port: int) -> Announcer | None:
     if not config.coordinator_url:
         return None
-    announcer = Announcer(config.coordinator_url, announcement(config, role, grpc_port, http_port))
+    tokens = parse_keys(config.admin_token)
+    announcer = Announcer(config.coordinator_url, announcement(config, role, grpc_port, http_port),
+                          tokens[0] if tokens else None)
     announcer.start()
     return announcer

@@ -3,8 +3,9 @@
 Keys come from the configuration (services.config): `--api-key` / EPD_API_KEY
 for the coordinator's OpenAI and scale-out API, `--role-api-key` /
 EPD_ROLE_API_KEY for each role's HTTP API (default: the same keys).  A value
-is a comma-separated list; an entry `@/path/file` reads one key per line from
-a file (a mounted Kubernetes Secret; blank lines and `#` comments skipped).
+is a list separated by commas or newlines; an entry `@/path/file` reads one
+key per line from a file (a mounted Kubernetes Secret; blank lines and `#`
+comments skipped).  The placeholder values of deploy/ are refused.
 
 A request carries `Authorization: Bearer <key>`.  The middleware answers 401
 with the OpenAI-style error body (`missing_api_key` / `invalid_api_key`)
@@ -34,13 +35,17 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 MAX_KEY_CHARS = 512
+PLACEHOLDER = "REPLACE-ME"  # what deploy/'s Secret holds until someone puts real keys there
 Scope = dict[str, Any]
 
 
 def parse_keys(value: str, what: str = "api key") -> list[str]:
-    """The keys a configuration value names (raises ValueError naming the problem, never a key)."""
+    """The keys a configuration value names (raises ValueError naming the problem, never a key).
+
+    Entries are separated by commas or newlines (a Secret read as an environment variable holds one key
+    per line); an entry "@path" reads a file."""
     keys: list[str] = []
-    for entry in (e.strip() for e in value.split(",")):
+    for entry in (e.strip() for e in value.replace("\n", ",").split(",")):
         if entry.startswith("@"):
             keys.extend(_keys_in_file(entry[1:], what))
         elif entry:
@@ -61,6 +66,9 @@ def _keys_in_file(path: str, what: str) -> list[str]:
 
 
 def _checked(key: str, what: str) -> str:
+    if key.startswith(PLACEHOLDER):
+        raise ValueError(f"an {what} is still the placeholder of deploy/ ({PLACEHOLDER}...): put real keys in the "
+                         "Secret epd-secrets (docs/security.md)")
     if len(key) > MAX_KEY_CHARS or not all("\x21" <= c <= "\x7e" and c != "," for c in key):
         raise ValueError(f"an {what} must be 1-{MAX_KEY_CHARS} printable ASCII characters without spaces or commas")
     return key
@@ -84,11 +92,16 @@ class KeySet:
         return bool(self.digests)
 
     def accepts(self, presented: str | bytes) -> bool:
+        return self.identify(presented) is not None
+
+    def identify(self, presented: str | bytes) -> str | None:
+        """A stable name of the key that matched ("key-" + 12 hex of its digest: not the key), or None."""
         wanted = _digest(presented)
-        found = False
+        found: bytes | None = None
         for digest in self.digests:  # no early exit: the time taken does not depend on which key matched
-            found |= hmac.compare_digest(digest, wanted)
-        return found
+            if hmac.compare_digest(digest, wanted):
+                found = digest
+        return None if found is None else "key-" + found.hex()[:12]
 
 
 def bearer_token(scope: Scope) -> bytes | None:
@@ -104,8 +117,27 @@ def _error(code: str, message: str) -> bytes:
     return json.dumps({"error": {"message": message, "type": "invalid_request_error", "code": code}}).encode()
 
 
+def principal(scope: Scope) -> str:
+    """Who sent the request, as the middleware found it: a key name, ADMIN, or "" (no keys configured)."""
+    return str(scope.get(PRINCIPAL_KEY, ""))
+
+
+PRINCIPAL_KEY = "epd.principal"
+ADMIN = "admin"
+
+
+async def send_error(send: Any, status: int, code: str, message: str) -> None:
+    body = _error(code, message)
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
 class ApiKeyMiddleware:
-    """401 for every request without an accepted key, except on `open_paths`."""
+    """401 for every request without an accepted key, except on `open_paths`; the key's name goes into
+    the scope (`principal`), so what a request may touch later (its own aborts) can follow the key."""
 
     def __init__(self, app: Any, keys: KeySet, open_paths: Iterable[str], what: str = "this API") -> None:
         self.app, self.keys, self.open_paths, self.what = app, keys, frozenset(open_paths), what
@@ -115,17 +147,14 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         token = bearer_token(scope)
-        if token is not None and self.keys.accepts(token):
-            await self.app(scope, receive, send)
-            return
-        if token is None:
-            body = _error("missing_api_key", f"{self.what} requires an API key: send 'Authorization: Bearer <key>'")
+        name = None if token is None else self.keys.identify(token)
+        if name is not None:
+            await self.app({**scope, PRINCIPAL_KEY: name}, receive, send)
+        elif token is None:
+            await send_error(send, 401, "missing_api_key",
+                             f"{self.what} requires an API key: send 'Authorization: Bearer <key>'")
         else:
-            body = _error("invalid_api_key", f"the API key sent is not valid for {self.what}")
-        await send({"type": "http.response.start", "status": 401, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-            (b"www-authenticate", b"Bearer")]})
-        await send({"type": "http.response.body", "body": body, "more_body": False})
+            await send_error(send, 401, "invalid_api_key", f"the API key sent is not valid for {self.what}")
 
 
 def protect(app: Any, keys: KeySet, open_paths: Iterable[str], what: str) -> Any:

@@ -10,12 +10,14 @@ flag > environment > default.  `__post_init__` validates the whole config.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import uuid
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any
 
 from .auth import KeySet, parse_keys
+from .grpc_tls import check_files
 
 CONNECTORS = ("shm", "redis")
 DEVICES_PREFIXES = ("cpu", "cuda")
@@ -113,8 +115,9 @@ class EpdConfig:
                                     roles="coordinator")
     instance_forget_after_s: float = _f(30.0, "a registered instance that fails its health probes this long is "
                                         "forgotten", roles="coordinator")
-    coordinator_url: str = _f("", "role processes: announce this instance to the coordinator at this URL "
-                              "(POST /v1/instances) at start and every 10 s", roles="roles")
+    coordinator_url: str = _f("", "role processes: announce this instance to the coordinator's admin API at "
+                              "this URL (POST /v1/instances, with --admin-token) at start and every 10 s",
+                              roles="roles")
     advertise_host: str = _f("", "host the coordinator reaches this role at when announcing (default: --host)",
                              roles="roles")
     shutdown_grace_s: float = _f(25.0, "on SIGTERM, seconds running requests get to finish: readiness turns "
@@ -125,6 +128,22 @@ class EpdConfig:
                       "one key per line): the coordinator's OpenAI and scale-out endpoints, and the roles' HTTP "
                       "APIs unless --role-api-key is set; empty: unauthenticated (a warning at start)", secret=True)
     role_api_key: str = _f("", "API keys of the roles' HTTP APIs (same syntax; default: --api-key)", secret=True)
+    admin_host: str = _f("127.0.0.1", "address of the coordinator's admin API (instance registration, aborts); "
+                         "anything but loopback needs --admin-token", roles="coordinator")
+    admin_port: int = _f(0, "port of the coordinator's admin API (0: a free one, logged at start)", roles="coordinator")
+    admin_token: str = _f("", "tokens the admin API requires as 'Authorization: Bearer TOKEN' (same syntax as "
+                          "--api-key); role processes send the first one when they announce themselves",
+                          secret=True)
+
+    grpc_host: str = _f("", "address role processes bind their gRPC server to (default: --host); e.g. 127.0.0.1 "
+                        "when the coordinator is in the same pod", roles="roles")
+    grpc_tls_cert: str = _f("", "PEM certificate: roles serve gRPC over TLS with it; the coordinator presents it as "
+                            "its client certificate (with --grpc-tls-key)")
+    grpc_tls_key: str = _f("", "PEM private key of --grpc-tls-cert")
+    grpc_tls_ca: str = _f("", "PEM CA bundle: the coordinator verifies the roles' certificates with it; roles "
+                          "given it require client certificates signed by it (mTLS)")
+    grpc_tls_server_name: str = _f("", "the name the roles' certificates carry, checked by the coordinator instead "
+                                   "of the dialled host (pods are dialled by IP)", roles="coordinator")
 
     def __post_init__(self) -> None:
         _check(self.ec_connector in CONNECTORS, f"ec_connector must be one of {', '.join(CONNECTORS)}")
@@ -159,7 +178,15 @@ class EpdConfig:
             http = self.http_urls(role)
             _check(not http or len(http) == len(self.urls(role)),
                    f"{role}_http_urls must list one URL per {role}_urls entry, in the same order")
-        for name in ("api_key", "role_api_key"):
+        _check(0 <= self.admin_port < 65536, "admin_port must be in 0..65535")
+        _check(is_loopback(self.admin_host) or bool(self.admin_token),
+               f"--admin-host {self.admin_host} is not a loopback address: set --admin-token (EPD_ADMIN_TOKEN) so "
+               "only the cluster's own processes can register instances")
+        try:
+            check_files(self.grpc_tls_cert, self.grpc_tls_key, self.grpc_tls_ca)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        for name in ("api_key", "role_api_key", "admin_token"):
             try:
                 parse_keys(getattr(self, name), name.replace("_", " "))
             except ValueError as exc:
@@ -170,6 +197,9 @@ class EpdConfig:
     def api_keys(self) -> KeySet:
         """Keys of the coordinator's public API."""
         return KeySet.of(parse_keys(self.api_key))
+
+    def admin_tokens(self) -> KeySet:
+        return KeySet.of(parse_keys(self.admin_token))
 
     def role_api_keys(self) -> KeySet:
         """Keys of a role's HTTP API: --role-api-key, else --api-key."""
@@ -218,6 +248,15 @@ def _role_map_ok(raw: str) -> bool:
         return parts[0].lstrip("-").isdigit()
     return all(p.partition("=")[0].strip() in ROLES and p.partition("=")[2].strip().lstrip("-").isdigit()
                for p in parts)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _check(ok: bool, message: str) -> None:

@@ -28,6 +28,8 @@ def chat_body(model: str, images: bool = True) -> dict:
                 {"type": "text", "text": "What is in this image?"}]}]}
 
 
-def curl_example(url: str, model: str, images: bool = True) -> str:
+def curl_example(url: str, model: str, images: bool = True, with_key: bool = False) -> str:
+    """The request; with API keys configured it sends $EPD_API_KEY (the banner never prints a key)."""
     body = json.dumps(chat_body(model, images))
-    return f"curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'"
+    auth = ' -H "Authorization: Bearer $EPD_API_KEY"' if with_key else ""
+    return f"curl -s {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'"

@@ -168,8 +168,9 @@ def print_ready(config: EpdConfig, children: list[Child], has_vision: bool = Tru
     url = f"http://{config.host}:{config.port}"
     roles = "; ".join(f"{c.role} http://{config.host}:{c.http_port} grpc {c.grpc_address}"
                       for c in children if c.role != "coordinator")
-    print(f"epd ready: {url} (model {config.served_model_id()}) — {roles}", flush=True)
-    print("try:\n" + curl_example(url, config.served_model_id(), has_vision), flush=True)
+    admin = f"admin http://{config.admin_host}:{config.admin_port}"
+    print(f"epd ready: {url} (model {config.served_model_id()}) — {roles}; {admin}", flush=True)
+    print("try:\n" + curl_example(url, config.served_model_id(), has_vision, bool(config.api_key)), flush=True)
 
 
 def serve(config: EpdConfig) -> int:
@@ -177,6 +178,7 @@ def serve(config: EpdConfig) -> int:
     from .models.registry import adapter_for, resolve_model
 
     sweep_stale_segments()
+    config = config.with_(admin_port=config.admin_port or free_port(config.admin_host))
     model_path = str(resolve_model(config.model))  # builds the demo checkpoint once, before the children
     has_vision = adapter_for(model_path).has_vision()
     roles = plan(config, has_vision)

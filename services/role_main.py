@@ -52,6 +52,7 @@ def run(role: str, config: EpdConfig) -> int:
     grpc_port = config.grpc_port or free_port(config.host)
     http_port = config.http_port or free_port(config.host)
     module = importlib.import_module(ROLE_MODULES[role])
+    from .grpc_tls import server_credentials
     from .server import serve
 
     async def main() -> None:
@@ -61,7 +62,7 @@ def run(role: str, config: EpdConfig) -> int:
         announcer = start_announcing(config, role, grpc_port, http_port)
         try:
             await serve(role_server, config.host, grpc_port, http_port, config.log_level, config.shutdown_grace_s,
-                        keys=config.role_api_keys())
+                        keys=config.role_api_keys(), grpc_host=config.grpc_host, tls=server_credentials(config))
         finally:
             if announcer is not None:
                 await announcer.stop()

@@ -107,13 +107,19 @@ def route_table(routes: list[Any]) -> list[list[str]]:
             if method != "HEAD"]
 
 
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
 async def serve(role: RoleServer, host: str, grpc_port: int, http_port: int, log_level: str = "info",
-                grace_s: float = SHUTDOWN_GRACE_S, keys: KeySet | None = None) -> None:
+                grace_s: float = SHUTDOWN_GRACE_S, keys: KeySet | None = None, grpc_host: str = "",
+                tls: grpc.ServerCredentials | None = None) -> None:
     server = grpc.aio.server(options=SERVER_OPTIONS)
     role.register_grpc(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_insecure_port(f"{host}:{grpc_port}")
+    where = _address(grpc_host or host, grpc_port)
+    bound = server.add_secure_port(where, tls) if tls is not None else server.add_insecure_port(where)
     readiness = Readiness(role.name, role.is_ready, role.stores)
     await readiness.refresh()
     await server.start()
@@ -126,7 +132,8 @@ async def serve(role: RoleServer, host: str, grpc_port: int, http_port: int, log
         loop.add_signal_handler(sig, stop.set)
     http_task = asyncio.create_task(http.serve())
     checks = asyncio.create_task(readiness.run(lambda ready: _set_serving(health_servicer, ready)))
-    log.info("%s serving: grpc %s:%d, http %s:%d", role.name, host, bound, host, http_port)
+    log.info("%s serving: grpc %s:%d (%s), http %s:%d", role.name, grpc_host or host, bound,
+             "TLS" if tls is not None else "plaintext", host, http_port)
     stopped = asyncio.create_task(stop.wait())
     await asyncio.wait({stopped, http_task}, return_when=asyncio.FIRST_COMPLETED)
     started = loop.time()

@@ -71,8 +71,11 @@ class Instance:
 class InstancePool:
     def __init__(self, role: str, addresses: list[str], stub_factory: Callable[[grpc.aio.Channel], Any],
                  policy: str = "least_loaded", http_urls: list[str] | None = None, metrics: Any = None,
-                 forget_after_s: float = 30.0) -> None:
+                 forget_after_s: float = 30.0, credentials: grpc.ChannelCredentials | None = None,
+                 channel_options: list[tuple[str, Any]] | None = None) -> None:
         self.role = role
+        self._credentials = credentials  # TLS for every channel of this pool (services.grpc_tls), or plaintext
+        self._options = [*CHANNEL_OPTIONS, *(channel_options or [])]
         self.policy: Policy = create_policy(policy)
         self.metrics = metrics
         self.forget_after_s = forget_after_s
@@ -94,7 +97,8 @@ class InstancePool:
         if known is not None:
             known.http_url = http_url or known.http_url
             return known
-        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        channel = (grpc.aio.secure_channel(address, self._credentials, options=self._options)
+                   if self._credentials is not None else grpc.aio.insecure_channel(address, options=self._options))
         instance = Instance(self.role, address, channel, self._stub_factory(channel), healthy=not registered,
                             http_url=http_url, registered=registered)
         if registered:

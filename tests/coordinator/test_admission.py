@@ -32,7 +32,7 @@ class App:
     async def generate(self, request: Request):
         body = json.loads(await request.body())
         request_id = request.headers["x-request-id"]
-        inflight.bind(request_id)
+        inflight.bind(request_id + "-internal", request_id)
         inflight.on_close(lambda: self.closed.append(request_id))
         if body.get("stream"):
             async def events():
@@ -133,3 +133,26 @@ def test_an_aborted_stream_ends_with_an_error_event(served):
     thread.join(5)
     assert lines[-1] == "data: [DONE]"
     assert json.loads(lines[-2].removeprefix("data: "))["error"]["code"] == "aborted"
+
+
+def test_aborts_follow_the_api_key():
+    """Labels are not unique: an abort by a tenant's key reaches only that key's requests, the admin's all."""
+    from coordinator.inflight import InflightRegistry
+    from services.auth import ADMIN
+
+    registry = InflightRegistry()
+
+    async def run():
+        records = []
+        for key in ("key-a", "key-b", "key-b"):
+            record = registry.open("/v1/chat/completions")
+            record.task = asyncio.ensure_future(asyncio.sleep(60))
+            registry.bind(record, f"same-{len(records)}", "same", key)
+            records.append(record)
+        assert registry.abort(["same"], "key-c") == 0
+        assert registry.abort(["same"], "key-a") == 1
+        assert [r.cancel_reason for r in records] == ["abort", None, None]
+        assert registry.abort(["same"], ADMIN) == 2
+        await asyncio.gather(*(r.task for r in records), return_exceptions=True)
+
+    asyncio.run(run())

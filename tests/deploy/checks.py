@@ -58,6 +58,16 @@ def _container_hygiene(where: str, c: Doc) -> list[str]:
     return problems
 
 
+# Settings that come from a Secret at run time: validated with a stand-in value (their names are checked).
+SECRET_SETTINGS = ("EPD_API_KEY", "EPD_ROLE_API_KEY", "EPD_ADMIN_TOKEN")
+
+
+def runtime_config_env(env: dict[str, str]) -> dict[str, str]:
+    """The variables a config can be built from here: run-time values dropped, secrets stood in for."""
+    return {k: ("stand-in-secret" if k in SECRET_SETTINGS else None) if v == REF else v
+            for k, v in env.items() if v != REF or k in SECRET_SETTINGS}
+
+
 def epd_settings(docs: list[Doc]) -> list[str]:
     """Every EPD_* variable an epd container sees is a setting, and together they form a valid config."""
     problems = []
@@ -73,7 +83,7 @@ def epd_settings(docs: list[Doc]) -> list[str]:
 
 
 def _config_problems(env: dict[str, str], command: str) -> list[str]:
-    plain = {k: v for k, v in env.items() if v != REF}  # run-time values: their names were checked above
+    plain = runtime_config_env(env)
     try:
         config = from_args(argparse.Namespace(), plain)
     except ConfigError as exc:
@@ -125,8 +135,9 @@ def coordinator_wiring(docs: list[Doc]) -> list[str]:
 
 
 def registration_wiring(docs: list[Doc]) -> list[str]:
-    """A role that announces itself (EPD_COORDINATOR_URL) names a Service in front of a coordinator's
-    EPD_PORT, and advertises an address (EPD_ADVERTISE_HOST) the coordinator can reach."""
+    """A role that announces itself (EPD_COORDINATOR_URL) names a Service in front of a coordinator's admin
+    API (EPD_ADMIN_PORT, never its public EPD_PORT), and advertises an address (EPD_ADVERTISE_HOST) the
+    coordinator can reach."""
     problems = []
     for deployment, c, command in epd_containers(docs):
         env = effective_env(docs, c)
@@ -148,7 +159,7 @@ def _reaches_coordinator(docs: list[Doc], host: str, port: int) -> bool:
             continue
         return any(selects(service["spec"]["selector"], d["spec"]["template"]["metadata"]["labels"])
                    and any(cmd == "coordinator" and port_number(c, ports[port]) == int(
-                       effective_env(docs, c).get("EPD_PORT", "8000")) for _, c, cmd in epd_containers([d]))
+                       effective_env(docs, c).get("EPD_ADMIN_PORT", "0")) for _, c, cmd in epd_containers([d]))
                    for d in of_kind(docs, "Deployment"))
     return False
 
@@ -196,8 +207,8 @@ def connector_wiring(docs: list[Doc]) -> list[str]:
     redis: every role can reach Redis (a Service in the render, or a URL from a Secret)."""
     problems = []
     for deployment, c, command in epd_containers(docs):
-        config = from_args(argparse.Namespace(), {k: v for k, v in effective_env(docs, c).items()
-                                                   if k.startswith("EPD_") and v != REF})
+        config = from_args(argparse.Namespace(), runtime_config_env(
+            {k: v for k, v in effective_env(docs, c).items() if k.startswith("EPD_")}))
         if command not in ("encode", "prefill", "decode"):
             continue
         where = f"{name_of(deployment)}/{c['name']}"
@@ -257,6 +268,84 @@ def probes_and_drain(docs: list[Doc]) -> list[str]:
     return problems
 
 
+def secrets_wiring(docs: list[Doc]) -> list[str]:
+    """Every epd container gets its API keys from a Secret (never a ConfigMap); a coordinator whose admin API
+    listens beyond loopback gets its admin token from a Secret too."""
+    problems = []
+    for deployment, c, command in epd_containers(docs):
+        where = f"{name_of(deployment)}/{c['name']}"
+        from_secret = {v["name"] for v in c.get("env") or [] if "secretKeyRef" in v.get("valueFrom", {})}
+        configured = effective_env(docs, c)
+        if "EPD_API_KEY" not in from_secret:
+            problems.append(f"{where}: EPD_API_KEY does not come from a Secret")
+        for name in SECRET_SETTINGS:
+            if name in configured and name not in from_secret:
+                problems.append(f"{where}: {name} is set in plain text")
+        if command == "coordinator" and configured.get("EPD_ADMIN_HOST", "127.0.0.1") not in ("127.0.0.1", "::1") \
+                and "EPD_ADMIN_TOKEN" not in from_secret:
+            problems.append(f"{where}: the admin API listens beyond loopback without EPD_ADMIN_TOKEN from a Secret")
+    return problems
+
+
+def _policies_for(docs: list[Doc], labels: dict[str, str]) -> list[Doc]:
+    return [p for p in of_kind(docs, "NetworkPolicy") if _matches(p["spec"]["podSelector"], labels)]
+
+
+def _matches(selector: Doc, labels: dict[str, str]) -> bool:
+    if not selects(selector.get("matchLabels") or {}, labels):
+        return False
+    return all(labels.get(e["key"]) in e["values"] if e["operator"] == "In" else False
+               for e in selector.get("matchExpressions") or [])
+
+
+def _peers(policy: Doc, container: Doc, port: int) -> list[Doc] | None:
+    """The `from` peers an ingress rule allows on `port` ([] = from anywhere), None when no rule allows it."""
+    allowed: list[Doc] | None = None
+    for rule in policy["spec"].get("ingress") or []:
+        ports = [port_number(container, p["port"]) for p in rule.get("ports") or []]
+        if ports and port not in ports:
+            continue
+        if not rule.get("from"):
+            return []
+        allowed = (allowed or []) + rule["from"]
+    return allowed
+
+
+def network_policies(docs: list[Doc]) -> list[str]:
+    """A role's gRPC port admits only coordinator pods, a coordinator's admin port only role pods, whenever a
+    pod's gRPC or admin port is reachable from other pods (a port bound to loopback needs no policy)."""
+    problems = []
+    for deployment, c, command in epd_containers(docs):
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        env = effective_env(docs, c)
+        if command in ROLES and env.get("EPD_GRPC_HOST") in ("127.0.0.1", "::1"):
+            continue  # bound to the pod's loopback: nothing outside the pod reaches it
+        if command in ROLES:
+            port, allowed_from = int(env.get("EPD_GRPC_PORT", "0")), "coordinator"
+        elif command == "coordinator" and env.get("EPD_ADMIN_HOST", "127.0.0.1") not in ("127.0.0.1", "::1"):
+            port, allowed_from = int(env["EPD_ADMIN_PORT"]), "role"
+        else:
+            continue
+        where = f"{name_of(deployment)}/{c['name']} port {port}"
+        policies = _policies_for(docs, labels)
+        if not policies:
+            problems.append(f"{where}: no NetworkPolicy selects the pod")
+            continue
+        for policy in policies:
+            peers = _peers(policy, c, port)
+            if peers == []:
+                problems.append(f"{where}: {name_of(policy)} admits anyone")
+            for peer in peers or []:
+                component = (peer.get("podSelector") or {}).get("matchLabels", {}).get("app.kubernetes.io/component")
+                values = [e["values"] for e in (peer.get("podSelector") or {}).get("matchExpressions") or []
+                          if e["key"] == "app.kubernetes.io/component"]
+                ok = component == "coordinator" if allowed_from == "coordinator" else \
+                    bool(values) and set(values[0]) <= set(ROLES)
+                if not ok or "ipBlock" in peer or "namespaceSelector" in peer:
+                    problems.append(f"{where}: {name_of(policy)} admits {peer} (only {allowed_from} pods may)")
+    return problems
+
+
 def run_all(docs: list[Doc], autoscaled: bool = True) -> list[str]:
-    problems = [p for check in (*ALL, probes_and_drain) for p in check(docs)]
+    problems = [p for check in (*ALL, probes_and_drain, secrets_wiring, network_policies) for p in check(docs)]
     return problems + budgets_and_autoscalers(docs, autoscaled)

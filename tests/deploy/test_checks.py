@@ -116,3 +116,58 @@ def test_an_announcement_that_reaches_no_coordinator_is_caught():
 
     assert any("reaches no coordinator" in p for p in checks.registration_wiring(broken("multi-node", wrong_port)))
     assert any("EPD_ADVERTISE_HOST" in p for p in checks.registration_wiring(broken("multi-node", no_advertise)))
+
+
+def test_announcing_to_the_public_port_is_caught():
+    def public(docs):
+        env_var(container(docs, "epd-encode", "encode"), "EPD_COORDINATOR_URL")["value"] = "http://epd:8000"
+
+    assert any("reaches no coordinator" in p for p in checks.registration_wiring(broken("multi-node", public)))
+
+
+def test_keys_in_plain_text_or_missing_are_caught():
+    def plain(docs):
+        var = env_var(container(docs, "epd-coordinator", "coordinator"), "EPD_ADMIN_TOKEN")
+        var.clear()
+        var.update({"name": "EPD_ADMIN_TOKEN", "value": "in-the-manifest"})
+
+    def missing(docs):
+        env = container(docs, "epd-prefill", "prefill")["env"]
+        env[:] = [v for v in env if v["name"] != "EPD_API_KEY"]
+
+    problems = checks.secrets_wiring(broken("multi-node", plain))
+    assert any("EPD_ADMIN_TOKEN is set in plain text" in p for p in problems)
+    assert any("beyond loopback without EPD_ADMIN_TOKEN from a Secret" in p for p in problems)
+    assert any("epd-prefill/prefill: EPD_API_KEY does not come from a Secret" in p
+               for p in checks.secrets_wiring(broken("multi-node", missing)))
+
+
+def test_open_grpc_and_admin_ports_are_caught():
+    def open_grpc(docs):
+        find(docs, "NetworkPolicy", "epd-roles")["spec"]["ingress"][0]["from"] = []
+
+    def admin_from_anyone(docs):
+        rule = find(docs, "NetworkPolicy", "epd-coordinator")["spec"]["ingress"][1]
+        rule["from"] = [{"namespaceSelector": {}}]
+
+    def no_policy(docs):
+        docs[:] = [d for d in docs if d["kind"] != "NetworkPolicy" or d["metadata"]["name"] != "epd-roles"]
+
+    assert any("epd-encode/encode port 50052: NetworkPolicy/epd-roles admits anyone" in p
+               for p in checks.network_policies(broken("multi-node", open_grpc)))
+    assert any("port 8081" in p and "only role pods may" in p
+               for p in checks.network_policies(broken("multi-node", admin_from_anyone)))
+    assert any("epd-decode/decode port 50054: no NetworkPolicy selects the pod" in p
+               for p in checks.network_policies(broken("multi-node", no_policy)))
+
+
+def test_the_placeholder_credentials_of_the_base_are_refused():
+    import pytest
+
+    from services.config import ConfigError, EpdConfig
+    from tests.deploy.manifests import K8S
+
+    for name, field in (("api-keys", "api_key"), ("admin-token", "admin_token")):
+        placeholder = (K8S / "base" / "common" / "secrets" / name).read_text()
+        with pytest.raises(ConfigError, match="still the placeholder"):
+            EpdConfig(**{field: placeholder})

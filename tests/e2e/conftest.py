@@ -71,16 +71,27 @@ def pool_clusters(demo_model_path):
 
 
 # The secured cluster (tests/e2e/test_auth.py and the other security tests): two public keys from a key file
-# (as a mounted Secret holds them) and a separate key for the roles' HTTP APIs.
+# (as a mounted Secret holds them), a separate key for the roles' HTTP APIs, an admin token and mTLS.
 PUBLIC_KEYS = ("sk-epd-test-tenant-a", "sk-epd-test-tenant-b")
 ROLE_KEY = "sk-epd-test-roles"
+ADMIN_TOKEN = "epd-test-admin-token"
 
 
 @pytest.fixture(scope="session")
-def secure_cluster(demo_model_path, tmp_path_factory):
+def secure_tls(tmp_path_factory):
+    from tests.support.certs import make_tls_files
+
+    return make_tls_files(tmp_path_factory.mktemp("tls"))
+
+
+@pytest.fixture(scope="session")
+def secure_cluster(demo_model_path, tmp_path_factory, secure_tls):
+    """Keys, admin token, and mutual TLS on every internal gRPC hop."""
     keyfile = tmp_path_factory.mktemp("secrets") / "api-keys"
     keyfile.write_text("# one key per tenant\n" + "\n".join(PUBLIC_KEYS) + "\n")
-    cluster = start_cluster("--api-key", f"@{keyfile}", "--role-api-key", ROLE_KEY,
-                            "--ec-capacity-mb", "32", "--kv-capacity-mb", "32")
+    tls = ("--grpc-tls-cert", str(secure_tls["cert"]), "--grpc-tls-key", str(secure_tls["key"]),
+           "--grpc-tls-ca", str(secure_tls["ca"]))
+    cluster = start_cluster("--api-key", f"@{keyfile}", "--role-api-key", ROLE_KEY, "--admin-token", ADMIN_TOKEN,
+                            *tls, "--ec-capacity-mb", "32", "--kv-capacity-mb", "32")
     yield cluster
     cluster.stop()

@@ -19,7 +19,9 @@ from tests.support.images import data_url, noise_image
 
 
 def _base_url(cluster, target: str) -> str:
-    return cluster.url if target == "coordinator" else cluster.http_urls(target)[0]
+    if target in ("coordinator", "admin"):
+        return cluster.url if target == "coordinator" else cluster.admin_url
+    return cluster.http_urls(target)[0]
 
 
 def _send(cluster, case: Case) -> httpx.Response:
@@ -56,7 +58,7 @@ CASE_NAMES = [case.name for case in _cases()]
 def test_the_corpus_is_large_and_covers_every_http_api():
     cases = _cases()
     assert len(cases) >= 50
-    assert {case.target for case in cases} == {"coordinator", "render", "encode", "prefill", "decode"}
+    assert {case.target for case in cases} == {"coordinator", "admin", "render", "encode", "prefill", "decode"}
 
 
 @pytest.fixture(scope="module")

@@ -127,8 +127,8 @@ def test_abort_requests_cancels_in_every_stage(pool):
     thread = threading.Thread(target=run)
     thread.start()
     assert _wait(lambda: _slots(pool) >= 1, 10.0) < 10.0
-    with pool.client() as client:
-        aborted = client.post("/abort_requests", json={"request_ids": ["chatcmpl-" + request_id]}).json()
+    aborted = httpx.post(pool.admin_url + "/abort_requests", json={"request_ids": ["chatcmpl-" + request_id]},
+                         timeout=10).json()
     thread.join(10)
     assert aborted == {"aborted": 1}
     reply = answer["reply"]
@@ -183,11 +183,11 @@ def _start_encoder(coordinator_url: str) -> tuple[subprocess.Popen, str]:
 
 
 def _instances(pool):
-    return {i["grpc_address"]: i for i in httpx.get(pool.url + "/v1/instances", timeout=10).json()["data"]}
+    return {i["grpc_address"]: i for i in httpx.get(pool.admin_url + "/v1/instances", timeout=10).json()["data"]}
 
 
 def test_an_instance_that_announces_itself_gets_work_and_is_forgotten_when_dead(pool):
-    proc, address = _start_encoder(pool.url)
+    proc, address = _start_encoder(pool.admin_url)
     try:
         assert _wait(lambda: _instances(pool).get(address, {}).get("healthy"), 120.0, 0.2) < 120.0
         assert _instances(pool)[address]["source"] == "registered"
@@ -209,12 +209,12 @@ def test_an_instance_that_announces_itself_gets_work_and_is_forgotten_when_dead(
 
 def test_registering_an_address_that_never_answers_gives_it_no_work(pool):
     dead = f"127.0.0.1:{free_port()}"
-    with pool.client() as client:
-        reply = client.post("/v1/instances", json={"role": "prefill", "grpc_address": dead})
+    with pool.client() as client, httpx.Client(base_url=pool.admin_url, timeout=10) as admin:
+        reply = admin.post("/v1/instances", json={"role": "prefill", "grpc_address": dead})
         assert reply.status_code == 200 and reply.json()["healthy"] is False
         for _ in range(3):
             assert client.post("/v1/chat/completions", json=chat("hi", max_tokens=1)).status_code == 200
-        bad = client.post("/v1/instances", json={"role": "oracle", "grpc_address": "x"})
+        bad = admin.post("/v1/instances", json={"role": "oracle", "grpc_address": "x"})
         assert bad.status_code == 400
     assert metric_value(coordinator_metrics(pool), "epd_coordinator_instance_calls_total", f'instance="{dead}"') == 0
     assert _wait(lambda: dead not in _instances(pool), 10.0, 0.1) < 10.0

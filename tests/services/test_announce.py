@@ -15,3 +15,17 @@ def test_announcement_uses_the_advertised_host():
 def test_an_ipv6_host_is_bracketed():
     body = announcement(EpdConfig(host="fd00::5"), "decode", 1, 2)
     assert body["grpc_address"] == "[fd00::5]:1" and body["http_url"] == "http://[fd00::5]:2"
+
+
+def test_the_announcer_sends_the_first_admin_token(tmp_path):
+    import asyncio
+
+    from services.announce import start_announcing
+
+    async def started():
+        config = EpdConfig(coordinator_url="http://127.0.0.1:9", admin_token="tok-new,tok-old")
+        announcer = start_announcing(config, "encode", 1, 2)
+        assert announcer is not None and announcer._token == "tok-new"
+        announcer._task.cancel()
+
+    asyncio.run(started())

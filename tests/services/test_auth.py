@@ -12,6 +12,7 @@ def test_keys_from_a_list_and_from_files(tmp_path):
     keyfile = tmp_path / "keys"
     keyfile.write_text("# tenant keys\nsk-file-one\n\n  sk-file-two  \n")
     assert parse_keys("sk-a, sk-b,,") == ["sk-a", "sk-b"]
+    assert parse_keys("sk-a\nsk-b\n") == ["sk-a", "sk-b"]  # a Secret holding one key per line, as a variable
     assert parse_keys(f"sk-a,@{keyfile}") == ["sk-a", "sk-file-one", "sk-file-two"]
     assert parse_keys("") == []
 
@@ -21,6 +22,7 @@ def test_keys_from_a_list_and_from_files(tmp_path):
     ("sk-\u00e9", "printable ASCII"),
     ("k" * 513, "1-512"),
     ("@/nonexistent/keys", "cannot read the api key file /nonexistent/keys: FileNotFoundError"),
+    ("REPLACE-ME-with-one-api-key-per-line", "still the placeholder of deploy/"),
 ])
 def test_bad_keys_are_refused_without_echoing_them(value, message):
     with pytest.raises(ValueError, match=message) as caught:

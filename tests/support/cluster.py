@@ -16,6 +16,7 @@ import httpx
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 READY = re.compile(r"^epd ready: (\S+)")
 ROLE = re.compile(r"(render|encode|prefill|decode) http://([\d.:]+) grpc ([\d.:]+)")
+ADMIN = re.compile(r"admin (http://[\d.:]+)")
 
 
 @dataclass
@@ -23,6 +24,7 @@ class RunningCluster:
     process: subprocess.Popen
     url: str
     roles: list[tuple[str, str, str]] = field(default_factory=list)  # (role, http_url, grpc_address)
+    admin_url: str = ""  # the coordinator's admin API (registration, aborts)
     output: list[str] = field(default_factory=list)
 
     def http_urls(self, role: str) -> list[str]:
@@ -71,6 +73,8 @@ def start_cluster(*flags: str, env: dict[str, str] | None = None, timeout: float
             if match:
                 cluster.url = match.group(1)
                 cluster.roles = ROLE.findall(line)
+                admin = ADMIN.search(line)
+                cluster.admin_url = admin.group(1) if admin else ""
                 ready.set()
 
     threading.Thread(target=pump, daemon=True).start()

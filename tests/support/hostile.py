@@ -32,7 +32,7 @@ GENERATE = "/inference/v1/generate"
 @dataclass(frozen=True)
 class Case:
     name: str
-    target: str            # "coordinator" | "render" | "encode" | "prefill" | "decode"
+    target: str            # "coordinator" | "admin" (its admin API) | "render" | "encode" | "prefill" | "decode"
     path: str
     body: Any              # bytes: sent raw; otherwise JSON
     may_succeed: bool = False
@@ -131,14 +131,17 @@ def coordinator_cases() -> list[Case]:
 
 def control_cases() -> list[Case]:
     return [
-        Case("announce_unknown_role", "coordinator", "/v1/instances", {"role": "oracle", "grpc_address": "a:1"}),
-        Case("announce_bad_address", "coordinator", "/v1/instances", {"role": "encode", "grpc_address": "a b"}),
-        Case("announce_port_out_of_range", "coordinator", "/v1/instances",
+        Case("announce_unknown_role", "admin", "/v1/instances", {"role": "oracle", "grpc_address": "a:1"}),
+        Case("announce_bad_address", "admin", "/v1/instances", {"role": "encode", "grpc_address": "a b"}),
+        Case("announce_port_out_of_range", "admin", "/v1/instances",
              {"role": "encode", "grpc_address": "10.0.0.1:70000"}),
-        Case("announce_url_with_path", "coordinator", "/v1/instances",
+        Case("announce_url_with_path", "admin", "/v1/instances",
              {"role": "encode", "grpc_address": "10.0.0.1:5", "http_url": "http://x:1/../../admin"}),
-        Case("abort_ids_not_a_list", "coordinator", "/abort_requests", {"request_ids": "all"}),
-        Case("abort_malformed", "coordinator", "/abort_requests", b"\xff"),
+        Case("abort_ids_not_a_list", "admin", "/abort_requests", {"request_ids": "all"}),
+        Case("abort_malformed", "admin", "/abort_requests", b"\xff"),
+        Case("announce_on_the_public_port", "coordinator", "/v1/instances",
+             {"role": "encode", "grpc_address": "10.0.0.1:5"}),
+        Case("abort_on_the_public_port", "coordinator", "/abort_requests", {"request_ids": ["x"]}),
     ]
 
 

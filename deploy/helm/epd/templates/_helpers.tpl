@@ -112,10 +112,17 @@ several roles share a pod).
     - name: EPD_DTYPE
       value: {{ $root.Values.gpu.dtype | quote }}
     {{- end }}
+    {{- if .prefix }}
+    # gRPC only inside the pod: the coordinator is its neighbour on 127.0.0.1.
+    - name: EPD_GRPC_HOST
+      value: 127.0.0.1
+    {{- end }}
+    {{- include "epd.secretEnv" $root | nindent 4 }}
     {{- if and (not .prefix) $root.Values.coordinator.registration }}
-    # Announce this pod to the coordinator under its own IP (POST /v1/instances, every 10 s).
+    # Announce this pod to the coordinator's admin API under its own IP (POST /v1/instances, every 10 s, with
+    # the admin token).
     - name: EPD_COORDINATOR_URL
-      value: {{ printf "http://%s:%v" (include "epd.fullname" $root) $root.Values.coordinator.service.port | quote }}
+      value: {{ printf "http://%s-admin:%v" (include "epd.fullname" $root) $root.Values.coordinator.adminPort | quote }}
     - name: EPD_ADVERTISE_HOST
       valueFrom:
         fieldRef:
@@ -184,6 +191,24 @@ several roles share a pod).
     {{- end }}
 {{- end -}}
 
+{{/* API keys and the admin token, from the chart's Secret (or auth.existingSecret): every epd container. */}}
+{{- define "epd.secretName" -}}
+{{- .Values.auth.existingSecret | default (printf "%s-secrets" (include "epd.fullname" .)) -}}
+{{- end -}}
+
+{{- define "epd.secretEnv" -}}
+- name: EPD_API_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "epd.secretName" . }}
+      key: api-keys
+- name: EPD_ADMIN_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "epd.secretName" . }}
+      key: admin-token
+{{- end -}}
+
 {{- define "epd.redisSecretEnv" -}}
 {{- if and (not .Values.redis.internal) .Values.redis.existingSecret -}}
 - name: EPD_REDIS_URL
@@ -208,6 +233,14 @@ several roles share a pod).
   env:
     - name: EPD_PORT
       value: {{ $root.Values.coordinator.port | quote }}
+    {{- include "epd.secretEnv" $root | nindent 4 }}
+    {{- if eq $root.Values.layout "multi-node" }}
+    # The admin API (instance registration, aborts) on its own port and Service, token required.
+    - name: EPD_ADMIN_HOST
+      value: 0.0.0.0
+    - name: EPD_ADMIN_PORT
+      value: {{ $root.Values.coordinator.adminPort | quote }}
+    {{- end }}
     {{- range $role := list "render" "encode" "prefill" "decode" }}
     - name: EPD_{{ upper $role }}_URLS
       value: {{ get $.urls $role | quote }}
@@ -225,6 +258,10 @@ several roles share a pod).
   ports:
     - name: http
       containerPort: {{ $root.Values.coordinator.port }}
+    {{- if eq $root.Values.layout "multi-node" }}
+    - name: admin
+      containerPort: {{ $root.Values.coordinator.adminPort }}
+    {{- end }}
   startupProbe:
     tcpSocket:
       port: http
