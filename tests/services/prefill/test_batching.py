@@ -213,3 +213,19 @@ def test_close_fails_waiting_prompts_and_refuses_new_ones(parts, prompts):
             future.result(10)
     with pytest.raises(RuntimeError, match="closed"):
         engine.submit(*prompts[2])
+
+
+def test_a_prompt_waits_for_blocks_until_another_releases_its_own(demo_model_path):
+    from services.models.registry import adapter_for
+
+    lm = adapter_for(demo_model_path).load_language(demo_model_path, max_model_len=64)
+    engine = PrefillEngine(lm, prefix_cache_mb=0, max_num_batched_tokens=16)  # a pool of (64 + 2 x 16) tokens
+    assert engine.blocks.num_blocks == 6
+    first = engine.submit(list(range(1000, 1060))).result(60)  # holds 4 of the 6 blocks
+    second = engine.submit(list(range(2000, 2060)))
+    time.sleep(0.3)
+    assert not second.done() and engine.num_waiting == 1  # 2 blocks free: it waits, nothing fails
+    first.release()
+    with second.result(60) as held:
+        assert held.num_prompt_tokens == 60
+    assert engine.blocks.num_free == 6

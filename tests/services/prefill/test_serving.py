@@ -1,0 +1,95 @@
+"""PrefillService over real shm stores: the prefilled KV reaches the KV store with exactly one copy
+(from the engine's blocks into the store's memory), concurrent requests batch, and every block
+comes back, also when a caller gives up."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import pytest
+import torch
+
+from services.connectors import StoreConfig, create_store
+from services.prefill.engine import PrefillEngine
+from services.prefill.serving import PrefillService
+
+PROMPTS = [[151644, 872, 198, *range(1000 + 40 * i, 1000 + 40 * i + 30 + 7 * i), 151645, 198] for i in range(5)]
+
+
+@pytest.fixture(scope="module")
+def lm(demo_model_path):
+    from services.models.registry import adapter_for
+
+    return adapter_for(demo_model_path).load_language(demo_model_path)
+
+
+@pytest.fixture
+def stores():
+    instance = "t" + uuid.uuid4().hex[:12]
+    ec = create_store(StoreConfig("shm", "ec", instance, capacity_bytes=1 << 20))
+    kv = create_store(StoreConfig("shm", "kv", instance, capacity_bytes=16 << 20))
+    yield ec, kv
+    kv.close()
+    ec.close()
+
+
+def kv_bytes(lm, num_tokens: int) -> int:
+    layout = lm.layout
+    return layout.num_layers * 2 * layout.num_kv_heads * num_tokens * layout.head_dim * 4
+
+
+def test_the_kv_is_copied_once_into_the_store(lm, stores):
+    ec, kv = stores
+    engine = PrefillEngine(lm, prefix_cache_mb=0)
+    service = PrefillService(engine, lm, ec, kv, "p0")
+    before = kv.stats().bytes_copied
+    outcome = asyncio.run(service.prefill("r1", PROMPTS[0], [], {}, {"temperature": 0.0}, None))
+    assert kv.stats().bytes_copied - before == kv_bytes(lm, len(PROMPTS[0]))  # one copy, nothing more
+    with kv.view(outcome.kv_transfer_params["handle"]) as views:
+        torch.testing.assert_close(views["kv"], engine.prefill(PROMPTS[0]).kv, rtol=0, atol=0)
+    assert outcome.first_token_id == int(engine.prefill(PROMPTS[0]).first_logits.argmax())
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_concurrent_requests_share_forwards_and_return_their_blocks(lm, stores):
+    ec, kv = stores
+    engine = PrefillEngine(lm, prefix_cache_mb=0)
+    service = PrefillService(engine, lm, ec, kv, "p0")
+
+    async def main() -> list:
+        with engine._cond:  # every request reaches the engine before its first forward
+            tasks = [asyncio.create_task(service.prefill(f"r{i}", ids, [], {}, {}, None))
+                     for i, ids in enumerate(PROMPTS)]
+            await asyncio.sleep(0.2)
+        return await asyncio.gather(*tasks)
+
+    outcomes = asyncio.run(main())
+    assert engine.recent_batches[0] == (len(PROMPTS), sum(len(ids) for ids in PROMPTS))
+    for outcome, ids in zip(outcomes, PROMPTS, strict=True):
+        with kv.view(outcome.kv_transfer_params["handle"]) as views:
+            torch.testing.assert_close(views["kv"], engine.prefill(ids).kv, rtol=0, atol=1e-5)
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_a_caller_that_gives_up_leaves_no_blocks_held(lm, stores):
+    ec, kv = stores
+    engine = PrefillEngine(lm, prefix_cache_mb=0)
+    service = PrefillService(engine, lm, ec, kv, "p0")
+
+    async def main() -> None:
+        with engine._cond:  # the request is queued, then cancelled while the engine is held
+            task = asyncio.create_task(service.prefill("r1", PROMPTS[1], [], {}, {}, None))
+            await asyncio.sleep(0.2)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    asyncio.run(main())
+    deadline = time.monotonic() + 30
+    while engine.num_waiting:  # the worker drops the cancelled prompt when it looks
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert engine.num_prefills == 0  # cancelled before its forward
+    assert engine.blocks.num_free == engine.blocks.num_blocks and kv.stats().entries == 0
