@@ -81,8 +81,9 @@ class EpdConfig:
                            "'encode=1,prefill=2,decode=2'", roles="roles")
     omp_wait_policy: str = _f("", "OpenMP wait policy of model roles: passive (idle threads sleep, no spinning) "
                               "| active | '' (libgomp's default)", roles="roles")
-    role_nice: str = _f("encode=5,prefill=5", "niceness added per role at start ('decode=0,prefill=5'): decode's "
-                        "per-token latency wins when a long prefill shares its cores", roles="roles")
+    role_nice: str = _f("auto", "niceness added per role at start ('decode=0,prefill=5'); auto: encode=5,prefill=5 "
+                        "under `epd serve` (one machine: decode's per-token latency wins when a long prefill shares "
+                        "its cores), none for roles started alone", roles="roles")
     decode_attention: str = _f("auto", "decode attention kernel: auto (the compiled C kernel where it applies) "
                                "| c | torch")
     encode_max_batch_tokens: int = _f(16384, "patches one vision-tower forward may take")
@@ -154,9 +155,8 @@ class EpdConfig:
                f"decode_attention must be one of {', '.join(ATTENTION_KERNELS)}")
         _check(1 <= self.kv_block_size <= 256, "kv_block_size must be in 1..256")
         _check(self.omp_wait_policy in ("", "passive", "active"), "omp_wait_policy must be passive, active or ''")
-        for name in ("role_threads", "role_nice"):
-            _check(_role_map_ok(getattr(self, name)), f"{name} must be N or role=N,role=N (roles: "
-                   f"{', '.join(ROLES)})")
+        for name, raw in (("role_threads", self.role_threads), ("role_nice", self.role_nice.replace("auto", ""))):
+            _check(_role_map_ok(raw), f"{name} must be N or role=N,role=N (roles: {', '.join(ROLES)})")
         _check(self.decode_kv_wait_s >= 0, "decode_kv_wait_s must be >= 0")
         _check(self.device.split(":")[0] in DEVICES_PREFIXES, "device must be cpu, cuda or cuda:N")
         for name in ("encode_instances", "prefill_instances", "decode_instances", "decode_slots",

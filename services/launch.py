@@ -69,7 +69,7 @@ def coordinator_child(config: EpdConfig, children: list[Child]) -> Child:
 
 
 def spawn(child: Child, config: EpdConfig, extra_env: dict[str, str]) -> None:
-    env = {**os.environ, **config.to_env(), **extra_env, "EPD_INSTANCE_ID": child.instance_id,
+    env = {**os.environ, **config.to_env(), **extra_env, "EPD_INSTANCE_ID": child.instance_id, "EPD_SERVE_CHILD": "1",
            "EPD_GRPC_PORT": str(child.grpc_port), "EPD_HTTP_PORT": str(child.http_port)}
     child.process = subprocess.Popen([sys.executable, "-m", "services.cli", child.role], env=env,
                                      start_new_session=True, preexec_fn=_die_with_parent)

@@ -12,9 +12,10 @@ use.  The knobs, all flags (docs/configuration.md):
 - `--role-threads`: "" (torch's default), "N" for every role, or "prefill=2,decode=2,...";
 - `--omp-wait-policy`: "passive" (idle OpenMP threads sleep at once; GOMP_SPINCOUNT=0),
   "active" (they spin), "" (leave the environment alone);
-- `--role-nice`: niceness added per role, default "encode=5,prefill=5": decode's per-token
-  latency wins when a long prefill competes for the same cores (the prefill engineer's
-  TPOT-while-4k-prefill benchmark measures the effect).  Raising niceness needs no privilege;
+- `--role-nice`: niceness added per role; "auto" (default) is "encode=5,prefill=5" for the
+  children of `epd serve` (one machine: decode's per-token latency wins when a long prefill
+  competes for the same cores; the prefill engineer's TPOT-while-4k-prefill benchmark measures
+  the effect) and nothing for a role started alone (its own pod or machine).  Raising niceness needs no privilege;
   a negative value needs CAP_SYS_NICE and is skipped with a warning otherwise.
 """
 
@@ -29,6 +30,8 @@ from .config import EpdConfig
 logger = logging.getLogger(__name__)
 
 WAIT_POLICIES = ("", "passive", "active")
+SERVE_CHILD = "EPD_SERVE_CHILD"          # set by `epd serve` (services.launch) in its role processes
+SERVE_NICE = "encode=5,prefill=5"        # what role_nice "auto" means there
 
 
 def role_values(raw: str, role: str) -> int | None:
@@ -62,7 +65,8 @@ def apply(config: EpdConfig, role: str) -> str:
         if "torch" in sys.modules and sys.modules["torch"] is not None:
             sys.modules["torch"].set_num_threads(threads)
         done.append(f"threads={threads}")
-    nice = role_values(config.role_nice, role)
+    nice = role_values(SERVE_NICE if config.role_nice == "auto" and os.environ.get(SERVE_CHILD) else
+                       "" if config.role_nice == "auto" else config.role_nice, role)
     if nice:
         try:
             done.append(f"nice={os.nice(nice)}")

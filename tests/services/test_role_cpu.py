@@ -25,8 +25,9 @@ print(json.dumps({"threads": torch.get_num_threads(), "nice": os.nice(0) - befor
 """
 
 
-def _probe(threads: str, wait: str, nice: str, role: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+def _probe(threads: str, wait: str, nice: str, role: str, serve_child: bool = False) -> dict:
+    skip = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "EPD_SERVE_CHILD")
+    env = {k: v for k, v in os.environ.items() if k not in skip} | ({"EPD_SERVE_CHILD": "1"} if serve_child else {})
     out = subprocess.run([sys.executable, "-c", PROBE, threads, wait, nice, role], capture_output=True, text=True,
                          timeout=120, env=env, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -38,6 +39,12 @@ def test_per_role_values_reach_torch_the_environment_and_the_scheduler():
     decode = _probe("prefill=1,decode=2", "", "encode=5,prefill=3", "decode")
     assert (decode["threads"], decode["nice"], decode["wait"]) == (2, 0, None)
     assert decode["summary"] == "decode cpu policy: threads=2"
+
+
+def test_auto_niceness_applies_only_under_epd_serve():
+    assert _probe("", "", "auto", "prefill", serve_child=True)["nice"] == 5
+    assert _probe("", "", "auto", "decode", serve_child=True)["nice"] == 0
+    assert _probe("", "", "auto", "prefill")["nice"] == 0
 
 
 def test_role_maps_parse_and_bad_ones_are_refused():
