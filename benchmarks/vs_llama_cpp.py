@@ -169,9 +169,13 @@ def markdown(levels: list[dict[str, Any]], setup: Setup, probe: dict[str, Any], 
 
 def run(setup: Setup) -> tuple[list[Figure], dict[str, Any]]:
     where = machine()
+    from services.models.gguf import smollm2_path
+
     bin_dir = llama_bin()
     gguf = f32_gguf(bin_dir)
-    with running(start_epd("smollm2", "--decode-slots", "16"), start_llama(bin_dir, gguf, setup)) as (epd, peer):
+    smollm2_path()  # converted once here, so the servers' start-up deadlines cover loading only
+    with running(start_epd("smollm2", "--decode-slots", "16", timeout_s=900),
+                 start_llama(bin_dir, gguf, setup)) as (epd, peer):
         ours, theirs = greedy_text(epd.url, "smollm2"), greedy_text(peer.url, "smollm2")
         probe = {"epd": ours, "peer": theirs, "same_text": ours["text"].lstrip() == theirs["text"].lstrip()}
         levels = run_levels(epd, peer, setup)
