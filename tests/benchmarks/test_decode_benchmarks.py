@@ -1,0 +1,26 @@
+"""The decode engine's benchmark scripts run in --quick mode; what they assert is memory and correctness,
+not speed (timings are the scripts' job)."""
+
+from __future__ import annotations
+
+import math
+
+
+def test_kv_memory_quick_holds_tokens_within_one_block_per_stream():
+    from benchmarks import kv_memory
+
+    (figure,) = kv_memory.run(quick=True)
+    detail = figure.detail
+    assert figure.passed and 1.0 <= figure.value <= 1.1
+    streams = len(detail["prompt_lens"])
+    assert detail["at"]["blocks"] * 16 <= detail["at"]["tokens"] + 16 * streams
+
+
+def test_paged_attention_quick_candidates_agree_with_the_reference():
+    from benchmarks import paged_attention
+
+    figures = paged_attention.run(quick=True)
+    names = {f.name.split(",")[1].split(" vs ")[0].strip() for f in figures}
+    assert {"c", "torch"} <= names
+    for f in figures:
+        assert math.isfinite(f.value) and f.detail["max_abs_diff"] < 1e-4, f.name
