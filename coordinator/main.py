@@ -20,7 +20,7 @@ from .app import CoordinatorApp
 from .drain import DrainingServer
 
 log = logging.getLogger(__name__)
-AFTER_DRAIN_S = 2.0  # uvicorn's own wait for connections once the drain is over (idle keep-alives)
+AFTER_DRAIN_S = 2  # uvicorn's own wait for connections once the drain is over (idle keep-alives)
 
 
 class _AdminServer(uvicorn.Server):

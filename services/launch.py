@@ -100,7 +100,7 @@ def readiness(host: str, port: int, path: str = "/ready") -> tuple[bool, list[st
 
 def wait_ready(children: list[Child], host: str, deadline: float) -> None:
     pending = list(children)
-    started, shown = time.monotonic(), {}
+    started, shown = time.monotonic(), dict[str, list[str]]()
     while pending:
         for child in list(pending):
             assert child.process is not None

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import signal
 import socket
 from collections.abc import Awaitable, Callable, Iterator
@@ -125,7 +126,8 @@ async def serve(role: RoleServer, host: str, grpc_port: int, http_port: int, log
     await server.start()
     await _set_serving(health_servicer, readiness.ready)
     http = _QuietServer(uvicorn.Config(build_http_app(role, readiness, keys), host=host, port=http_port,
-                                       log_level="warning", lifespan="off", timeout_graceful_shutdown=grace_s))
+                                       log_level="warning", lifespan="off",
+                                       timeout_graceful_shutdown=math.ceil(grace_s)))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
