@@ -52,6 +52,7 @@ SERVER_OPTIONS = [
     ("grpc.http2.max_ping_strikes", 0),
 ]
 SHUTDOWN_GRACE_S = 3.0
+DEREGISTER_S = 1.0   # two coordinator probe intervals (coordinator/routing/pool.py PROBE_INTERVAL_S = 0.5)
 # Probe routes (liveness, readiness, metrics): never behind authentication, whatever middleware is added.
 PROBE_PATHS = ("/health", "/ready", "/metrics")
 
@@ -139,14 +140,16 @@ async def serve(role: RoleServer, host: str, grpc_port: int, http_port: int, log
     stopped = asyncio.create_task(stop.wait())
     await asyncio.wait({stopped, http_task}, return_when=asyncio.FIRST_COMPLETED)
     started = loop.time()
-    log.info("%s draining: not ready, refusing new calls, letting running ones finish (up to %g s)",
-             role.name, grace_s)
+    log.info("%s draining: not ready; new calls taken for %g s more (until the coordinator's probes see it), "
+             "running ones get up to %g s to finish", role.name, min(DEREGISTER_S, grace_s), grace_s)
     readiness.draining = True
     checks.cancel()
     await health_servicer.enter_graceful_shutdown()
+    # A call routed here just before the coordinator's next probe still arrives: take it for a moment.
+    await asyncio.sleep(min(DEREGISTER_S, grace_s))
     http.should_exit = True
-    await server.stop(grace_s)
-    await asyncio.wait({http_task}, timeout=grace_s)
+    await server.stop(max(0.0, grace_s - (loop.time() - started)))
+    await asyncio.wait({http_task}, timeout=max(0.1, grace_s - (loop.time() - started)))
     result = role.cleanup()
     if asyncio.iscoroutine(result):
         await result
