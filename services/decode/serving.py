@@ -52,6 +52,17 @@ def _transfer_fields(kv_params: Any) -> tuple[dict, int, int, int]:
                              code="invalid_kv_transfer_params") from None
 
 
+async def _uncancelled_thread(fn: Any, *args: Any) -> Any:
+    """`fn(*args)` in a worker thread; a cancelled caller still waits for the thread to finish (then
+    re-raises), so blocks are never released while the thread is still copying into them."""
+    task = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await asyncio.wait([task])
+        raise
+
+
 class DecodeService:
     def __init__(self, engine: DecodeEngine, kv_store: TensorStore, kv_wait_s: float = 10.0,
                  max_waiting: int | None = None) -> None:
@@ -70,7 +81,7 @@ class DecodeService:
         self._check_room()  # before the KV is loaded (and released): a full instance leaves it for another
         blocks = await self._reserve(prompt_len, params)
         try:
-            await asyncio.to_thread(self._load, handle, blocks, prompt_len)
+            await _uncancelled_thread(self._load, handle, blocks, prompt_len)
             stream = self.engine.submit(request_id, blocks, prompt_len, rope_delta, first_token, params,
                                         prompt_token_ids=prompt_token_ids or None)
         except BaseException:
