@@ -191,7 +191,7 @@ def _spawn(cmd: list[str], name: str, port: int, timeout_s: float, threads: int)
     return server
 
 
-def start_render(model_dir: Path | str, *flags: str, timeout_s: float = 300.0, threads: int = 1) -> Server:
+def start_render(model_dir: Path | str, *flags: str, timeout_s: float = 900.0, threads: int = 1) -> Server:
     """`vllm launch render MODEL_DIR` (GPU-less: render, derender, tokenize) on a free port."""
     venv = ensure_venv()
     port = free_port()
@@ -200,7 +200,7 @@ def start_render(model_dir: Path | str, *flags: str, timeout_s: float = 300.0, t
     return _spawn(cmd, "vllm-render", port, timeout_s, threads)
 
 
-def start_serve(model_dir: Path | str, *flags: str, timeout_s: float = 600.0, threads: int = 2) -> Server:
+def start_serve(model_dir: Path | str, *flags: str, timeout_s: float = 1200.0, threads: int = 2) -> Server:
     """`vllm serve MODEL_DIR` with FACTS.md's CPU command line (+ `flags`) on a free port."""
     venv = ensure_venv()
     port = free_port()

@@ -23,6 +23,7 @@ from services.models.base import (
     RenderSpec,
     VisionModel,
 )
+from services.models.input_norm import NormParams, normalize_pixels
 from services.models.items import checked_items, scatter
 from services.models.loading import InvalidMultiModalInput, eos_token_ids, load_part, read_config
 
@@ -46,6 +47,8 @@ class QwenVLVision(VisionModel):
         self.hidden_size = int(hf_model.config.text_config.hidden_size)
         self.dtype = hf_model.dtype
         self.device = hf_model.device
+        # uint8 pixels (vLLM's default, and epd render's) are normalised here, as vLLM's tower does.
+        self.norm = NormParams.from_checkpoint(hf_model.config._name_or_path)
 
     def num_tokens(self, metadata: dict[str, torch.Tensor]) -> int:
         return int(_grid(metadata).prod()) // self.merge_size**2
@@ -61,15 +64,15 @@ class QwenVLVision(VisionModel):
             out = self._base.get_image_features(pixels.to(self.device), grids.to(self.device))
         return list(out.pooler_output)
 
-    @staticmethod
-    def _pixels(item: dict[str, torch.Tensor], grid: torch.Tensor) -> torch.Tensor:
+    def _pixels(self, item: dict[str, torch.Tensor], grid: torch.Tensor) -> torch.Tensor:
+        """The item's float pixels: uint8 ones normalised (vLLM's formula), float ones as they came."""
         pixels = item.get("pixel_values")
         if pixels is None or pixels.dim() != 2 or pixels.shape[0] != int(grid.prod()):
             shape = None if pixels is None else tuple(pixels.shape)
             raise InvalidMultiModalInput(
                 f"pixel_values shape {shape} does not match image_grid_thw {grid.tolist()} "
                 f"(expected [{int(grid.prod())}, patch_dim])")
-        return pixels
+        return normalize_pixels(pixels, self.norm)
 
 
 class QwenVLLanguage(LanguageModel):

@@ -29,11 +29,15 @@ class ChatDerenderRequest(ProtocolModel):
     generate_response: GenerateResponse = Field(description="What /inference/v1/generate answered.")
     prompt_tokens: PromptTokens = Field(
         default=0, description="Prompt token count (or the prompt's token ids).")
+    prompt_token_ids: list[TokenId] | None = Field(default=None, description="vLLM's field: the prompt's ids; "
+                                                   "counted when prompt_tokens is absent.")
     chat_request: ChatCompletionRequest | None = Field(default=None, description="The original request (stop "
                                                        "strings, skip_special_tokens, ...).")
 
     @property
     def num_prompt_tokens(self) -> int:
+        if not self.prompt_tokens and self.prompt_token_ids:
+            return len(self.prompt_token_ids)
         return count_prompt_tokens(self.prompt_tokens)
 
 

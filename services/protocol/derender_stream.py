@@ -9,11 +9,19 @@ text held back until a multi-byte character or a possible stop string
 resolves) and the new `stream_state`.  The state is small (the incremental
 detokenizer's short window, the held stop-string prefix, counters, the stream
 id) and the caller treats it as opaque; render validates its shape.
+
+vLLM's own body shape is accepted too: `generate_chunk` (one generate SSE event) instead of
+`generate_response` / `generate_responses`, `prompt_tokens` as a single count.  Such a call is answered
+in vLLM's shape, `{"chunk": <one OpenAI chunk>, "stream_state": ...}`: epd's chunks of that step merged
+into one (role and text deltas joined; a step that only holds text back gives a chunk with an empty
+delta).  vLLM's DerenderStreamState model validates epd's state (all its fields have defaults).
 """
 
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+from typing import Any
+
+from pydantic import Field, PrivateAttr, model_validator
 
 from services.protocol.common import ProtocolModel, TokenId
 from services.protocol.derender import ChatDerenderRequest, CompletionDerenderRequest
@@ -52,14 +60,44 @@ class _StreamFields(ProtocolModel):
     stream: bool = Field(default=False, description="Derender one generate stream chunk (see module doc).")
     stream_state: DerenderStreamState | None = Field(
         default=None, description="The previous answer's stream_state; null on the first chunk.")
+    _vllm_shape: bool = PrivateAttr(default=False)
+
+    @property
+    def vllm_shape(self) -> bool:
+        """True when the body came in vLLM's shape (generate_chunk): answer with one `chunk`."""
+        return self._vllm_shape
 
 
 class ChatDerenderStreamRequest(ChatDerenderRequest, _StreamFields):
     """A chat derender body; with stream=true, generate_response is one generate stream chunk."""
 
+    @model_validator(mode="wrap")
+    @classmethod
+    def _accept_vllm_shape(cls, data: Any, handler: Any) -> Any:
+        vllm = isinstance(data, dict) and "generate_chunk" in data and "generate_response" not in data
+        if vllm:
+            data = {**{k: v for k, v in data.items() if k != "generate_chunk"},
+                    "generate_response": data["generate_chunk"]}
+        instance = handler(data)
+        instance._vllm_shape = vllm
+        return instance
+
 
 class CompletionDerenderStreamRequest(CompletionDerenderRequest, _StreamFields):
     """A completion derender body; with stream=true, generate_responses holds one chunk per prompt."""
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _accept_vllm_shape(cls, data: Any, handler: Any) -> Any:
+        vllm = isinstance(data, dict) and "generate_chunk" in data and "generate_responses" not in data
+        if vllm:
+            prompt = data.get("prompt_tokens")
+            data = {**{k: v for k, v in data.items() if k not in ("generate_chunk", "prompt_tokens")},
+                    "generate_responses": [data["generate_chunk"]],
+                    "prompt_tokens": [prompt if prompt is not None else data.get("prompt_token_ids") or 0]}
+        instance = handler(data)
+        instance._vllm_shape = vllm
+        return instance
 
 
 class ChatDerenderStreamResponse(ProtocolModel):
@@ -69,4 +107,18 @@ class ChatDerenderStreamResponse(ProtocolModel):
 
 class CompletionDerenderStreamResponse(ProtocolModel):
     chunks: list[CompletionChunk] = Field(description="OpenAI chunks to send, in order (may be empty).")
+    stream_state: DerenderStreamState = Field(description="Carry into the next call.")
+
+
+class VllmChatDerenderStreamResponse(ProtocolModel):
+    """vLLM's DerenderChatStreamResponse: one chunk per call."""
+
+    chunk: ChatCompletionChunk = Field(description="The step's chunks merged into one.")
+    stream_state: DerenderStreamState = Field(description="Carry into the next call.")
+
+
+class VllmCompletionDerenderStreamResponse(ProtocolModel):
+    """vLLM's DerenderCompletionStreamResponse: one chunk per call."""
+
+    chunk: CompletionChunk = Field(description="The step's chunks merged into one.")
     stream_state: DerenderStreamState = Field(description="Carry into the next call.")

@@ -57,7 +57,7 @@ class MultiModalFeatures(ProtocolModel):
 
     mm_hashes: dict[str, list[str]] = Field(description="Content hash per item; the EC key.")
     mm_placeholders: dict[str, list[PlaceholderRange]] = Field(
-        description="Placeholder range per item; sorted, non-overlapping across modalities.")
+        description="Placeholder range per item; non-overlapping across modalities.")
     kwargs_data: ModalityLists | None = Field(default=None, description="Base64 msgpack item per entry (full "
                                               "processor output); null entry = resolve by hash.")
     mm_metadata: ModalityLists | None = Field(
@@ -88,12 +88,7 @@ class MultiModalFeatures(ProtocolModel):
                 raise ValueError(f"mm_hashes.{modality}: hashes must be non-empty strings")
 
     def _check_sorted_and_disjoint(self) -> None:
-        for modality, ranges in self.mm_placeholders.items():
-            for i in range(1, len(ranges)):
-                if ranges[i].offset < ranges[i - 1].offset:
-                    raise ValueError(f"mm_placeholders.{modality}: ranges must be sorted by offset "
-                                     f"(item {i} at {ranges[i].offset} after item {i - 1} at "
-                                     f"{ranges[i - 1].offset})")
+        # Unsorted lists are fine (vLLM sorts before checking); ranges must not overlap.
         ordered = self.items()
         for before, after in zip(ordered, ordered[1:], strict=False):
             if after.placeholder.offset < before.placeholder.end:

@@ -9,17 +9,32 @@ are always the effective ones and extra_args no longer carries them.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from services.protocol.common import ProtocolModel, TokenId, TransferParams, Usage, fresh_id, now_s
 from services.protocol.features import ContentPart, FeatureItem, MultiModalFeatures
 from services.protocol.sampling import SamplingParams
 
 RESPONSE_ID_PREFIX = "generate-tokens-"
-MAX_CACHE_SALT_CHARS = 1024
+MAX_CACHE_SALT_CHARS = 128  # vLLM's validate_cache_salt (its GenerateRequest field also says 1024; 128 wins)
+_SALT_FORBIDDEN = ("@", "/", "\\", "\0")
 FinishReason = Literal["stop", "length", "abort", "error"]
+OutputMode = Literal["tokens", "text"]
+
+
+def _check_cache_salt(value: str) -> str:
+    """vLLM's rules: non-empty, at most 128 characters, none of '@', '/', '\\', NUL (they delimit cache keys)."""
+    if not value:
+        raise ValueError("must be a non-empty string")
+    if len(value) > MAX_CACHE_SALT_CHARS or any(c in value for c in _SALT_FORBIDDEN):
+        raise ValueError(f"must be at most {MAX_CACHE_SALT_CHARS} characters and must not contain "
+                         "'@', '/', '\\', or NUL")
+    return value
+
+
+CacheSalt = Annotated[str, AfterValidator(_check_cache_salt)]
 _TRANSFER_KEYS = ("kv_transfer_params", "ec_transfer_params")
 
 
@@ -45,25 +60,28 @@ class GenerateRequest(ProtocolModel):
     model: str | None = Field(default=None, description="Model name; null passes the model check.")
     stream: bool = Field(default=False, description="Answer as server-sent events.")
     stream_options: StreamOptions | None = Field(default=None, description="Usage reporting when streaming.")
-    cache_salt: str | None = Field(default=None, description="1..1024 chars; part of every prefix-cache key.")
+    cache_salt: CacheSalt | None = Field(default=None, description="Non-empty, <= 128 chars, no '@' '/' '\\' NUL "
+                                         "(vLLM's rules); part of every prefix-cache key.")
     priority: int = Field(default=0, description="Scheduling priority (lower runs first, as in vLLM).")
     kv_transfer_params: TransferParams | None = Field(default=None, description="KV connector handle (decode "
                                                       "input, prefill output).")
     ec_transfer_params: TransferParams | None = Field(default=None, description="{mm_hash: handle} of stored "
                                                       "embeddings (prefill input, encode output).")
+    return_token_ids: bool | None = Field(default=None, description="Answer with prompt_token_ids and "
+                                          "mm_placeholders (streaming: on the first chunk).")
+    output_mode: OutputMode = Field(default="tokens", description="'tokens': ids only; 'text': also the text "
+                                    "(needs sampling_params.detokenize).")
+    token_offsets: list[tuple[int, int]] | None = Field(default=None, description="vLLM: char offsets per token "
+                                                        "(render of plain text); carried, not used.")
+    reasoning_ended: bool | None = Field(default=None, description="vLLM render's reasoning state; carried.")
+    reasoning_parser_kwargs: dict[str, Any] | None = Field(default=None, description="vLLM render's parser "
+                                                           "kwargs; carried.")
 
     @field_validator("token_ids")
     @classmethod
     def _not_empty(cls, value: list[int]) -> list[int]:
         if not value:
             raise ValueError("must not be empty")
-        return value
-
-    @field_validator("cache_salt")
-    @classmethod
-    def _salt_length(cls, value: str | None) -> str | None:
-        if value is not None and not 1 <= len(value) <= MAX_CACHE_SALT_CHARS:
-            raise ValueError(f"must be 1..{MAX_CACHE_SALT_CHARS} characters")
         return value
 
     @model_validator(mode="after")
@@ -86,6 +104,9 @@ class GenerateRequest(ProtocolModel):
         self.sampling_params = self.sampling_params.model_copy(update={"extra_args": rest or None})
 
     def _check_multimodal(self) -> None:
+        if self.output_mode != "tokens":
+            raise ValueError("output_mode 'text' is not supported: epd's generate answers token ids "
+                             "(derender turns them into text)")
         if self.content_parts and self.features is not None:
             raise ValueError("content_parts and features are mutually exclusive")
         for item in self.items():
@@ -130,6 +151,10 @@ class GenerateResponse(ProtocolModel):
         default=None, description="From prefill: what decode carries.")
     ec_transfer_params: TransferParams | None = Field(
         default=None, description="From encode: {mm_hash: handle}.")
+    output_mode: OutputMode = Field(default="tokens", description="vLLM's discriminator; always 'tokens'.")
+    prompt_token_ids: list[int] | None = Field(default=None, description="With return_token_ids (vLLM).")
+    mm_placeholders: dict[str, Any] | None = Field(default=None, description="With return_token_ids (vLLM).")
+    metrics: dict[str, Any] | None = Field(default=None, description="Per-request metrics, when asked (vLLM).")
 
 
 class GenerateStreamChunk(ProtocolModel):
@@ -142,6 +167,7 @@ class GenerateStreamChunk(ProtocolModel):
                                           "final usage-only event.")
     usage: Usage | None = Field(default=None, description="Set on the usage event (or every event when "
                                 "continuous_usage_stats).")
+    output_mode: OutputMode = Field(default="tokens", description="vLLM's discriminator; always 'tokens'.")
 
 
 class AbortRequest(ProtocolModel):

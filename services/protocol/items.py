@@ -20,18 +20,50 @@ from services.protocol.tensors import RawTensor, tensor_nbytes
 
 FieldKind = Literal["batched", "flat", "shared"]
 FIELD_KINDS: tuple[str, ...] = ("batched", "flat", "shared")
-Slice: TypeAlias = tuple[int, int, int | None]
+Slice: TypeAlias = tuple[int | None, int | None, int | None]
+# One item's place in a flat field: a slice along `dim`, or (vLLM's form) one slice per dimension.
+SliceEntry: TypeAlias = "Slice | tuple[Slice, ...]"
 Nested: TypeAlias = "np.ndarray | RawTensor | int | float | list[Nested]"
+
+
+def _is_bound(value: object) -> bool:
+    return value is None or type(value) is int
 
 
 def _as_slice(value: Sequence[int | None] | slice) -> Slice:
     parts = (value.start, value.stop, value.step) if isinstance(value, slice) else tuple(value)
     if len(parts) == 2:
         parts = (*parts, None)
-    ints = len(parts) == 3 and all(type(p) is int for p in parts[:2])
-    if not ints or type(parts[2]) not in (int, type(None)):
-        raise ValueError(f"slice {list(parts)} must be [start, stop, step or null] with integers")
+    if len(parts) != 3 or not all(_is_bound(p) for p in parts):
+        raise ValueError(f"slice {list(parts)} must be [start, stop, step] with integers or null")
     return parts  # type: ignore[return-value]
+
+
+def _as_entry(value: object) -> SliceEntry:
+    """One item's slice: [start, stop, step] (dim 0), or one such slice per dimension (vLLM's nesting)."""
+    if isinstance(value, slice):
+        return _as_slice(value)
+    if not isinstance(value, list | tuple) or not value:
+        raise ValueError(f"slice {value!r} must be [start, stop, step] or a list of them, one per dimension")
+    if isinstance(value[0], list | tuple | slice):
+        return tuple(_as_slice(part) for part in value)  # type: ignore[arg-type]
+    return _as_slice(value)  # type: ignore[arg-type]
+
+
+def flat_slices(sizes: Iterable[int], dim: int = 0) -> list[SliceEntry]:
+    """vLLM's `flat_from_sizes` slices: per item, (slice(None),) * dim + (slice(start, stop),)."""
+    entries: list[SliceEntry] = []
+    start = 0
+    for size in sizes:
+        entries.append(((None, None, None),) * dim + ((start, start + size, None),))
+        start += size
+    return entries
+
+
+def _wire_entry(entry: SliceEntry) -> list:
+    if entry and isinstance(entry[0], tuple):
+        return [list(part) for part in entry]  # type: ignore[union-attr]
+    return list(entry)
 
 
 @dataclass(frozen=True)
@@ -40,7 +72,7 @@ class FieldSpec:
 
     kind: FieldKind
     keep_on_cpu: bool = False
-    slices: list[Slice] | None = None  # flat only: where each item sits in the flattened batch
+    slices: list[SliceEntry] | None = None  # flat only: where each item sits in the flattened batch
     dim: int = 0  # flat only: the dimension that is flattened
     batch_size: int | None = None  # shared only
 
@@ -50,7 +82,9 @@ class FieldSpec:
         if self.kind == "flat":
             if self.slices is None:
                 raise ValueError("a flat field needs slices")
-            object.__setattr__(self, "slices", [_as_slice(s) for s in self.slices])
+            if not isinstance(self.slices, list | tuple):
+                raise ValueError("flat slices must be a list with one entry per item")
+            object.__setattr__(self, "slices", [_as_entry(s) for s in self.slices])
         elif self.slices is not None:
             raise ValueError(f"slices only apply to flat fields, not {self.kind}")
         if self.kind == "shared" and (type(self.batch_size) is not int or self.batch_size < 0):
@@ -61,7 +95,7 @@ class FieldSpec:
         return cls("batched", keep_on_cpu)
 
     @classmethod
-    def flat(cls, slices: Iterable[Sequence[int | None] | slice], dim: int = 0,
+    def flat(cls, slices: Iterable[object], dim: int = 0,
              keep_on_cpu: bool = False) -> FieldSpec:
         return cls("flat", keep_on_cpu, slices=list(slices), dim=dim)  # type: ignore[arg-type]
 
@@ -74,7 +108,7 @@ class FieldSpec:
         if self.kind == "batched":
             return {"keep_on_cpu": self.keep_on_cpu}
         if self.kind == "flat":
-            return {"keep_on_cpu": self.keep_on_cpu, "slices": [list(s) for s in self.slices or []],
+            return {"keep_on_cpu": self.keep_on_cpu, "slices": [_wire_entry(s) for s in self.slices or []],
                     "dim": self.dim}
         return {"keep_on_cpu": self.keep_on_cpu, "batch_size": self.batch_size}
 

@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from services.protocol.common import ProtocolModel, TokenId, TransferParams
-from services.protocol.generate import MAX_CACHE_SALT_CHARS, StreamOptions
+from services.protocol.generate import CacheSalt, StreamOptions
 from services.protocol.parsing import validate_model
 from services.protocol.sampling import (
     MaxTokens,
@@ -122,8 +122,10 @@ class _OpenAISampling(ProtocolModel):
     stream: bool = Field(default=False, description="Answer as server-sent events.")
     stream_options: StreamOptions | None = Field(default=None, description="Usage reporting when streaming.")
     user: str | None = Field(default=None, description="End-user id (logged, not used).")
-    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS,
-                                   description="Prefix-cache salt, 1..1024 chars.")
+    cache_salt: CacheSalt | None = Field(default=None, description="Prefix-cache salt (vLLM's rules: non-empty, "
+                                         "<= 128 chars, no '@' '/' '\\' NUL).")
+    request_id: str | None = Field(default=None, min_length=1, description="vLLM: the id render answers with "
+                                   "('chatcmpl-<id>'); the X-Request-Id header wins.")
     priority: int = Field(default=0, description="Scheduling priority.")
     kv_transfer_params: TransferParams | None = Field(default=None, description="KV connector handle (P/D).")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BeforeValidator, Field, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field, field_validator, model_validator
 
 from services.protocol.common import INT32_MAX, INT64_MAX, INT64_MIN, ProtocolModel, TokenId
 
@@ -83,6 +83,28 @@ class SamplingParams(ProtocolModel):
     skip_special_tokens: bool = Field(default=True, description="Drop special tokens from the output text.")
     include_stop_str_in_output: bool = Field(
         default=False, description="Keep the matched stop string in the text.")
+    # vLLM's render always writes these; epd carries them so a render answer round-trips unchanged.
+    detokenize: bool = Field(default=True, description="vLLM: detokenize the output (output_mode 'text' needs it).")
+    output_kind: int = Field(default=0, ge=0, le=2, description="vLLM RequestOutputKind: 0 cumulative, 1 delta, "
+                             "2 final only (render: 1 when streaming, else 2); epd streams deltas either way.")
+    skip_clone: bool = Field(default=False, description="vLLM-internal; carried.")
+    bad_words: list[str] = Field(default_factory=list, description="Not supported: must be empty.")
+    skip_reading_prefix_cache: bool | None = Field(default=None, description="vLLM: bypass prefix-cache reads; "
+                                                   "only false/null are supported.")
+
+    @field_validator("bad_words")
+    @classmethod
+    def _no_bad_words(cls, value: list[str]) -> list[str]:
+        if value:
+            raise ValueError("bad_words is not supported")
+        return value
+
+    @field_validator("skip_reading_prefix_cache")
+    @classmethod
+    def _reads_prefix_cache(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError("true is not supported (epd's prefix cache is always read)")
+        return value
 
     @model_validator(mode="after")
     def _min_within_max(self) -> SamplingParams:

@@ -158,9 +158,8 @@ def _read_field(value: Any) -> FieldSpec:
     unknown = sorted(set(kw) - set(_FACTORY_KEYS[kind]))
     if unknown:
         raise _Malformed(f"unknown {kind} factory setting(s) {unknown}")
-    if kind == "flat" and (not isinstance(kw.get("slices"), list) or any(
-            not isinstance(s, list) or len(s) != 3 for s in kw["slices"])):
-        raise _Malformed("flat slices must be an array of [start, stop, step or nil]")
+    if kind == "flat" and not isinstance(kw.get("slices"), list):
+        raise _Malformed("flat slices must be an array with one entry per item")
     if type(kw.get("dim", 0)) is not int:
         raise _Malformed("flat dim must be an integer")
     try:

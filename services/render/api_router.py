@@ -7,7 +7,8 @@
   (streaming: services.protocol.derender_stream);
 - POST /tokenize, POST /detokenize, GET /v1/models (vLLM bodies).
 
-An X-Request-Id header becomes the rendered request_id.
+The rendered request_id is vLLM's: `chatcmpl-<id>` / `cmpl-<id>` with <id> the X-Request-Id header,
+else the body's request_id, else a fresh one.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from services.http_api import endpoint, header_request_id, model_response, parse_body, read_body
+from services.protocol.common import fresh_id
 from services.protocol.derender_stream import ChatDerenderStreamRequest, CompletionDerenderStreamRequest
 from services.protocol.openai import ChatCompletionRequest, CompletionRequest
 from services.protocol.openai_responses import ModelCard, ModelList
@@ -31,6 +33,7 @@ from services.protocol.tokenization import (
 )
 
 from .derender import Derenderer
+from .derender_vllm import as_vllm_chat, as_vllm_completion
 from .serving import RenderService
 
 
@@ -42,29 +45,34 @@ class RenderApi:
     @endpoint
     async def render_chat(self, request: Request) -> Response:
         chat = await parse_body(request, ChatCompletionRequest)
-        prompt = await self.service.render_chat(chat, header_request_id(request))
+        prompt = await self.service.render_chat(chat, _vllm_id("chatcmpl-", request, chat.request_id))
         # base64 of the pixel arrays: megabytes per image, off the event loop.
         return model_response(await asyncio.to_thread(prompt.to_generate_request))
 
     @endpoint
     async def render_completion(self, request: Request) -> Response:
         completion = await parse_body(request, CompletionRequest)
-        prompts = await self.service.render_completion(completion, header_request_id(request))
+        prompts = await self.service.render_completion(completion, _vllm_id("cmpl-", request,
+                                                                            completion.request_id))
         return model_response([p.to_generate_request() for p in prompts])
 
     @endpoint
     async def derender_chat(self, request: Request) -> Response:
         body = await parse_body(request, ChatDerenderStreamRequest)
         self.service.check_model(body.model)
-        answer = self.derenderer.chat_stream(body) if body.stream else self.derenderer.chat(body)
-        return model_response(answer)
+        if not body.stream:
+            return model_response(self.derenderer.chat(body))
+        answer = self.derenderer.chat_stream(body)
+        return model_response(as_vllm_chat(answer) if body.vllm_shape else answer)
 
     @endpoint
     async def derender_completion(self, request: Request) -> Response:
         body = await parse_body(request, CompletionDerenderStreamRequest)
         self.service.check_model(body.model)
-        answer = self.derenderer.completion_stream(body) if body.stream else self.derenderer.completion(body)
-        return model_response(answer)
+        if not body.stream:
+            return model_response(self.derenderer.completion(body))
+        answer = self.derenderer.completion_stream(body)
+        return model_response(as_vllm_completion(answer) if body.vllm_shape else answer)
 
     @endpoint
     async def tokenize(self, request: Request) -> Response:
@@ -96,6 +104,11 @@ class RenderApi:
         cards = [ModelCard(id=name, max_model_len=service.max_model_len, root=str(service.model_path))
                  for name in service.served_model_names]
         return model_response(ModelList(data=cards))
+
+
+def _vllm_id(prefix: str, request: Request, body_id: str | None) -> str:
+    """vLLM's rendered request_id: prefix + the X-Request-Id header, else the body's request_id, else fresh."""
+    return prefix + (header_request_id(request) or body_id or fresh_id())
 
 
 def routes(service: RenderService) -> list[Route]:

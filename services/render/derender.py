@@ -55,8 +55,10 @@ def _choice(response: GenerateResponse, where: str) -> GenerateChoice:
     return response.choices[0]
 
 
-def _base_id(response: GenerateResponse) -> str:
-    return response.request_id.removeprefix(RESPONSE_ID_PREFIX)
+def _answer_id(prefix: str, response: GenerateResponse) -> str:
+    """prefix + the generate id without 'generate-tokens-'; a render id ('chatcmpl-...') is not prefixed twice."""
+    base = response.request_id.removeprefix(RESPONSE_ID_PREFIX)
+    return base if base.startswith(prefix) else prefix + base
 
 
 def _answer(kind: Kind, state: DerenderStreamState) -> OpenAIAnswer:
@@ -81,7 +83,7 @@ class Derenderer:
         out = OutputText(self.tokenizer, _params(req.chat_request))
         text = out.feed(choice.token_ids, choice.finish_reason, choice.stop_reason)
         prompt = req.num_prompt_tokens or response.usage.prompt_tokens
-        answer = OpenAIAnswer("chat", "chatcmpl-" + _base_id(response), self._model(req, response),
+        answer = OpenAIAnswer("chat", _answer_id("chatcmpl-", response), self._model(req, response),
                               response.created)
         whole = answer.choice(text, out.finish_reason or choice.finish_reason, out.stop_reason, choice.logprobs)
         usage = Usage(prompt_tokens=prompt, completion_tokens=len(choice.token_ids))
@@ -111,7 +113,7 @@ class Derenderer:
 
     def completion(self, req: CompletionDerenderStreamRequest) -> CompletionResponse:
         first = req.generate_responses[0]
-        answer = OpenAIAnswer("completion", "cmpl-" + _base_id(first), self._model(req, first), first.created)
+        answer = OpenAIAnswer("completion", _answer_id("cmpl-", first), self._model(req, first), first.created)
         choices, completion = [], 0
         params = _params(req.completion_request)
         for index, response in enumerate(req.generate_responses):
@@ -172,7 +174,7 @@ class Derenderer:
     def _new_state(self, prefix: str, response: GenerateResponse,
                    req: ChatDerenderStreamRequest | CompletionDerenderStreamRequest,
                    num_outputs: int) -> DerenderStreamState:
-        return DerenderStreamState(id=prefix + _base_id(response), created=response.created or now_s(),
+        return DerenderStreamState(id=_answer_id(prefix, response), created=response.created or now_s(),
                                    model=self._model(req, response),
                                    outputs=[OutputState() for _ in range(num_outputs)])
 

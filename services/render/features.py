@@ -3,9 +3,15 @@
 One `RenderedItem` per image: its mm_hash, its placeholder (the pad run),
 `kwargs_item` (full processor output, what encode needs) and `metadata_item`
 (only the light keys prefill still needs).  Field settings follow vLLM's
-Qwen2-VL field config: pixel_values is "flat" (sliced by patch count, so one
-item's rows are [0, n_patches)), image_grid_thw is "batched" and kept on CPU.
-Keys keep the processor's order.
+Qwen2-VL field config: pixel_values is "flat" (`flat_from_sizes` over the patch
+counts), image_grid_thw is "batched" and kept on CPU.  Keys keep the processor's
+order (Qwen-VL: image_grid_thw, then pixel_values, as vLLM writes them).
+
+On the wire each item's flat field carries, as vLLM's does, the slices of *all*
+the request's items of its modality (`[[[0, 308, None]], [[308, 408, None]]]` in
+both items of a two-image request), while its data is only its own rows.  The
+slices depend on the other items, so they are filled in by `to_features` for the
+request at hand; a stored RenderedItem keeps its own rows only.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from services.protocol.features import MultiModalFeatures, PlaceholderRange
-from services.protocol.items import FieldElem, FieldSpec, Item, metadata_only
+from services.protocol.items import FieldElem, FieldSpec, Item, flat_slices, metadata_only
 from services.protocol.serialization import item_to_b64
 
 IMAGE = "image"
@@ -41,7 +47,7 @@ class RenderedItem:
 def field_for(key: str, array: np.ndarray) -> FieldSpec:
     """The field settings of one processor key for a single item."""
     if key in _FLAT_KEYS:
-        return FieldSpec.flat([(0, int(array.shape[0]), None)], dim=0)
+        return FieldSpec.flat(flat_slices([int(array.shape[0])]), dim=0)
     return FieldSpec.batched(keep_on_cpu=key in _CPU_KEYS)
 
 
@@ -67,13 +73,37 @@ def to_features(items: Sequence[RenderedItem], *, include_kwargs: bool = True,
     placeholders: dict[str, list[PlaceholderRange]] = {}
     kwargs: dict[str, list[str | None]] = {}
     metadata: dict[str, list[str | None]] = {}
-    for item in sorted(items, key=lambda it: it.offset):
+    ordered = sorted(items, key=lambda it: it.offset)
+    request_items = with_request_slices(ordered) if include_kwargs else [it.kwargs_item for it in ordered]
+    for item, kwargs_item in zip(ordered, request_items, strict=True):
         modality = item.modality
         hashes.setdefault(modality, []).append(item.mm_hash)
         placeholders.setdefault(modality, []).append(PlaceholderRange(offset=item.offset, length=item.length))
-        kwargs.setdefault(modality, []).append(item_to_b64(item.kwargs_item) if include_kwargs else None)
+        kwargs.setdefault(modality, []).append(item_to_b64(kwargs_item) if include_kwargs else None)
         light = item_to_b64(item.metadata_item) if include_metadata else None
         metadata.setdefault(modality, []).append(light)
     return MultiModalFeatures(mm_hashes=hashes, mm_placeholders=placeholders,
                               kwargs_data=kwargs if include_kwargs else None,
                               mm_metadata=metadata if include_metadata else None)
+
+
+def with_request_slices(items: Sequence[RenderedItem]) -> list[Item]:
+    """Each item's kwargs with its flat fields' slices set to vLLM's: every item of the modality, in order."""
+    sizes: dict[tuple[str, str], list[int]] = {}
+    for item in items:
+        for key, elem in item.kwargs_item.items():
+            if elem.field.kind == "flat" and isinstance(elem.data, np.ndarray):
+                sizes.setdefault((item.modality, key), []).append(int(elem.data.shape[elem.field.dim]))
+    out: list[Item] = []
+    for item in items:
+        out.append({key: _request_elem(elem, sizes.get((item.modality, key))) for key, elem in
+                    item.kwargs_item.items()})
+    return out
+
+
+def _request_elem(elem: FieldElem, sizes: list[int] | None) -> FieldElem:
+    if sizes is None:
+        return elem
+    field = FieldSpec.flat(flat_slices(sizes, elem.field.dim), dim=elem.field.dim,
+                           keep_on_cpu=elem.field.keep_on_cpu)
+    return FieldElem(elem.data, field)

@@ -1,72 +1,103 @@
-"""mm_hash: the content hash that names one multimodal item in every stage.
+"""mm_hash: the content hash that names one multimodal item in every stage, equal to vLLM's.
 
 Render computes it once; encode uses it as the EC-store key, prefill as part of
 its prefix-cache keys, so it must be identical across processes and hosts
-(never Python's salted `hash()`).  Per PROTOCOL.md it is a hex SHA-256 over the
-modality name, the original encoded media bytes, the model id and the
-processor kwargs that change the output, taken in sorted key order.  A caller's
-`uuid` replaces the hash as is (see `item_hash`).
+(never Python's salted `hash()`).  It is vLLM's (0.32/0.33) `MultiModalHasher.hash_kwargs`
+for an image given as encoded bytes, so a mixed deployment (epd render with vLLM encoders, or
+the reverse) and llm-d's encoder-cache affinity scorer agree on keys:
 
-Framing: for each field in sorted key order the digest absorbs the key, the
-8-byte big-endian length of the value and the value, so no two different field
-sets can produce the same byte stream.  Processor kwargs are canonical JSON
-(sorted keys, no spaces).
+    blake3 over, for each keyword in sorted order (image=..., model_id=..., and
+    mm_processor_kwargs=... only when a deployment overrides processor settings):
+        frame(key) + value
+    where frame(b) = len(b) as 8 bytes little-endian + b, and a value is tagged:
+        None 0x00 | sequence 0x01 + len + items | mapping 0x02 + len + (frame(key) + value)...
+        | leaf 0x03 + frame(bytes)   (str: UTF-8; int/float/bool: numpy's bytes of the scalar)
+    and the image itself is the leaf-tagged item ("image", original encoded bytes).
+
+`model_id` is the model as vLLM is given it (the checkpoint path or hub name), not the served
+name.  An item with a client uuid is named by uuid_scope (model, cache_salt, uuid) instead (see `item_hash`).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
-# Image-processor settings that never change pixel_values / image_grid_thw.
-_NON_OUTPUT_KEYS = frozenset({"image_processor_type", "processor_class", "auto_map"})
+import numpy as np
+from blake3 import blake3
+
+_TAG_NONE, _TAG_SEQUENCE, _TAG_MAPPING, _TAG_LEAF = b"\x00", b"\x01", b"\x02", b"\x03"
 
 
-def mm_hash(modality: str, media: bytes, model_id: str, processor_kwargs: Mapping[str, Any]) -> str:
-    """Hex SHA-256 of one item; equal inputs give equal hashes in any process."""
-    fields = {
-        "media": bytes(media),
-        "modality": modality.encode("utf-8"),
-        "model": model_id.encode("utf-8"),
-        "processor_kwargs": canonical_json(processor_kwargs),
-    }
-    digest = hashlib.sha256()
-    for key in sorted(fields):
-        value = fields[key]
-        digest.update(key.encode("utf-8"))
-        digest.update(len(value).to_bytes(8, "big"))
-        digest.update(value)
+def _length(value: int) -> bytes:
+    return value.to_bytes(8, "little")
+
+
+def _framed(chunk: bytes) -> Iterator[bytes]:
+    yield _length(len(chunk))
+    yield chunk
+
+
+def _leaf(obj: Any) -> Iterator[bytes]:
+    if isinstance(obj, bytes | bytearray | memoryview):
+        return _framed(bytes(obj))
+    if isinstance(obj, str):
+        return _framed(obj.encode("utf-8"))
+    if isinstance(obj, int | float):
+        return _framed(np.array(obj).tobytes())
+    raise TypeError(f"cannot hash a {type(obj).__name__}")
+
+
+class _Media:
+    """An item given as encoded bytes: vLLM's MediaWithBytes, hashed as the pair (modality, bytes)."""
+
+    def __init__(self, modality: str, data: bytes) -> None:
+        self.modality, self.data = modality, bytes(data)
+
+
+def _value(obj: Any) -> Iterator[bytes]:
+    if obj is None:
+        yield _TAG_NONE
+    elif isinstance(obj, list | tuple):
+        yield _TAG_SEQUENCE
+        yield _length(len(obj))
+        for elem in obj:
+            yield from _value(elem)
+    elif isinstance(obj, Mapping):
+        yield _TAG_MAPPING
+        yield _length(len(obj))
+        for key, elem in obj.items():
+            yield from _framed(str(key).encode("utf-8"))
+            yield from _value(elem)
+    elif isinstance(obj, _Media):
+        yield _TAG_LEAF
+        yield from _keyword(obj.modality, obj.data)
+    else:
+        yield _TAG_LEAF
+        yield from _leaf(obj)
+
+
+def _keyword(key: str, obj: Any) -> Iterator[bytes]:
+    yield from _framed(key.encode("utf-8"))
+    yield from _value(obj)
+
+
+def mm_hash(modality: str, media: bytes, model_id: str,
+            mm_processor_kwargs: Mapping[str, Any] | None = None) -> str:
+    """vLLM's hash of one item given as its original encoded bytes; equal inputs, equal hashes anywhere."""
+    keywords: dict[str, Any] = {modality: _Media(modality, media), "model_id": model_id}
+    if mm_processor_kwargs:
+        keywords["mm_processor_kwargs"] = dict(mm_processor_kwargs)
+    digest = blake3()
+    for key in sorted(keywords):
+        for chunk in _keyword(key, keywords[key]):
+            digest.update(chunk)
     return digest.hexdigest()
 
 
-def item_hash(
-    modality: str, media: bytes, model_id: str, processor_kwargs: Mapping[str, Any], uuid: str | None
-) -> str:
+def item_hash(modality: str, media: bytes, model_id: str, uuid: str | None,
+              mm_processor_kwargs: Mapping[str, Any] | None = None) -> str:
     """The caller's uuid when given (used unchanged), else the content hash."""
     if uuid:
         return uuid
-    return mm_hash(modality, media, model_id, processor_kwargs)
-
-
-def canonical_json(value: Mapping[str, Any]) -> bytes:
-    # Tuples and lists must hash alike (to_dict() yields either, depending on the source).
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=_jsonable).encode("utf-8")
-
-
-def output_kwargs(processor_settings: Mapping[str, Any]) -> dict[str, Any]:
-    """The settings of an image processor (`to_dict()`) that change its output."""
-    return {
-        key: value
-        for key, value in processor_settings.items()
-        if key not in _NON_OUTPUT_KEYS and not key.startswith("_")
-    }
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, (set, frozenset)):
-        return sorted(value)
-    if hasattr(value, "tolist"):
-        return value.tolist()
-    return str(value)
+    return mm_hash(modality, media, model_id, mm_processor_kwargs)

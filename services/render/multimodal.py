@@ -55,10 +55,11 @@ class ImagePipeline:
     """Per-service image handling; holds no per-request state."""
 
     def __init__(self, processor: ImageProcessor, policy: MediaPolicy, limits: RenderLimits,
-                 model_id: str, executor: Executor) -> None:
+                 model_id: str, executor: Executor, hash_model_id: str | None = None) -> None:
         self.processor = processor
         self.limits = limits
-        self.model_id = model_id
+        self.model_id = model_id  # the served name: scopes client uuids (uuid_scope)
+        self.hash_model_id = hash_model_id or model_id  # vLLM's model_id in mm_hash: the model as given
         self.executor = executor
         self.policy = dataclasses.replace(
             policy, max_bytes=min(policy.max_bytes, limits.max_image_bytes),
@@ -94,7 +95,7 @@ class ImagePipeline:
     def _process_one(self, image: LoadedImage, cache_salt: str | None) -> ReadyImage:
         processed = self.processor.process(image.image)
         uuid = scoped_uuid(self.model_id, cache_salt, image.ref.uuid) if image.ref.uuid else None
-        mm_hash = item_hash(IMAGE, image.data, self.model_id, self.processor.hash_kwargs, uuid)
+        mm_hash = item_hash(IMAGE, image.data, self.hash_model_id, uuid)
         return ReadyImage(processed, mm_hash)
 
     def _named(self, index: int, exc: InvalidRequest) -> InvalidRequest:

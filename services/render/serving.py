@@ -67,12 +67,13 @@ class RenderService:
         self.tokenizer = load_tokenizer(model_path)
         self.template = ChatTemplate(self.tokenizer, text_only=not self.spec.accepts_images)
         self.vision = _vision_tokens(self.tokenizer, self.spec)
-        self.max_model_len = self.limits.max_model_len or _checkpoint_context(model_path, self.tokenizer)
+        self.max_model_len = _context_length(self.limits.max_model_len, model_path, self.tokenizer)
         self.vocab_size = max(len(self.tokenizer), _checkpoint_vocab(model_path))
         self._tok_pool = ThreadPoolExecutor(1, thread_name_prefix="render-tok")
         self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="render-proc")
         self.images = None if self.vision is None else ImagePipeline(
-            ImageProcessor(model_path, self.spec), media_policy or MediaPolicy(), self.limits, model_id, self._pool)
+            ImageProcessor(model_path, self.spec), media_policy or MediaPolicy(), self.limits, model_id,
+            self._pool, hash_model_id=str(model_path))
 
     # ---- public API -------------------------------------------------------------------------------
 
@@ -202,9 +203,16 @@ class RenderService:
                 token_ids: list[int], items: list[RenderedItem], sampling: SamplingParams,
                 text: str | None) -> RenderedPrompt:
         return RenderedPrompt(
-            request_id or fresh_id(), token_ids, items, sampling, self.model_id, req.cache_salt, text,
-            priority=req.priority, stream=req.stream, stream_options=req.stream_options,
-            kv_transfer_params=req.kv_transfer_params)
+            request_id or fresh_id(), token_ids, items, self._as_vllm_renders(sampling, len(token_ids), req.stream),
+            self.model_id, req.cache_salt, text, priority=req.priority, stream=req.stream,
+            stream_options=req.stream_options if req.stream else None, kv_transfer_params=req.kv_transfer_params)
+
+    def _as_vllm_renders(self, sampling: SamplingParams, num_prompt_tokens: int, stream: bool) -> SamplingParams:
+        """What vLLM's render writes: an explicit max_tokens (the rest of the context when the request has
+        none) and its bookkeeping fields (output_kind 1 = delta when streaming, else 2 = final only)."""
+        max_tokens = sampling.max_tokens or self.max_model_len - num_prompt_tokens
+        return sampling.model_copy(update={"max_tokens": max_tokens, "output_kind": 1 if stream else 2,
+                                           "skip_clone": True, "skip_reading_prefix_cache": False})
 
 
 def _image_ref(index: int, part: ContentPart | dict[str, Any]) -> ImageRef:
@@ -235,6 +243,20 @@ def _vision_tokens(tokenizer: Any, spec: RenderSpec) -> VisionTokens | None:
 def _read_config(model_path: str | Path) -> dict[str, Any]:
     path = Path(model_path) / "config.json"
     return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _context_length(configured: int | None, model_path: str | Path, tokenizer: Any) -> int:
+    """The context render enforces and reports: the configured one, never beyond the checkpoint's.
+
+    (/v1/models and /tokenize said 8192 for a 4096-position checkpoint; vLLM reports the checkpoint's.)
+    """
+    try:
+        declared = _checkpoint_context(model_path, tokenizer)
+    except ValueError:
+        if configured is None:
+            raise
+        return configured
+    return declared if configured is None else min(configured, declared)
 
 
 def _checkpoint_context(model_path: str | Path, tokenizer: Any) -> int:

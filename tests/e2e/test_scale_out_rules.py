@@ -48,8 +48,9 @@ RULES = {
         "features.mm_placeholders.image[0].offset: must be >= 0"),
     "negative_token_id": ({"token_ids": [-1, 2]}, "token_ids[0]: must be >= 0"),
     "empty_token_ids": ({"token_ids": []}, "token_ids: must not be empty"),
-    "empty_cache_salt": ({"cache_salt": ""}, "cache_salt: must be 1..1024 characters"),
-    "long_cache_salt": ({"cache_salt": "s" * 1025}, "cache_salt: must be 1..1024 characters"),
+    "empty_cache_salt": ({"cache_salt": ""}, "cache_salt: must be a non-empty string"),
+    "long_cache_salt": ({"cache_salt": "s" * 129}, "cache_salt: must be at most 128 characters and must not "
+                        "contain '@', '/', '\\', or NUL"),
     "nested_kv_not_an_object": ({"sampling_params": {"extra_args": {"kv_transfer_params": 5}}},
                                 "sampling_params.extra_args.kv_transfer_params: must be an object"),
 }

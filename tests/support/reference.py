@@ -18,6 +18,7 @@ class Reference:
         self.is_text_only = self.tokenizer is self.processor
         auto = AutoModelForCausalLM if self.is_text_only else AutoModelForImageTextToText
         self.device = device
+        self.model_path = model_path
         self.model = auto.from_pretrained(str(model_path)).to(device).eval()
 
     def greedy(self, text: str, images: list[Image.Image] = (), max_new_tokens: int = 16,
@@ -31,7 +32,29 @@ class Reference:
             inputs = self.tokenizer([prompt], return_tensors="pt", add_special_tokens=False)
         else:
             inputs = self.processor(text=[prompt], images=list(images) or None, return_tensors="pt")
+            if images:
+                _use_vllm_pixels(inputs, self.processor, images, self.model_path)
         inputs = inputs.to(self.device)
         with torch.no_grad():
             out = self.model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens, **generate_kwargs)
         return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def _use_vllm_pixels(inputs, processor, images, model_path) -> None:
+    """Qwen-VL: the pixels vLLM (and epd) feed the tower, torchvision-resized, normalised as vLLM does.
+
+    HF's PIL processor resizes differently from the torchvision backend vLLM uses; the reference
+    keeps HF's model and generate but takes the pixels the serving side is meant to produce.
+    """
+    import torch
+
+    from services.models.input_norm import NormParams, normalize_pixels
+    from services.render.qwen_pixels import QwenPixelSettings, qwen_pixels
+
+    settings = QwenPixelSettings.from_processor(getattr(processor, "image_processor", None))
+    if settings is None:
+        return
+    params = NormParams.from_checkpoint(model_path)
+    pixels = [normalize_pixels(torch.from_numpy(qwen_pixels(image, settings)["pixel_values"]), params)
+              for image in images]
+    inputs["pixel_values"] = torch.cat(pixels)

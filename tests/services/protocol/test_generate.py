@@ -116,9 +116,12 @@ def test_lifting_does_not_mutate_the_callers_sampling_params():
 
 
 def test_cache_salt_length():
-    assert _error(_request(cache_salt="")) == "cache_salt: must be 1..1024 characters"
-    assert _error(_request(cache_salt="x" * 1025)) == "cache_salt: must be 1..1024 characters"
-    assert parse_model(GenerateRequest, _request(cache_salt="x" * 1024)).cache_salt == "x" * 1024
+    # vLLM's validate_cache_salt: non-empty, <= 128 characters, none of '@', '/', '\\', NUL
+    assert _error(_request(cache_salt="")) == "cache_salt: must be a non-empty string"
+    rule = "cache_salt: must be at most 128 characters and must not contain '@', '/', '\\', or NUL"
+    for bad in ("x" * 129, "a@b", "a/b", "a\\b", "a\0b"):
+        assert _error(_request(cache_salt=bad)) == rule, bad
+    assert parse_model(GenerateRequest, _request(cache_salt="x" * 128)).cache_salt == "x" * 128
 
 
 def test_full_render_answer_round_trips():

@@ -6,6 +6,7 @@ import pytest
 from services.protocol.items import (
     FieldElem,
     FieldSpec,
+    flat_slices,
     item_payload_nbytes,
     merge_items,
     metadata_only,
@@ -49,6 +50,11 @@ def test_payload_nbytes():
 def test_field_spec_rules():
     assert FieldSpec.flat([slice(0, 4), [4, 8, 2]], dim=1).slices == [(0, 4, None), (4, 8, 2)]
     assert FieldSpec.flat([(0, 4)]).factory_kw() == {"keep_on_cpu": False, "slices": [[0, 4, None]], "dim": 0}
+    # vLLM's flat_from_sizes form: one slice per dimension for each item
+    nested = FieldSpec.flat(flat_slices([308, 100]))
+    assert nested.slices == [((0, 308, None),), ((308, 408, None),)]
+    assert nested.factory_kw()["slices"] == [[[0, 308, None]], [[308, 408, None]]]
+    assert flat_slices([3, 4], dim=1) == [((None, None, None), (0, 3, None)), ((None, None, None), (3, 7, None))]
     assert FieldSpec.shared(2).factory_kw() == {"keep_on_cpu": False, "batch_size": 2}
     with pytest.raises(ValueError, match="unknown field factory"):
         FieldSpec("stacked")  # type: ignore[arg-type]
@@ -58,5 +64,5 @@ def test_field_spec_rules():
         FieldSpec("batched", slices=[(0, 1, None)])
     with pytest.raises(ValueError, match="batch_size"):
         FieldSpec("shared")
-    with pytest.raises(ValueError, match="must be \\[start, stop, step or null\\]"):
+    with pytest.raises(ValueError, match="must be \\[start, stop, step\\] with integers or null"):
         FieldSpec.flat([(0, 1.5, None)])

@@ -89,7 +89,7 @@ def test_chat_defaults_leave_server_defaults():
     ({"temperature": -1}, "temperature: must be >= 0.0"),
     ({"max_completion_tokens": 0}, "max_completion_tokens: must be >= 1"),
     ({"top_logprobs": 21}, "top_logprobs: must be <= 20"),
-    ({"cache_salt": ""}, "cache_salt: must not be empty"),
+    ({"cache_salt": ""}, "cache_salt: must be a non-empty string"),
     ({"max_completion_tokens": 2, "min_tokens": 3}, "min_tokens (3) must be <= max_tokens (2)"),
     ({"stream_options": {"include_usage": "maybe"}}, "stream_options.include_usage: must be a boolean"),
 ])

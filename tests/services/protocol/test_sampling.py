@@ -72,4 +72,16 @@ def test_greedy_and_all_fields_accepted():
             "repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": -0.5, "n": 1,
             "extra_args": {"x": 1}, "skip_special_tokens": False, "include_stop_str_in_output": True}
     params = parse_model(SamplingParams, body)
-    assert params.is_greedy and params.model_dump() == {**body, "temperature": 0.0}
+    carried = {"detokenize": True, "output_kind": 0, "skip_clone": False, "bad_words": [],
+               "skip_reading_prefix_cache": None}  # vLLM's render fields, defaults
+    assert params.is_greedy and params.model_dump() == {**body, "temperature": 0.0, **carried}
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ({"bad_words": ["x"]}, "bad_words: bad_words is not supported"),
+    ({"skip_reading_prefix_cache": True},
+     "skip_reading_prefix_cache: true is not supported (epd's prefix cache is always read)"),
+    ({"output_kind": 3}, "output_kind: must be <= 2"),
+])
+def test_vllm_fields_epd_cannot_honour_are_refused(body, message):
+    assert _error(body) == message

@@ -45,11 +45,11 @@ def test_placeholder_count_per_size(processor, size, tokens) -> None:
 
 def test_kwargs_item_fields_follow_vllm_qwen2_vl(item_448) -> None:
     kwargs = item_448.kwargs_item
-    assert list(kwargs) == ["pixel_values", "image_grid_thw"]
+    assert list(kwargs) == ["image_grid_thw", "pixel_values"]  # vLLM's key order
     pixels, grid = kwargs["pixel_values"], kwargs["image_grid_thw"]
-    assert pixels.field.kind == "flat" and pixels.field.slices == [(0, 1024, None)] and pixels.field.dim == 0
+    assert pixels.field.kind == "flat" and pixels.field.slices == [((0, 1024, None),)] and pixels.field.dim == 0
     assert not pixels.field.keep_on_cpu
-    assert pixels.data.dtype == np.float32 and pixels.data.shape == (1024, 1176)
+    assert pixels.data.dtype == np.uint8 and pixels.data.shape == (1024, 1176)  # raw: normalised at encode
     assert grid.field.kind == "batched" and grid.field.keep_on_cpu
     assert grid.data.dtype == np.int64 and grid.data.tolist() == [1, 32, 32]
 
@@ -75,12 +75,32 @@ def test_items_round_trip_through_base64(item_448) -> None:
         assert np.array_equal(back[key].data, elem.data) and back[key].field == elem.field
 
 
-def test_per_image_arrays_equal_the_batched_processor(processor) -> None:
-    images = [noise(448, 448, 1), noise(320, 240, 2)]
+def test_uint8_patches_normalised_at_encode_equal_the_hf_processor_when_no_resize_is_needed(
+        processor, demo_model_path) -> None:
+    # 448x448 and 224x56 need no resize, so the HF PIL processor sees the same pixels: same patch layout.
+    import torch
+
+    from services.models.input_norm import NormParams, normalize_pixels
+
+    images = [noise(448, 448, 1), noise(224, 56, 2)]
     batched = processor.hf(images=images, return_tensors="np")
     singles = [processor.process(image).arrays for image in images]
-    assert np.array_equal(np.concatenate([s["pixel_values"] for s in singles]), batched["pixel_values"])
+    params = NormParams.from_checkpoint(demo_model_path)
+    ours = torch.cat([normalize_pixels(torch.from_numpy(s["pixel_values"]), params) for s in singles])
+    assert np.allclose(ours.numpy(), batched["pixel_values"], atol=2e-6, rtol=0)
     assert np.array_equal(np.stack([s["image_grid_thw"] for s in singles]), batched["image_grid_thw"])
+
+
+def test_a_request_gives_every_item_the_slices_of_all_its_items_as_vllm_does(processor) -> None:
+    ready = [processor.process(noise(300, 200, 1)), processor.process(noise(128, 128, 2))]
+    first = rendered_item("image", "a", 15, ready[0].num_tokens, ready[0].arrays, QWEN_VL_METADATA_KEYS)
+    second = rendered_item("image", "b", 94, ready[1].num_tokens, ready[1].arrays, QWEN_VL_METADATA_KEYS)
+    features = to_features([first, second])
+    wire = [item_from_b64(b) for b in features.kwargs_data["image"]]
+    for item, rows in zip(wire, (308, 100), strict=True):
+        assert item["pixel_values"].field.slices == [((0, 308, None),), ((308, 408, None),)]
+        assert item["pixel_values"].data.shape == (rows, 1176)
+    assert first.kwargs_item["pixel_values"].field.slices == [((0, 308, None),)]  # stored item unchanged
 
 
 def test_to_features_groups_in_prompt_order_and_validates() -> None:

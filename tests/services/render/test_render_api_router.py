@@ -11,9 +11,11 @@ import math
 
 import numpy as np
 import pytest
+import torch
 from starlette.applications import Starlette
 from starlette.testclient import TestClient
 
+from services.models.input_norm import NormParams, normalize_pixels
 from services.models.processing import load_processor
 from services.protocol.generate import GenerateRequest
 from services.protocol.serialization import item_from_b64
@@ -63,14 +65,27 @@ def smart_resize(height, width, factor=28, min_pixels=56 * 56, max_pixels=28 * 2
     return h, w
 
 
+def no_limit_expected(client, num_prompt_tokens):
+    """max_tokens absent: vLLM's render writes the rest of the context explicitly."""
+    return client.get("/v1/models").json()["data"][0]["max_model_len"] - num_prompt_tokens
+
+
 def test_text_chat_render_posts_unchanged(client):
     reply = client.post("/v1/chat/completions/render", json=_chat("Hello", max_tokens=5, cache_salt="s"),
                         headers={"X-Request-Id": "r-1"})
     assert reply.status_code == 200, reply.text
     body = reply.json()
     assert body["token_ids"] == HELLO_IDS and body["features"] is None
-    assert body["request_id"] == "r-1" and body["cache_salt"] == "s" and body["model"] == MODEL
+    assert body["request_id"] == "chatcmpl-r-1" and body["cache_salt"] == "s" and body["model"] == MODEL
     assert body["sampling_params"]["max_tokens"] == 5
+    # vLLM's render bookkeeping, and the newer top-level fields
+    sampling = body["sampling_params"]
+    assert (sampling["output_kind"], sampling["skip_clone"], sampling["bad_words"],
+            sampling["skip_reading_prefix_cache"]) == (2, True, [], False)
+    assert body["output_mode"] == "tokens" and body["return_token_ids"] is None
+    no_limit = client.post("/v1/chat/completions/render", json=_chat("Hello")).json()
+    assert no_limit["sampling_params"]["max_tokens"] == no_limit_expected(client, len(HELLO_IDS))
+    assert no_limit["request_id"].startswith("chatcmpl-")
     assert GenerateRequest.model_validate(body).token_ids == body["token_ids"]
 
 
@@ -92,8 +107,11 @@ def test_render_matches_the_hf_processor(client, hf, sizes):
         assert grid.tolist() == [1, h // 14, w // 14]
         assert features["mm_placeholders"]["image"][index]["length"] == h * w // (28 * 28)
         pixels = kwargs["pixel_values"].data
-        assert pixels.shape == (h * w // (14 * 14), 3 * 2 * 14 * 14) and pixels.dtype == np.float32
-        assert np.array_equal(pixels, expected["pixel_values"][rows:rows + len(pixels)])
+        assert pixels.shape == (h * w // (14 * 14), 3 * 2 * 14 * 14) and pixels.dtype == np.uint8
+        if (h, w) == (height, width):  # no resize: the HF PIL processor sees the same pixels
+            normalised = normalize_pixels(torch.from_numpy(pixels.copy()), NormParams.from_config(hf.image_processor
+                                                                                                  .to_dict()))
+            assert np.allclose(normalised.numpy(), expected["pixel_values"][rows:rows + len(pixels)], atol=2e-6)
         assert kwargs["pixel_values"].field.kind == "flat" and kwargs["image_grid_thw"].field.keep_on_cpu
         assert list(metadata) == ["image_grid_thw"] and np.array_equal(metadata["image_grid_thw"].data, grid)
         rows += len(pixels)

@@ -137,3 +137,48 @@ def test_completion_derender(client, service):
         "stream": True, "stream_state": state}).json()
     assert usage["chunks"][-1]["usage"] == {"prompt_tokens": 4, "completion_tokens": len(ids),
                                             "total_tokens": 4 + len(ids)}
+
+
+@pytest.mark.parametrize("case", ["plain", "stop_inside_multibyte_run"])
+def test_chat_stream_derender_in_vllms_shape(client, service, case):
+    # vLLM's DerenderChatStreamRequest: generate_chunk, answered with one `chunk` per call
+    params = DecodeParams(**CASES[case])
+    texts, accepted, finish, reason = decode_reference(service.tokenizer, _ids(service.tokenizer, True), params)
+    state, chunks = None, []
+    pieces = [accepted[i:i + 2] for i in range(0, len(accepted), 2)]
+    for n, piece in enumerate(pieces):
+        last = n == len(pieces) - 1
+        chunk = {"request_id": "generate-tokens-chatcmpl-abc", "choices": [{
+            "index": 0, "token_ids": piece, "finish_reason": finish if last else None,
+            "stop_reason": reason if last else None}]}
+        reply = client.post("/v1/chat/completions/derender", json={
+            "stream": True, "generate_chunk": chunk, "stream_state": state, "prompt_tokens": 3,
+            "chat_request": _chat_request(case)})
+        assert reply.status_code == 200, reply.text
+        answer = reply.json()
+        assert set(answer) == {"chunk", "stream_state"}
+        state = answer["stream_state"]
+        chunks.append(answer["chunk"])
+    usage = client.post("/v1/chat/completions/derender", json={
+        "stream": True, "generate_chunk": {"request_id": "generate-tokens-chatcmpl-abc", "choices": [],
+                                           "usage": {"prompt_tokens": 3, "completion_tokens": len(accepted)}},
+        "stream_state": state, "prompt_tokens": 3}).json()["chunk"]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(c["choices"] and "role" not in c["choices"][0]["delta"] for c in chunks[1:])
+    assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == "".join(texts)
+    assert chunks[-1]["choices"][0]["finish_reason"] == finish
+    assert {c["id"] for c in chunks} == {"chatcmpl-abc"}  # the render id, not prefixed twice
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == len(accepted)
+
+
+def test_completion_stream_derender_in_vllms_shape(client, service):
+    ids = service.tokenizer.encode("Once upon a time")
+    state, text = None, ""
+    for n, token in enumerate(ids):
+        chunk = {"request_id": "generate-tokens-cmpl-p0", "choices": [{
+            "index": 0, "token_ids": [token], "finish_reason": "length" if n == len(ids) - 1 else None}]}
+        answer = client.post("/v1/completions/derender", json={
+            "stream": True, "generate_chunk": chunk, "stream_state": state, "prompt_tokens": 4}).json()
+        state = answer["stream_state"]
+        text += answer["chunk"]["choices"][0]["text"]
+    assert text == "Once upon a time" and answer["chunk"]["id"] == "cmpl-p0"

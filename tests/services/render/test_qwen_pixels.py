@@ -1,0 +1,38 @@
+"""Render's numpy port of torch's uint8 antialiased bicubic resize is torch's, bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from services.render.qwen_pixels import QwenPixelSettings, patchify, resize_uint8
+
+SIZES = [((200, 300), (196, 308)), ((128, 128), (140, 140)), ((45, 60), (56, 56)), ((30, 90), (56, 112)),
+         ((1000, 37), (1008, 28)), ((7, 400), (13, 391)), ((480, 640), (476, 644)), ((333, 222), (111, 74))]
+
+
+@pytest.mark.parametrize(("source", "target"), SIZES)
+def test_resize_equals_torch_interpolate_on_uint8(source, target):
+    import torch
+
+    image = np.random.default_rng(sum(source)).integers(0, 256, (3, *source), dtype=np.uint8)
+    expected = torch.nn.functional.interpolate(torch.from_numpy(image)[None], size=list(target), mode="bicubic",
+                                               align_corners=False, antialias=True)[0].numpy()
+    assert np.array_equal(resize_uint8(image, *target), expected)
+
+
+def test_same_size_is_not_resampled():
+    image = np.arange(3 * 28 * 56, dtype=np.uint8).reshape(3, 28, 56)
+    assert resize_uint8(image, 28, 56) is image
+
+
+def test_patchify_is_the_processors_layout():
+    import torch
+
+    settings = QwenPixelSettings(3136, 12845056, 14, 2, 2)
+    image = np.random.default_rng(1).integers(0, 256, (3, 56, 84), dtype=np.uint8)
+    pixels, grid = patchify(image, settings)
+    # transformers' Qwen2VLImageProcessor.patchify, written out with torch
+    x = torch.from_numpy(image)[None].reshape(1, 3, 2, 2, 14, 3, 2, 14).permute(0, 2, 5, 3, 6, 1, 4, 7)
+    expected = x.unsqueeze(6).expand(-1, -1, -1, -1, -1, -1, 2, -1, -1).reshape(1, 24, 1176)[0].numpy()
+    assert np.array_equal(pixels, expected) and grid.tolist() == [1, 4, 6]
