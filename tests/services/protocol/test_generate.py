@@ -152,7 +152,8 @@ def test_response_shapes():
                                 kv_transfer_params={"handle": "x"})
     body = json.loads(response.model_dump_json())
     assert set(body) == {"request_id", "model", "created", "choices", "usage", "kv_transfer_params",
-                         "ec_transfer_params"}
+                         "ec_transfer_params", "output_mode", "prompt_token_ids", "mm_placeholders", "metrics"}
+    assert body["output_mode"] == "tokens"  # vLLM's discriminator (GenerateTokensResponse)
     assert body["choices"] == [{"index": 0, "token_ids": [1, 2], "finish_reason": "length", "logprobs": None,
                                 "stop_reason": None}]
     assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
