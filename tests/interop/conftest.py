@@ -1,11 +1,13 @@
-"""The real vLLM side by side with epd: one vLLM render, one vLLM serve and one epd cluster per family.
+"""The real vLLM side by side with epd: one vLLM server and one epd cluster per family.
 
 Run with `python -m pytest -q tests/interop` (CI runs it after the main suite; the main suite does not
 collect this folder: pyproject's norecursedirs).  It installs vLLM on first use
 (benchmarks/peers/vllm_env.py, cached in ~/.cache/epd/peers), builds the head_dim-32 checkpoints
-(vLLM's CPU attention needs head_dim >= 32) and starts, per family and once for all its tests, vLLM's
-`launch render` and `serve` and `epd serve` on the same checkpoint folder, so both hash with the same
-model id.  Families run one after the other (vLLM serve is ~4.5 GB); each is stopped before the next.
+(vLLM's CPU attention needs head_dim >= 32) and starts, per family and once for all its tests,
+`vllm serve --enable-scale-out` (which serves vLLM's render and derender routes too: the same
+ServingRender as `vllm launch render`, one process less, ~1.7 GB saved) and `epd serve` on the same
+checkpoint folder, so both hash with the same model id.  Families run one after the other (vLLM serve is
+~4.5 GB); each is stopped before the next.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import httpx
 import pytest
 
 from benchmarks.peers.vllm_checkpoints import checkpoint_path
-from benchmarks.peers.vllm_env import ensure_venv, start_render, start_serve
+from benchmarks.peers.vllm_env import ensure_venv, start_serve
 from benchmarks.procs import Server
 from tests.support.cluster import RunningCluster, start_cluster
 
@@ -47,43 +49,40 @@ class Peers:
 
     def stop(self) -> None:
         self.http.close()
-        for server in (self.vllm_render, self.vllm_serve):
-            server.stop()
+        self.vllm_serve.stop()
         self.epd.stop()
 
 
-def _start_all(model_dir: str) -> tuple[Server, Server, RunningCluster]:
+def _start_both(model_dir: str) -> tuple[Server, RunningCluster]:
+    """vLLM and epd at once (vLLM's start-up is the long one); both stopped if either fails."""
     started: dict[str, object] = {}
     errors: list[BaseException] = []
 
-    def run(name, fn, *args):
+    def run_vllm() -> None:
         try:
-            started[name] = fn(*args)
-        except BaseException as exc:  # noqa: BLE001 - reported below, after the others stopped
+            started["vllm"] = start_serve(model_dir)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the other side stopped
             errors.append(exc)
 
-    threads = [threading.Thread(target=run, args=("render", start_render, model_dir)),
-               threading.Thread(target=run, args=("serve", start_serve, model_dir))]
-    for thread in threads:
-        thread.start()
+    thread = threading.Thread(target=run_vllm)
+    thread.start()
     try:
         started["epd"] = start_cluster("--model", model_dir, "--max-model-len", "4096", timeout=900)
     except BaseException as exc:  # noqa: BLE001
         errors.append(exc)
-    for thread in threads:
-        thread.join()
+    thread.join()
     if errors:
         for server in started.values():
             server.stop()  # type: ignore[attr-defined]
         raise errors[0]
-    return started["render"], started["serve"], started["epd"]  # type: ignore[return-value]
+    return started["vllm"], started["epd"]  # type: ignore[return-value]
 
 
 @pytest.fixture(scope="session", params=FAMILIES)
 def peers(request) -> Peers:
     ensure_venv()
     model_dir = str(checkpoint_path(request.param))
-    render, serve, epd = _start_all(model_dir)
-    both = Peers(request.param, model_dir, render, serve, epd, httpx.Client(timeout=600))
+    vllm, epd = _start_both(model_dir)
+    both = Peers(request.param, model_dir, vllm, vllm, epd, httpx.Client(timeout=600))
     yield both
     both.stop()
