@@ -10,9 +10,11 @@
   awaits: each role aborts its part (decode frees the slot before its next step).
 - Cleanup: what steps registered with inflight.on_close runs when the request
   ends, however it ends.
+- A slow reader: a response write that has waited `send_stall_s` (the stream
+  idle bound) for the client to take the bytes cancels the request, so a
+  client that stops reading a stream does not hold its decode slot.
 - A backstop bound: a request still running `max_request_s` after it arrived
-  (the pipeline enforces the request deadline itself; this catches a client
-  that stopped reading a stream) is cancelled.
+  (the pipeline enforces the request's deadlines itself) is cancelled.
 
 Other paths pass through untouched.
 """
@@ -48,6 +50,7 @@ class Exchange:
         self.started = self.complete = self.disconnected = False
         self.status = 0
         self.is_sse = False
+        self.sending_since: float | None = None  # a write to the client waiting since then
 
     async def receive(self) -> dict[str, Any]:
         message = await self._receive()
@@ -64,7 +67,20 @@ class Exchange:
             self.is_sse = headers.get(b"content-type", b"").startswith(b"text/event-stream")
         elif message["type"] == "http.response.body" and not message.get("more_body", False):
             self.complete = True  # before sending: the server reports a disconnect once it is sent
-        await self._send(message)
+        self.sending_since = time.monotonic()
+        try:
+            await self._send(message)
+        finally:
+            self.sending_since = None
+
+    async def watch_stall(self, record: InflightRequest, bound_s: float) -> None:
+        """Cancel the request once one write has waited `bound_s` for the client to read."""
+        while not self.complete:
+            await asyncio.sleep(min(1.0, bound_s / 2))
+            since = self.sending_since
+            if since is not None and time.monotonic() - since > bound_s:
+                record.cancel("slow_reader")
+                return
 
     async def watch_disconnect(self, record: InflightRequest) -> None:
         """Once the endpoint has read the body, the only message left to come is the disconnect."""
@@ -79,9 +95,11 @@ class Exchange:
 
 class AdmissionMiddleware:
     def __init__(self, app: Any, registry: InflightRegistry, max_inflight: int, metrics: CoordinatorMetrics,
-                 saturated: Callable[[], str | None] = lambda: None, max_request_s: float | None = None) -> None:
+                 saturated: Callable[[], str | None] = lambda: None, max_request_s: float | None = None,
+                 send_stall_s: float | None = None) -> None:
         self.app, self.registry, self.max_inflight = app, registry, max_inflight
         self.metrics, self.saturated, self.max_request_s = metrics, saturated, max_request_s
+        self.send_stall_s = send_stall_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in GENERATION_PATHS:
@@ -111,7 +129,9 @@ class AdmissionMiddleware:
         token = current_request.set(record)  # the endpoint task copies this context
         try:
             record.task = asyncio.create_task(self.app(scope, exchange.receive, exchange.send))
-            watcher = asyncio.create_task(exchange.watch_disconnect(record))
+            watchers = [asyncio.create_task(exchange.watch_disconnect(record))]
+            if self.send_stall_s is not None:
+                watchers.append(asyncio.create_task(exchange.watch_stall(record, self.send_stall_s)))
             timer = None if self.max_request_s is None else \
                 asyncio.get_running_loop().call_later(self.max_request_s, record.cancel, "deadline")
             try:
@@ -122,7 +142,8 @@ class AdmissionMiddleware:
                     raise
                 await self._after_cancel(scope, exchange, record)
             finally:
-                watcher.cancel()
+                for watcher in watchers:
+                    watcher.cancel()
                 if timer is not None:
                     timer.cancel()
         finally:
@@ -140,7 +161,7 @@ class AdmissionMiddleware:
             return  # nobody is listening any more
         err = _cancel_error(reason, record.label)
         self._count(scope["path"], err)
-        if reason == "deadline" and exchange.started:
+        if reason in ("deadline", "slow_reader") and exchange.started:
             return  # the client stopped reading: sending more would block again; the server closes it
         if not exchange.started:
             await _send_error(exchange.send, err)

@@ -41,7 +41,6 @@ from .cluster import Cluster
 from .drain import Drain, DrainMiddleware
 from .errors_http import JSON_ERRORS
 from .generate_api import GenerateApi
-from .http_io import BODY_READ_TIMEOUT_S
 from .inflight import InflightRegistry
 from .openai_api import OpenAIApi
 from .openapi import OpenApiRoute
@@ -107,7 +106,8 @@ class CoordinatorApp:
         return [Middleware(DrainMiddleware, drain=self.drain),
                 Middleware(AdmissionMiddleware, registry=self.inflight, metrics=self.cluster.metrics,
                            max_inflight=self.config.max_inflight_requests, saturated=self.decode_saturated,
-                           max_request_s=self.config.request_timeout_s + BODY_READ_TIMEOUT_S + 5.0)]
+                           max_request_s=self.config.max_request_timeout_s + self.config.body_read_timeout_s + 5.0,
+                           send_stall_s=self.config.stream_idle_timeout_s)]
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _: Starlette) -> AsyncIterator[None]:

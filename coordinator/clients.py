@@ -74,10 +74,28 @@ def count_call(pool: InstancePool, instance: Instance, result: str) -> None:
 
 
 def on_transport_failure(pool: InstancePool, instance: Instance, ctx: RequestContext, what: str) -> None:
-    """Take the instance out at once and count the failover."""
-    pool.mark_down(instance, what)
+    """Count the failure against the request's retry budget, then fail over.
+
+    The first instance a request makes fail is taken out at once (a dead instance must not get more
+    work).  Once the request has made one fail, later failures are as likely the request's doing (a
+    poison request crashing every instance in turn): those instances stay in (their health probe takes
+    out one that really died), and past --max-retries the request is refused, not retried.
+    """
+    suspect = bool(ctx.failed_on)
+    ctx.failed_on.append(instance.address)
     count_call(pool, instance, "failed")
-    log.warning("%s on %s failed (%s); failing over", what.split(":")[0], instance.address, what)
+    if not suspect:
+        pool.mark_down(instance, what)
+    if len(ctx.failed_on) > ctx.max_retries:
+        if pool.metrics is not None:
+            pool.metrics.retries.labels(pool.role, "budget_exhausted").inc()
+        err = Unavailable(f"request {ctx.label} failed at the transport level on {len(ctx.failed_on)} instances "
+                          f"({', '.join(ctx.failed_on)}); it is not retried further (--max-retries "
+                          f"{ctx.max_retries}): the request itself is the likely cause", code="retry_budget_exhausted")
+        log.warning("%s", err.message)
+        raise err
+    log.warning("%s on %s failed (%s); failing over%s", what.split(":")[0], instance.address, what,
+                " (not marked down: this request already made an instance fail)" if suspect else "")
     ctx.failovers += 1
     if pool.metrics is not None:
         pool.metrics.failovers.labels(pool.role).inc()

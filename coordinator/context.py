@@ -9,7 +9,9 @@ clears what a missing entry made stale before it runs steps again.
 | request_id       | http entry (request_ids.py)     | every step (ids, metadata, store keys), logs: unique |
 | label            | http entry (header or body)     | answers (response id, X-Request-Id), aborts |
 | principal        | http entry (the API key's name) | aborts (only the same key's requests)     |
-| deadline         | http entry                      | every call (gRPC timeouts: what is left)  |
+| deadline         | http entry (deadlines.py)       | every call until the first token (gRPC timeouts) |
+| total_deadline   | http entry (deadlines.py)       | the decode call (its gRPC deadline)       |
+| idle_s           | http entry (deadlines.py)       | decode stream (longest gap between tokens) |
 | kind             | http entry                      | render step, answers                      |
 | body             | http entry (chat / completion)  | render step                               |
 | stream           | http entry                      | http entry (SSE or JSON)                  |
@@ -24,6 +26,8 @@ clears what a missing entry made stale before it runs steps again.
 | decode_stream    | decode step                     | pipeline.stream                           |
 | recovered        | pipeline (recovery policy)      | pipeline (each recovery runs once)        |
 | failovers        | failover loop (clients.py)      | logs, tests                               |
+| failed_on        | failover loop (clients.py)      | failover loop: the retry budget           |
+| max_retries      | http entry (--max-retries)      | failover loop                             |
 | instances        | each step                       | logs, metrics                             |
 | timings          | each step, pipeline             | metrics, logs, benchmarks                 |
 | created, started | construction                    | answers, TTFT metric                      |
@@ -31,6 +35,7 @@ clears what a missing entry made stale before it runs steps again.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
@@ -48,9 +53,11 @@ Kind = Literal["chat", "completion", "generate"]
 @dataclass
 class RequestContext:
     request_id: str                       # internal: unique per request (request_ids.internal_id)
-    deadline: float                       # time.monotonic() value
+    deadline: float                       # time.monotonic(): first token (Pipeline.prepare) by then
     label: str = ""                       # the client's id (X-Request-Id / request_id), echoed, not unique
     principal: str = ""                   # who sent it (services.auth.principal): scopes aborts
+    total_deadline: float = math.inf      # time.monotonic(): the whole answer by then
+    idle_s: float = math.inf              # longest wait for the next token once streaming
     kind: Kind = "chat"
     body: bytes = b""
     stream: bool = False
@@ -65,16 +72,28 @@ class RequestContext:
     decode_stream: DecodeStream | None = None
     recovered: set[str] = field(default_factory=set)      # error codes the pipeline already recovered from
     failovers: int = 0
+    failed_on: list[str] = field(default_factory=list)   # instances this request made fail (transport level)
+    max_retries: int = 2                                  # transport-failure retries allowed, all stages together
     instances: dict[str, str] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
     started: float = field(default_factory=time.monotonic)  # for time to first token
 
     def time_left(self) -> float:
-        """Seconds left before the deadline; raises once it has passed."""
+        """Seconds left before the first-token deadline; raises once it has passed."""
         left = self.deadline - time.monotonic()
         if left <= 0:
-            raise DeadlineExceeded(f"request {self.request_id} exceeded its deadline")
+            raise DeadlineExceeded(f"request {self.label or self.request_id} had no first token within its "
+                                   "time-to-first-token bound (--ttft-timeout-s)", code="ttft_timeout")
+        return left
+
+    def total_left(self) -> float | None:
+        """Seconds left of the whole request (None: unbounded)."""
+        if self.total_deadline == math.inf:
+            return None
+        left = self.total_deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceeded(f"request {self.label or self.request_id} exceeded its deadline")
         return left
 
     def image_items(self) -> list[pb.MultiModalItem]:

@@ -24,6 +24,8 @@ the stream's end and the request's cleanup both call it.
 
 from __future__ import annotations
 
+import asyncio
+import math
 from collections.abc import AsyncIterator
 
 import grpc
@@ -48,7 +50,7 @@ class DecodeStream:
         try:
             yield chunk_delta(self.first, self.ctx.sampling)
             while True:
-                chunk = await self.call.read()
+                chunk = await self._next()
                 if chunk is grpc.aio.EOF:
                     return
                 yield chunk_delta(chunk, self.ctx.sampling)
@@ -56,6 +58,15 @@ class DecodeStream:
             raise self._failure(exc) from None
         finally:
             self.close()
+
+    async def _next(self) -> pb.DecodeChunk | object:
+        """The next chunk within the stall bound (--stream-idle-timeout-s)."""
+        idle = self.ctx.idle_s
+        try:
+            return await (self.call.read() if idle == math.inf else asyncio.wait_for(self.call.read(), idle))
+        except TimeoutError:
+            raise DeadlineExceeded(f"request {self.ctx.label} got no token for {idle:g} s "
+                                   "(--stream-idle-timeout-s); the answer is cut", code="stream_idle_timeout") from None
 
     def _failure(self, exc: grpc.aio.AioRpcError) -> EpdError:
         if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -87,10 +98,18 @@ async def open_decode(pool: InstancePool, ctx: RequestContext, request: pb.Decod
 
 async def _first_chunk(pool: InstancePool, instance: Instance, ctx: RequestContext,
                        request: pb.DecodeRequest) -> DecodeStream:
+    # The call lives as long as the answer may (the total deadline); its first chunk comes within the
+    # first-token bound.
+    total, first_token = ctx.total_left(), ctx.time_left()
     pool.begin(instance)
-    call = instance.stub.Decode(request, timeout=ctx.time_left(), metadata=call_metadata(ctx))
+    call = instance.stub.Decode(request, timeout=total, metadata=call_metadata(ctx))
     try:
-        first = await call.read()
+        first = await asyncio.wait_for(call.read(), first_token)
+    except TimeoutError:
+        call.cancel()
+        pool.end(instance)
+        raise DeadlineExceeded(f"request {ctx.label} had no first token within its time-to-first-token bound "
+                               "(--ttft-timeout-s)", code="ttft_timeout") from None
     except grpc.aio.AioRpcError as exc:
         call.cancel()
         pool.end(instance)

@@ -14,7 +14,6 @@ external orchestrator can find the roles and drive them over HTTP.
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 from starlette.requests import Request
@@ -31,7 +30,9 @@ from services.protocol.streaming import SSE_MEDIA_TYPE
 
 from .cluster import Cluster
 from .context import RequestContext
-from .http_io import answer, off_loop, read_json
+from .deadlines import HEADER as DEADLINE_HEADER
+from .deadlines import Deadlines
+from .http_io import BodyLimits, answer, off_loop, read_json
 from .pipeline import Pipeline
 from .request_ids import internal_id, label_of
 from .routing.pool import InstancePool
@@ -45,12 +46,14 @@ class GenerateApi:
 
     def context(self, request: Request, req: GenerateRequest) -> RequestContext:
         label = label_of(request.headers.get("x-request-id"), req.request_id)
+        bounds = Deadlines.for_request(self.config, request.headers.get(DEADLINE_HEADER))
         return RequestContext(request_id=internal_id(label), label=label, principal=principal(request.scope),
-                              kind="generate", stream=req.stream,
-                              generate=req, deadline=time.monotonic() + self.config.request_timeout_s)
+                              kind="generate", stream=req.stream, generate=req, deadline=bounds.first_token,
+                              total_deadline=bounds.total, idle_s=bounds.idle_s,
+                              max_retries=self.config.max_retries)
 
     async def _run(self, request: Request) -> Response:
-        raw, body = await read_json(request)
+        raw, body = await read_json(request, BodyLimits.of(self.config))
         req = await off_loop(len(raw), lambda: validate_model(GenerateRequest, body))
         ctx = self.context(request, req)
         request_id_var.set(ctx.request_id)

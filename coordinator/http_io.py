@@ -2,8 +2,10 @@
 and the one place a generation route's error becomes a status and a body (`answer`).
 
 Every generation route reads its body here.  A body is refused past
-MAX_BODY_BYTES (declared or read) and must arrive within BODY_READ_TIMEOUT_S
-(a client trickling its body must not hold a request slot for ever).  Bodies
+--max-request-bytes: 413 at once when Content-Length says so (nothing is
+read), else as soon as the bytes read pass it; and it must arrive within
+--body-read-timeout-s, else 408 (a client trickling its body must not hold a
+request slot for ever).  Bodies
 over OFF_LOOP_BYTES (a features request with images is MBs of base64) are
 parsed and validated in a worker thread so other requests' streams keep
 flowing while it runs.
@@ -14,41 +16,54 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
+from services.config import EpdConfig
 from services.http_api import error_response
-from services.protocol.errors import InvalidRequest, as_epd_error
+from services.protocol.errors import InvalidRequest, PayloadTooLarge, RequestTimeout, as_epd_error
 from services.protocol.parsing import parse_json
 
 from .metrics import CoordinatorMetrics
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-MAX_BODY_BYTES = 64 * 1024 * 1024
-BODY_READ_TIMEOUT_S = 30.0
 OFF_LOOP_BYTES = 256 * 1024
 
 
-async def _read_body(request: Request) -> bytearray:
+@dataclass(frozen=True)
+class BodyLimits:
+    max_bytes: int
+    timeout_s: float
+
+    @classmethod
+    def of(cls, config: EpdConfig) -> BodyLimits:
+        return cls(config.max_request_bytes, config.body_read_timeout_s)
+
+    def too_large(self) -> PayloadTooLarge:
+        return PayloadTooLarge(f"request body over {self.max_bytes} bytes (--max-request-bytes)", code="body_too_large")
+
+
+async def _read_body(request: Request, limits: BodyLimits) -> bytearray:
     raw = bytearray()
     async for piece in request.stream():
         raw += piece
-        if len(raw) > MAX_BODY_BYTES:
-            raise InvalidRequest(f"request body over {MAX_BODY_BYTES} bytes", code="body_too_large")
+        if len(raw) > limits.max_bytes:
+            raise limits.too_large()
     return raw
 
 
-async def read_body(request: Request) -> bytes:
+async def read_body(request: Request, limits: BodyLimits) -> bytes:
     declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise InvalidRequest(f"request body over {MAX_BODY_BYTES} bytes", code="body_too_large")
+    if declared and declared.isdigit() and int(declared) > limits.max_bytes:
+        raise limits.too_large()
     try:
-        return bytes(await asyncio.wait_for(_read_body(request), BODY_READ_TIMEOUT_S))
+        return bytes(await asyncio.wait_for(_read_body(request, limits), limits.timeout_s))
     except TimeoutError:
-        raise InvalidRequest(f"request body not received within {BODY_READ_TIMEOUT_S:g} s",
+        raise RequestTimeout(f"request body not received within {limits.timeout_s:g} s (--body-read-timeout-s)",
                              code="body_timeout") from None
 
 
@@ -67,9 +82,9 @@ async def off_loop(size: int, work: Callable[[], T]) -> T:
     return work() if size <= OFF_LOOP_BYTES else await asyncio.to_thread(work)
 
 
-async def read_json(request: Request) -> tuple[bytes, dict[str, Any]]:
+async def read_json(request: Request, limits: BodyLimits) -> tuple[bytes, dict[str, Any]]:
     """The raw body and its JSON object."""
-    raw = await read_body(request)
+    raw = await read_body(request, limits)
     return raw, await off_loop(len(raw), lambda: _json_object(raw))
 
 

@@ -8,7 +8,6 @@ are "chatcmpl-<id>" / "cmpl-<id>", <id> being X-Request-Id when given (a label: 
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from starlette.requests import Request
@@ -23,7 +22,9 @@ from services.protocol.streaming import SSE_MEDIA_TYPE
 
 from .cluster import Cluster
 from .context import Kind, RequestContext
-from .http_io import answer, read_json, stream_flags
+from .deadlines import HEADER as DEADLINE_HEADER
+from .deadlines import Deadlines
+from .http_io import BodyLimits, answer, read_json, stream_flags
 from .pipeline import Pipeline
 from .request_ids import internal_id, label_of
 
@@ -42,13 +43,15 @@ class OpenAIApi:
     def context(self, request: Request, kind: Kind, raw: bytes, body: dict[str, Any]) -> RequestContext:
         stream, include_usage = stream_flags(body)
         label = label_of(request.headers.get("x-request-id"))
-        return RequestContext(request_id=internal_id(label), label=label, principal=principal(request.scope), kind=kind,
-                              body=raw, stream=stream, include_usage=include_usage,
-                              return_token_ids=body.get("return_token_ids") is True,
-                              deadline=time.monotonic() + self.config.request_timeout_s)
+        bounds = Deadlines.for_request(self.config, request.headers.get(DEADLINE_HEADER))
+        return RequestContext(request_id=internal_id(label), label=label, principal=principal(request.scope),
+                              kind=kind, body=raw, stream=stream, include_usage=include_usage,
+                              return_token_ids=body.get("return_token_ids") is True, deadline=bounds.first_token,
+                              total_deadline=bounds.total, idle_s=bounds.idle_s,
+                              max_retries=self.config.max_retries)
 
     async def _run(self, request: Request, kind: Kind) -> Response:
-        raw, body = await read_json(request)
+        raw, body = await read_json(request, BodyLimits.of(self.config))
         ctx = self.context(request, kind, raw, body)
         request_id_var.set(ctx.request_id)
         await self.pipeline.prepare(ctx)

@@ -93,7 +93,8 @@ class EpdConfig:
     allowed_media_domains: str = _f("", "comma-separated hosts image URLs may point to (empty: any public host)")
     allow_private_media_urls: bool = _f(False, "allow image URLs on loopback/private networks (tests, in-cluster)")
     media_timeout_s: float = _f(10.0, "deadline to fetch one image URL")
-    request_timeout_s: float = _f(30.0, "deadline of one request through the whole pipeline")
+    request_timeout_s: float = _f(30.0, "roles: the longest one wait inside a role may take (an item in the encode "
+                                  "queue, the next decode event)", roles="roles")
     log_level: str = _f("info", "debug | info | warning | error")
     max_inflight_requests: int = _f(256, "generation requests the coordinator runs at once; more are answered "
                                     "429 with Retry-After at once", roles="coordinator")
@@ -136,6 +137,20 @@ class EpdConfig:
                           "--api-key); role processes send the first one when they announce themselves",
                           secret=True)
 
+    ttft_timeout_s: float = _f(60.0, "time from a request's body to its first token (render, encode, prefill, the "
+                               "first decode step); then 504", roles="coordinator")
+    stream_idle_timeout_s: float = _f(30.0, "longest wait for the next token once an answer has started, and for a "
+                                      "client to take what was sent; then the answer is cut", roles="coordinator")
+    max_request_timeout_s: float = _f(3600.0, "the longest total deadline a request may have: a client sets its own "
+                                      "with the X-Request-Timeout header (seconds), capped by this; without one, "
+                                      "this", roles="coordinator")
+    max_request_bytes: int = _f(64 * 1024 * 1024, "largest request body the coordinator reads: a larger one is "
+                                "answered 413 at once, unread", roles="coordinator")
+    body_read_timeout_s: float = _f(30.0, "a request body must arrive within this; a client trickling it gets 408 "
+                                    "and is dropped", roles="coordinator")
+    max_retries: int = _f(2, "retries one request gets after transport failures, all stages and instances "
+                          "together; only the first failing instance is taken out (a request that crashes "
+                          "instances must not take down the cluster)", roles="coordinator")
     grpc_host: str = _f("", "address role processes bind their gRPC server to (default: --host); e.g. 127.0.0.1 "
                         "when the coordinator is in the same pod", roles="roles")
     grpc_tls_cert: str = _f("", "PEM certificate: roles serve gRPC over TLS with it; the coordinator presents it as "
@@ -168,6 +183,10 @@ class EpdConfig:
         _check(0 <= self.port < 65536 and 0 <= self.grpc_port < 65536 and 0 <= self.http_port < 65536,
                "ports must be in 0..65535")
         _check(self.request_timeout_s > 0 and self.media_timeout_s > 0, "timeouts must be > 0")
+        for name in ("ttft_timeout_s", "stream_idle_timeout_s", "max_request_timeout_s", "body_read_timeout_s"):
+            _check(getattr(self, name) > 0, f"{name} must be > 0")
+        _check(self.max_request_bytes >= 1024, "max_request_bytes must be >= 1024")
+        _check(self.max_retries >= 0, "max_retries must be >= 0")
         _check(self.instance_forget_after_s > 0, "instance_forget_after_s must be > 0")
         _check(self.shutdown_grace_s >= 0, "shutdown_grace_s must be >= 0")
         for role in ("render", "encode", "prefill", "decode"):

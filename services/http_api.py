@@ -21,7 +21,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from services.observability import request_id_var
-from services.protocol.errors import EpdError, InvalidRequest, NotFound, as_epd_error
+from services.protocol.errors import EpdError, NotFound, PayloadTooLarge, as_epd_error
 from services.protocol.parsing import parse_model
 from services.protocol.streaming import SSE_MEDIA_TYPE
 
@@ -38,12 +38,12 @@ async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
     """The raw body, refused past `limit` bytes before it is all read."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
-        raise InvalidRequest(f"request body over {limit} bytes", code="body_too_large")
+        raise PayloadTooLarge(f"request body over {limit} bytes", code="body_too_large")
     raw = bytearray()
     async for piece in request.stream():
         raw += piece
         if len(raw) > limit:
-            raise InvalidRequest(f"request body over {limit} bytes", code="body_too_large")
+            raise PayloadTooLarge(f"request body over {limit} bytes", code="body_too_large")
     return bytes(raw)
 
 

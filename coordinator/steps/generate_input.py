@@ -10,7 +10,8 @@ step, seeing ctx.rendered set, skips):
    taken from its kwargs_data.  EC handles the caller already holds
    (ec_transfer_params) are used as is, so those items are not encoded again.
 2. content_parts: render's RenderContentParts fetches the media with the same
-   media policy as chat, processes and hashes it (a given uuid is the hash).
+   media policy as chat, processes and hashes it (a given uuid names the item within the request's
+   model and cache_salt, which is sent along).
 3. token_ids only: the same call with no parts, so render checks the ids
    (range, stray image placeholders) exactly as for chat.
 
@@ -108,6 +109,8 @@ class GenerateInputStep(Step):
         parts = [part.model_dump(exclude_none=True) for part in req.content_parts or []]
         request = pb.RenderContentPartsRequest(request_id=ctx.request_id, token_ids=req.token_ids,
                                                content_parts_json=dumps(parts))
+        if req.cache_salt is not None:  # a part's uuid is scoped by it (services/render/uuid_scope.py)
+            request.cache_salt = req.cache_salt
         reply, instance = await call_unary(self.cluster.render, ctx, "RenderContentParts", request)
         ctx.instances["render"] = instance.address
         return reply

@@ -56,6 +56,20 @@ class Overloaded(EpdError):
         super().__init__(message, code, retry_after_s)
 
 
+class PayloadTooLarge(EpdError):
+    status, type, grpc_code, default_code = (
+        413, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT, "body_too_large"
+    )
+
+
+class RequestTimeout(EpdError):
+    """The client did not send its request in time (not a server deadline: that is DeadlineExceeded)."""
+
+    status, type, grpc_code, default_code = (
+        408, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT, "body_timeout"
+    )
+
+
 class Unavailable(EpdError):
     status, type, grpc_code, default_code = (
         503, "service_unavailable", grpc.StatusCode.UNAVAILABLE, "unavailable"

@@ -34,7 +34,9 @@ class ContentPart(ProtocolModel):
 
     type: Literal["image_url", "audio_url", "video_url"] = Field(description="Kind of media.")
     url: str = Field(min_length=1, description="http(s) URL, data: URL, or file path the server may read.")
-    uuid: str | None = Field(default=None, min_length=1, description="Caller-chosen mm_hash, used as is.")
+    uuid: str | None = Field(default=None, min_length=1, max_length=1024,
+                             description="The item's id: the same uuid is the same item; its mm_hash is derived "
+                             "from (model, cache_salt, uuid), never the uuid as is (docs/security.md).")
 
     @property
     def modality(self) -> str:

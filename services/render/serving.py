@@ -45,6 +45,7 @@ from services.render.placeholders import VisionTokens, fit_runs
 from services.render.processor import ImageProcessor
 from services.render.prompt import RenderedPrompt
 from services.render.template import ChatTemplate
+from services.render.text_bound import check_text_fits, longest_token_bytes, message_texts
 
 __all__ = ["RenderLimits", "RenderService", "RenderedItem", "RenderedPrompt"]
 
@@ -69,6 +70,7 @@ class RenderService:
         self.vision = _vision_tokens(self.tokenizer, self.spec)
         self.max_model_len = _context_length(self.limits.max_model_len, model_path, self.tokenizer)
         self.vocab_size = max(len(self.tokenizer), _checkpoint_vocab(model_path))
+        self.longest_token = longest_token_bytes(self.tokenizer.get_vocab())
         self._tok_pool = ThreadPoolExecutor(1, thread_name_prefix="render-tok")
         self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="render-proc")
         self.images = None if self.vision is None else ImagePipeline(
@@ -81,8 +83,10 @@ class RenderService:
         """One chat request -> one prompt (token ids, items, sampling)."""
         self.check_model(req.model)
         sampling = req.to_sampling_params()
+        chat = normalize_messages(req.messages)
+        await self._check_text(message_texts(chat.messages))
         with span("render"):  # the opt-in activity log (pipeline-overlap plot); a no-op otherwise
-            text, token_ids, items = await self._render_messages(normalize_messages(req.messages), req)
+            text, token_ids, items = await self._render_messages(chat, req)
         check_context_length(len(token_ids), sampling.max_tokens, self.max_model_len)
         return self._prompt(req, request_id, token_ids, items, sampling, text)
 
@@ -177,12 +181,20 @@ class RenderService:
         return text, token_ids, items
 
     async def _completion_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            await self._check_text([prompt])
         ids = await self._encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
         self._check_ids(ids)
         if self.vision is None:
             return ids
         token_ids, _ = fit_runs(ids, self.vision, [])  # images need a chat or content_parts
         return token_ids
+
+    async def _check_text(self, texts: list[str]) -> None:
+        """400 at once for text that cannot fit the context (text_bound.py), before tokenizing all of it."""
+        count = self.template.encode
+        await run_in(self._tok_pool, check_text_fits, texts, self.max_model_len, self.longest_token,
+                     lambda t: len(count(t)))
 
     async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return await run_in(self._tok_pool, self.template.encode, text, add_special_tokens)

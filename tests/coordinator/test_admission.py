@@ -156,3 +156,44 @@ def test_aborts_follow_the_api_key():
         await asyncio.gather(*(r.task for r in records), return_exceptions=True)
 
     asyncio.run(run())
+
+
+def test_a_client_that_stops_reading_a_stream_is_cut_after_the_stall_bound():
+    """A real server and a real socket that never reads: the write blocks, the request is cancelled."""
+    import socket
+
+    closed: list[str] = []
+    registry = InflightRegistry()
+
+    async def endless(request: Request):
+        inflight.bind("reader-internal", "reader")
+        inflight.on_close(lambda: closed.append("reader"))
+
+        async def events():
+            chunk = "data: " + "x" * 65536 + "\n\n"
+            while True:
+                yield chunk
+                await asyncio.sleep(0)
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    admission = Middleware(AdmissionMiddleware, registry=registry, max_inflight=4, send_stall_s=1.0,
+                           metrics=CoordinatorMetrics(CollectorRegistry()))
+    app = Starlette(routes=[Route("/v1/chat/completions", endless, methods=["POST"])], middleware=[admission])
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    assert _until(lambda: server.started, 10)
+    client = socket.socket()
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        client.connect(("127.0.0.1", port))
+        client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+        started = time.monotonic()
+        assert _until(lambda: closed == ["reader"], 10.0)  # never read a byte: cut, its cleanups ran
+        assert 1.0 <= time.monotonic() - started < 6.0
+        assert _until(lambda: len(registry) == 0, 2.0)
+    finally:
+        client.close()
+        server.should_exit = True
+        thread.join(5)

@@ -75,6 +75,8 @@ def pool_clusters(demo_model_path):
 PUBLIC_KEYS = ("sk-epd-test-tenant-a", "sk-epd-test-tenant-b")
 ROLE_KEY = "sk-epd-test-roles"
 ADMIN_TOKEN = "epd-test-admin-token"
+BODY_LIMIT = 8 * 1024 * 1024
+BODY_READ_S = 3.0
 
 
 @pytest.fixture(scope="session")
@@ -92,6 +94,7 @@ def secure_cluster(demo_model_path, tmp_path_factory, secure_tls):
     tls = ("--grpc-tls-cert", str(secure_tls["cert"]), "--grpc-tls-key", str(secure_tls["key"]),
            "--grpc-tls-ca", str(secure_tls["ca"]))
     cluster = start_cluster("--api-key", f"@{keyfile}", "--role-api-key", ROLE_KEY, "--admin-token", ADMIN_TOKEN,
-                            *tls, "--ec-capacity-mb", "32", "--kv-capacity-mb", "32")
+                            *tls, "--max-request-bytes", str(BODY_LIMIT), "--body-read-timeout-s", str(BODY_READ_S),
+                            "--ec-capacity-mb", "32", "--kv-capacity-mb", "32")
     yield cluster
     cluster.stop()

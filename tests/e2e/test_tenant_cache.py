@@ -70,3 +70,30 @@ def test_different_images_never_share_an_entry(shm_cluster, images):
     assert _ask(shm_cluster, x, salt=salt) == (want_x, {"encoded": 1})
     assert _ask(shm_cluster, y, salt=salt) == (want_y, {"encoded": 1})
     assert _ask(shm_cluster, y, salt=salt) == (want_y, {"known": 1})
+
+
+def test_content_parts_scope_a_uuid_by_the_requests_salt(shm_cluster, images):
+    """POST /inference/v1/generate with content_parts: the same rules as chat (the salt reaches render)."""
+    (x, want_x), (y, want_y) = images
+    uuid = f"part-{uuidlib.uuid4().hex[:8]}"
+    with shm_cluster.client() as client:
+        rendered = client.post(shm_cluster.http_urls("render")[0] + "/v1/chat/completions/render",
+                               json={"messages": [{"role": "user", "content": [
+                                   {"type": "image_url", "image_url": {"url": data_url(x)}},
+                                   {"type": "text", "text": TEXT}]}]}).json()
+
+    def generate(image, salt):
+        body = {"token_ids": rendered["token_ids"], "cache_salt": salt,
+                "content_parts": [{"type": "image_url", "url": data_url(image), "uuid": uuid}],
+                "sampling_params": {"max_tokens": MAX_TOKENS, "temperature": 0}}
+        before = _sources(shm_cluster)
+        with shm_cluster.client() as client:
+            reply = client.post("/inference/v1/generate", json=body)
+        assert reply.status_code == 200, reply.text
+        after = _sources(shm_cluster)
+        return reply.json()["choices"][0]["token_ids"], {s: after[s] - before[s] for s in SOURCES
+                                                         if after[s] != before[s]}
+
+    assert generate(x, "tenant-a") == (want_x, {"encoded": 1})
+    assert generate(x, "tenant-a") == (want_x, {"known": 1})
+    assert generate(y, "tenant-b") == (want_y, {"encoded": 1})

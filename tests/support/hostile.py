@@ -126,7 +126,34 @@ def coordinator_cases() -> list[Case]:
         Case("prompt_ids_out_of_vocab", "coordinator", "/v1/completions", {"prompt": [2**31 - 1], "max_tokens": 2}),
         Case("prompt_ids_negative", "coordinator", "/v1/completions", {"prompt": [-5, 3], "max_tokens": 2}),
     ]
-    return cases + ssrf_cases() + generate_cases() + control_cases()
+    return cases + ssrf_cases() + generate_cases() + control_cases() + limit_cases()
+
+
+def limit_cases() -> list[Case]:
+    """Size, deadline, id and uuid games (docs/security.md)."""
+    uuid_part = {"type": "image_url", "image_url": {"url": png_url(encode(noise_image(56, 56, 8)))}}
+    return [
+        Case("enormous_message_20mb", "coordinator", CHAT,
+             {"messages": [{"role": "user", "content": "x" * 20_000_000}], "max_tokens": 2}),
+        Case("enormous_message_words", "coordinator", CHAT,
+             {"messages": [{"role": "user", "content": "word " * 2_000_000}], "max_tokens": 2}),
+        Case("request_timeout_not_a_number", "coordinator", CHAT, chat_with(),
+             headers=(("X-Request-Timeout", b"soon"),)),
+        Case("request_timeout_negative", "coordinator", CHAT, chat_with(), headers=(("X-Request-Timeout", b"-5"),)),
+        Case("request_timeout_infinite", "coordinator", GENERATE, {"token_ids": [1, 2], "sampling_params": {
+            "max_tokens": 2}}, headers=(("X-Request-Timeout", b"inf"),)),
+        Case("x_request_id_too_long", "coordinator", CHAT, chat_with(), headers=(("X-Request-Id", b"r" * 300),)),
+        Case("uuid_not_a_string", "coordinator", CHAT, chat_with({**uuid_part, "uuid": 5})),
+        Case("uuid_empty", "coordinator", CHAT, chat_with({**uuid_part, "uuid": ""})),
+        Case("uuid_huge", "coordinator", CHAT, chat_with({**uuid_part, "uuid": "u" * 5000})),
+        Case("uuid_inside_image_url_not_a_string", "coordinator", CHAT, chat_with(
+            {"type": "image_url", "image_url": {"url": uuid_part["image_url"]["url"], "uuid": ["a"]}})),
+        Case("content_part_uuid_huge", "coordinator", GENERATE, {"token_ids": [151652, 151655, 151653],
+             "content_parts": [{"type": "image_url", "url": uuid_part["image_url"]["url"], "uuid": "u" * 5000}]}),
+        Case("cache_salt_empty", "coordinator", CHAT, chat_with(cache_salt="")),
+        Case("unknown_route", "coordinator", "/v1/admin/shutdown", {}),
+        Case("wrong_method", "coordinator", "/v1/models", {}),
+    ]
 
 
 def control_cases() -> list[Case]:
