@@ -247,11 +247,6 @@ class EpdConfig:
     def with_(self, **changes: Any) -> EpdConfig:
         return replace(self, **changes)
 
-    def redacted(self) -> dict[str, Any]:
-        """Every setting's value for display: secrets (API keys, tokens) only say whether they are set."""
-        secret = {f.name for f in fields(self) if f.metadata.get("secret")}
-        return {k: ("<set>" if v else "") if k in secret else v for k, v in asdict(self).items()}
-
     def to_env(self) -> dict[str, str]:
         """The environment that reproduces this config in a child process."""
         return {env_name(k): _render(v) for k, v in asdict(self).items()}

@@ -30,7 +30,7 @@ def test_bad_keys_are_refused_without_echoing_them(value, message):
     assert "sk a" not in str(caught.value) and "kkkk" not in str(caught.value)
 
 
-def test_config_checks_keys_at_start_and_redacts_them(tmp_path):
+def test_config_checks_keys_at_start_and_epd_config_hides_them(tmp_path):
     empty = tmp_path / "empty"
     empty.write_text("# nothing\n")
     with pytest.raises(ConfigError, match=r"--role-api-key: the role api key file .* holds no key"):
@@ -39,9 +39,15 @@ def test_config_checks_keys_at_start_and_redacts_them(tmp_path):
     assert config.role_api_keys().accepts("sk-public")  # roles default to the public keys
     separate = EpdConfig(api_key="sk-public", role_api_key="sk-role")
     assert separate.role_api_keys().accepts("sk-role") and not separate.role_api_keys().accepts("sk-public")
-    shown = separate.redacted()
-    assert shown["api_key"] == "<set>" and shown["role_api_key"] == "<set>" and "sk-" not in repr(shown)
-    assert EpdConfig().redacted()["api_key"] == ""
+    import argparse
+
+    from services.config_report import effective
+
+    rows = effective(argparse.Namespace(), {"EPD_API_KEY": "sk-public", "EPD_ROLE_API_KEY": "sk-role",
+                                            "EPD_ADMIN_TOKEN": "tok-admin"})
+    shown = {r["flag"]: r["value"] for r in rows}
+    assert shown["--api-key"] == shown["--role-api-key"] == shown["--admin-token"] == "***"
+    assert "sk-" not in repr(rows) and "tok-admin" not in repr(rows)
 
 
 def test_keyset_accepts_only_its_keys():
