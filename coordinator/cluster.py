@@ -1,4 +1,9 @@
-"""The coordinator's view of the cluster: one pool per role, the EC handle cache, metrics."""
+"""The coordinator's view of the cluster: one pool per role, the EC handle cache, the mm store, metrics.
+
+The mm store (the EC connector's backend, torch-free) holds the tensors of
+features posted to /inference/v1/generate, so they travel to encode by
+handle like rendered images; its shm pool is only made on the first such put.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,8 @@ from typing import Any
 import grpc
 
 from services.config import EpdConfig
+from services.connectors.base import TensorStore
+from services.connectors.wiring import open_store
 from services.grpc_tls import channel_credentials, channel_options
 from services.rpc.v1 import epd_pb2_grpc as rpc
 
@@ -47,6 +54,7 @@ class Cluster:
         self.config = config
         self.ec_handles = HandleCache()
         self.metrics = metrics if metrics is not None else CoordinatorMetrics()  # tests pass their own registry
+        self.mm_store: TensorStore | None = None
 
     @property
     def pools(self) -> list[InstancePool]:
@@ -60,6 +68,7 @@ class Cluster:
         self.decode = self._pool("decode", rpc.DecodeServiceStub)
         for pool in self.pools:
             pool.start_probing()
+        self.mm_store = open_store(self.config, "mm", producer=False)
 
     def _pool(self, role: str, stub: Callable[[grpc.aio.Channel], Any]) -> InstancePool:
         config = self.config
@@ -75,3 +84,5 @@ class Cluster:
     async def close(self) -> None:
         for pool in self.pools:
             await pool.close()
+        if self.mm_store is not None:
+            self.mm_store.close()

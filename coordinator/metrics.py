@@ -38,6 +38,10 @@ class CoordinatorMetrics:
                                 "known (handle remembered here), cache_hit (encoder had it), encoded, "
                                 "inline (no encoder could: prefill encoded it)",
                                 ["source"])
+        self.mm_payload_bytes = Counter(
+            "epd_coordinator_mm_payload_bytes", "kwargs_data bytes that crossed the coordinator's gRPC, by hop "
+            "(render: received in RenderResponses; encode, prefill: sent). Items by handle carry only their "
+            "skeleton (no tensor bytes); the tensors go render -> mm store -> encode", ["hop"])
         self.failovers = Counter("epd_coordinator_failovers",
                                  "Calls retried on another instance after a transport failure", ["role"])
         self.retries = Counter("epd_coordinator_retries", "Stage retries by role and reason "

@@ -35,6 +35,7 @@ S = TypeVar("S", bound=Step)
 STEPS: list[type[Step]] = [GenerateInputStep, RenderStep, EncodeStep, PrefillStep, DecodeStep]
 EC_MISSING_CODE = "ec_entry_missing"
 KV_MISSING_CODE = "kv_entry_missing"
+MM_MISSING_CODE = "mm_entry_missing"
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,14 @@ class Recovery:
     forget: Callable[[Pipeline, RequestContext], None]
 
 
+def _forget_rendered(_: Pipeline, ctx: RequestContext) -> None:
+    ctx.rendered = None
+    ctx.inline_items.clear()
+
+
 RECOVERIES: dict[str, Recovery] = {
+    # encode found the processed image gone from the mm store (evicted, expired, render died): render again
+    MM_MISSING_CODE: Recovery("generate_input", _forget_rendered),
     # prefill found an embedding gone (evicted, expired, its encoder died): encode again
     EC_MISSING_CODE: Recovery("encode", lambda p, ctx: p.step(EncodeStep).forget_handles(ctx)),
     # decode found the KV entry gone (evicted, expired, consumed by an instance that died): prefill again

@@ -51,6 +51,10 @@ class EpdConfig:
     kv_capacity_mb: int = _f(256, "bytes (MiB) the KV store of one prefill instance may hold")
     ec_ttl_s: float = _f(600.0, "seconds an embedding stays in the EC store")
     kv_ttl_s: float = _f(120.0, "seconds a KV entry waits for its decode")
+    # ---- data path (datapath): multimodal inputs by handle (the "mm" store uses the EC connector's backend)
+    mm_capacity_mb: int = _f(256, "bytes (MiB) of processed images (kwargs_data tensors) the mm store of one "
+                             "render instance (or the coordinator, for features posted to it) may hold")
+    mm_ttl_s: float = _f(120.0, "seconds a processed image stays in the mm store for encode to read")
     encode_instances: int = _f(1, "encode processes `epd serve` starts", roles="serve")
     prefill_instances: int = _f(1, "prefill processes `epd serve` starts", roles="serve")
     decode_instances: int = _f(1, "decode processes `epd serve` starts", roles="serve")
@@ -175,7 +179,8 @@ class EpdConfig:
         _check(self.decode_kv_wait_s >= 0, "decode_kv_wait_s must be >= 0")
         _check(self.device.split(":")[0] in DEVICES_PREFIXES, "device must be cpu, cuda or cuda:N")
         for name in ("encode_instances", "prefill_instances", "decode_instances", "decode_slots",
-                     "max_model_len", "ec_capacity_mb", "kv_capacity_mb", "kv_cache_mb", "max_images_per_request",
+                     "max_model_len", "ec_capacity_mb", "kv_capacity_mb", "kv_cache_mb", "mm_capacity_mb",
+                     "max_images_per_request",
                      "max_image_pixels", "max_image_bytes", "encode_max_batch_tokens", "max_inflight_requests",
                      "prefill_max_queue", "encode_max_queue", "max_num_batched_tokens"):
             _check(getattr(self, name) >= 1, f"{name} must be >= 1")

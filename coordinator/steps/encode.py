@@ -69,6 +69,7 @@ class EncodeStep(Step):
 
     async def _encode_one(self, ctx: RequestContext, item: pb.MultiModalItem) -> pb.EncodedItem | None:
         request = pb.EncodeRequest(request_id=ctx.request_id, items=[item])
+        self.cluster.metrics.mm_payload_bytes.labels("encode").inc(len(item.kwargs_data))
         try:
             reply, instance = await call_unary(self.cluster.encode, ctx, "Encode", request, key=item.mm_hash)
         except (Unavailable, Overloaded) as exc:

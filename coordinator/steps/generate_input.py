@@ -5,9 +5,11 @@ encode, prefill and decode steps run unchanged after this one (and the render
 step, seeing ctx.rendered set, skips):
 
 1. features (a render answer posted unchanged): built here, no call.  Each
-   item's kwargs_data goes only to encode (the encode step), only its
-   mm_metadata to prefill; an item without mm_metadata gets the light keys
-   taken from its kwargs_data.  EC handles the caller already holds
+   item's kwargs_data is decoded once (off the event loop) and its tensors
+   written once into the coordinator's mm store, so from here on it travels
+   by handle like a rendered item; only encode reads it, only its
+   mm_metadata goes to prefill; an item without mm_metadata gets the light
+   keys taken from its kwargs_data.  EC handles the caller already holds
    (ec_transfer_params) are used as is, so those items are not encoded again.
 2. content_parts: render's RenderContentParts fetches the media with the same
    media policy as chat, processes and hashes it (a given uuid names the item within the request's
@@ -20,15 +22,19 @@ The request's own sampling params, cache_salt and model replace render's.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import time
 
 from services.config import EpdConfig
+from services.connectors.base import ConnectorError, TensorStore
+from services.connectors.mm import mm_key, store_item
+from services.connectors.wiring import as_epd_error
 from services.protocol.errors import InvalidRequest, NotFound
 from services.protocol.features import FeatureItem
 from services.protocol.generate import GenerateRequest
-from services.protocol.items import metadata_only
+from services.protocol.items import Item, metadata_only
 from services.protocol.serialization import decode_item, encode_item
 from services.rpc.convert import dumps, sampling_to_pb
 from services.rpc.v1 import epd_pb2 as pb
@@ -48,24 +54,42 @@ def _bytes(b64: str, where: str) -> bytes:
         raise InvalidRequest(f"{where}: not valid base64", code="invalid_base64") from None
 
 
-def _item(item: FeatureItem) -> pb.MultiModalItem:
+def _decoded(raw: bytes, where: str) -> Item:
+    try:
+        return decode_item(raw)
+    except InvalidRequest as exc:
+        raise InvalidRequest(f"{where}: {exc.message}", code=exc.code) from None
+
+
+def _item(item: FeatureItem, model: str, mm_store: TensorStore | None) -> pb.MultiModalItem:
     where = f"features.{{}}.{item.modality}[{item.index}]"
     kwargs = _bytes(item.kwargs_b64, where.format("kwargs_data")) if item.kwargs_b64 is not None else b""
+    decoded = _decoded(kwargs, where.format("kwargs_data")) if kwargs and (
+        mm_store is not None or item.metadata_b64 is None) else None
     if item.metadata_b64 is not None:
         metadata = _bytes(item.metadata_b64, where.format("mm_metadata"))
-    elif kwargs:
-        metadata = encode_item(metadata_only(decode_item(kwargs), LIGHT_KEYS))
+    elif decoded is not None:
+        metadata = encode_item(metadata_only(decoded, LIGHT_KEYS))
     else:
         raise InvalidRequest(f"{where.format('mm_metadata')}: an item needs kwargs_data or mm_metadata",
                              code="missing_mm_metadata")
     place = item.placeholder
-    return pb.MultiModalItem(modality=item.modality, mm_hash=item.mm_hash, offset=place.offset,
-                             length=place.length, kwargs_data=kwargs, mm_metadata=metadata)
+    out = pb.MultiModalItem(modality=item.modality, mm_hash=item.mm_hash, offset=place.offset,
+                            length=place.length, kwargs_data=kwargs, mm_metadata=metadata)
+    if decoded is not None and mm_store is not None:  # stored once; from here on it travels by handle
+        skeleton, ref = store_item(mm_store, mm_key(model, item.mm_hash), decoded)
+        out.kwargs_data, out.kwargs_ref_json = encode_item(skeleton), ref.to_json()
+    return out
 
 
-def rendered_from_features(req: GenerateRequest, model: str) -> pb.RenderResponse:
-    return pb.RenderResponse(request_id=req.request_id, token_ids=req.token_ids,
-                             items=[_item(item) for item in req.items()], model=model)
+def rendered_from_features(req: GenerateRequest, model: str,
+                           mm_store: TensorStore | None = None) -> pb.RenderResponse:
+    """The request as render would answer it; with `mm_store`, each item's tensors written into it once."""
+    try:
+        items = [_item(item, model, mm_store) for item in req.items()]
+    except ConnectorError as exc:
+        raise as_epd_error(exc, "mm") from None
+    return pb.RenderResponse(request_id=req.request_id, token_ids=req.token_ids, items=items, model=model)
 
 
 def check_model(req: GenerateRequest, config: EpdConfig) -> None:
@@ -93,8 +117,9 @@ class GenerateInputStep(Step):
             return
         started = time.perf_counter()
         check_model(req, self.cluster.config)
-        if req.features is not None:
-            ctx.rendered = rendered_from_features(req, self.cluster.config.served_model_id())
+        if req.features is not None:  # MBs of base64 and msgpack: decoded and stored off the event loop
+            ctx.rendered = await asyncio.to_thread(rendered_from_features, req, self.cluster.config.served_model_id(),
+                                                   self.cluster.mm_store)
             self._known_handles(ctx, req)
         else:
             ctx.rendered = await self._render_parts(ctx, req)
@@ -113,6 +138,7 @@ class GenerateInputStep(Step):
             request.cache_salt = req.cache_salt
         reply, instance = await call_unary(self.cluster.render, ctx, "RenderContentParts", request)
         ctx.instances["render"] = instance.address
+        self.cluster.metrics.mm_payload_bytes.labels("render").inc(sum(len(i.kwargs_data) for i in reply.items))
         return reply
 
     @staticmethod

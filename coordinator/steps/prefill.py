@@ -27,7 +27,9 @@ class PrefillStep(Step):
         if ctx.prefill is not None:
             return
         started = time.perf_counter()
-        ctx.prefill, instance = await call_unary(self.cluster.prefill, ctx, "Prefill", self.request(ctx))
+        request = self.request(ctx)
+        self.cluster.metrics.mm_payload_bytes.labels("prefill").inc(sum(len(i.kwargs_data) for i in request.items))
+        ctx.prefill, instance = await call_unary(self.cluster.prefill, ctx, "Prefill", request)
         ctx.instances["prefill"] = instance.address
         ctx.timings["prefill"] = time.perf_counter() - started
 

@@ -26,6 +26,7 @@ class RenderStep(Step):
             request = pb.RenderCompletionRequest(request_id=ctx.request_id, completion_request_json=ctx.body)
             reply, instance = await call_unary(self.cluster.render, ctx, "RenderCompletion", request)
         ctx.rendered = reply
+        self.cluster.metrics.mm_payload_bytes.labels("render").inc(sum(len(i.kwargs_data) for i in reply.items))
         ctx.sampling = sampling_to_pb(loads(reply.sampling_params_json) or {})
         ctx.instances["render"] = instance.address
         ctx.timings["render"] = time.perf_counter() - started

@@ -10,9 +10,10 @@ from .registry import create_store
 
 
 def store_config(config: EpdConfig, purpose: str, producer: bool = True) -> StoreConfig:
-    backend = config.ec_connector if purpose == "ec" else config.kv_connector
-    capacity_mb = config.ec_capacity_mb if purpose == "ec" else config.kv_capacity_mb
-    ttl = config.ec_ttl_s if purpose == "ec" else config.kv_ttl_s
+    """The store of `purpose`: "ec", "kv", or "mm" (multimodal inputs: the EC connector's backend)."""
+    backend = config.kv_connector if purpose == "kv" else config.ec_connector
+    capacity_mb = {"ec": config.ec_capacity_mb, "kv": config.kv_capacity_mb, "mm": config.mm_capacity_mb}[purpose]
+    ttl = {"ec": config.ec_ttl_s, "kv": config.kv_ttl_s, "mm": config.mm_ttl_s}[purpose]
     return StoreConfig(backend=backend, purpose=purpose, instance_id=config.instance_id,
                        capacity_bytes=capacity_mb * 1024 * 1024, ttl_s=ttl,
                        redis_url=config.redis_url if backend == "redis" else None,

@@ -23,8 +23,9 @@ async def build(config: EpdConfig) -> RoleServer:
     export(prepack_vision(vision, config.linear_kernel), "vision")
     engine = EncodeEngine(vision, config.encode_max_batch_tokens)
     store = open_store(config, "ec")
+    mm_store = open_store(config, "mm", producer=False)  # render's processed images, read by handle
     service = EncodeService(engine, store, config.served_model_id(), config.request_timeout_s,
-                            config.encode_max_queue)
+                            config.encode_max_queue, mm_store)
     servicer = EncodeServicer(service)
 
     def register(server: grpc.aio.Server) -> None:
@@ -33,8 +34,9 @@ async def build(config: EpdConfig) -> RoleServer:
     def cleanup() -> None:
         engine.close()
         store.close()
+        mm_store.close()
 
     from .api_router import routes
 
     return RoleServer(name="encode", register_grpc=register, cleanup=cleanup, http_routes=routes(service),
-                      stores=[store])
+                      stores=[store, mm_store])

@@ -1,4 +1,9 @@
-"""Encode's gRPC servicer: decode the msgpack items, call EncodeService, answer handles."""
+"""Encode's gRPC servicer: decode the msgpack items, call EncodeService, answer handles.
+
+An item with kwargs_ref_json comes by handle: kwargs_data is its skeleton and the
+tensors are read from the mm store (services.connectors.mm).  Large inline items
+are decoded in a worker thread, not on the event loop.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,8 @@ import asyncio
 
 import grpc
 
+from services.connectors.mm import MmRef
+from services.protocol.items import Item
 from services.protocol.serialization import decode_item
 from services.rpc.convert import dumps
 from services.rpc.handlers import rpc_method
@@ -22,8 +29,18 @@ class EncodeServicer(rpc.EncodeServiceServicer):
     @rpc_method
     async def Encode(self, request: pb.EncodeRequest, context: grpc.aio.ServicerContext):
         MM_BYTES.inc(sum(len(i.kwargs_data) + len(i.mm_metadata) for i in request.items))
-        items = [decode_item(i.kwargs_data) if i.kwargs_data else None for i in request.items]
-        results = await asyncio.gather(*(self.service.encode(i.mm_hash, item)
-                                         for i, item in zip(request.items, items, strict=True)))
+        items = [await _decode(i.kwargs_data) for i in request.items]
+        refs = [MmRef.from_json(i.kwargs_ref_json) if i.kwargs_ref_json else None for i in request.items]
+        results = await asyncio.gather(*(self.service.encode(i.mm_hash, item, ref)
+                                         for i, item, ref in zip(request.items, items, refs, strict=True)))
         return pb.EncodeResponse(request_id=request.request_id, items=[
             pb.EncodedItem(mm_hash=r.mm_hash, handle_json=dumps(r.handle), cache_hit=r.cache_hit) for r in results])
+
+
+OFF_LOOP_BYTES = 256 * 1024
+
+
+async def _decode(raw: bytes) -> Item | None:
+    if not raw:
+        return None
+    return decode_item(raw) if len(raw) <= OFF_LOOP_BYTES else await asyncio.to_thread(decode_item, raw)

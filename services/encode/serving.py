@@ -1,7 +1,11 @@
 """Encode's core: kwargs items -> EC entries (embedding + family extras) in the EC store -> handles.
 
 An item whose mm_hash is already stored is not encoded again (counted as a
-cache hit); concurrent requests for the same item share one encode.  Items
+cache hit); concurrent requests for the same item share one encode.  An item
+that comes by handle (render's mm store, services.connectors.mm) is read as
+zero-copy views kept open through the forward, so the tower's own input copy
+is the only copy of its pixels; an entry evicted meanwhile fails the item
+(`mm_entry_missing`) instead of storing an embedding of torn bytes.  Items
 wait for the engine as futures (no thread each), so items of every request in
 flight batch together; the EC put runs in a thread while the engine already
 runs the next batch.
@@ -10,7 +14,9 @@ runs the next batch.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from prometheus_client import Counter
@@ -18,6 +24,7 @@ from prometheus_client import Counter
 from services.admission import Admission
 from services.connectors.base import ConnectorError, TensorStore
 from services.connectors.ec import ec_key
+from services.connectors.mm import MmRef, open_item
 from services.connectors.wiring import as_epd_error
 from services.owned_metrics import OwnedGauges
 from services.protocol.errors import DeadlineExceeded, InvalidRequest
@@ -35,6 +42,8 @@ GAUGES = {
     "epd_encode_forwards": ("Vision-tower forwards run so far", lambda s: s.engine.num_forwards),
     "epd_ec_store_bytes_copied_total": ("Payload bytes the EC store copied (puts in, gets out; views none)",
                                         lambda s: s.store.stats().bytes_copied),
+    "epd_mm_store_bytes_copied_total": ("Payload bytes copied reading processed images by handle (views: none)",
+                                        lambda s: s.mm_store.stats().bytes_copied),
 }
 
 
@@ -47,13 +56,15 @@ class EncodedResult:
 
 class EncodeService:
     def __init__(self, engine: EncodeEngine, store: TensorStore, model_id: str, timeout_s: float,
-                 max_queue: int = 256) -> None:
+                 max_queue: int = 256, mm_store: TensorStore | None = None) -> None:
         self.engine, self.store, self.model_id, self.timeout_s = engine, store, model_id, timeout_s
+        self.mm_store = mm_store  # where items sent by handle are read
         self._inflight: dict[str, asyncio.Future[EncodedResult]] = {}
         self.admission = Admission("encode", max_queue)  # items waiting for or in the tower
         self.gauges = OwnedGauges(self, GAUGES)  # read at scrape time: evictions and expiry show at once
 
-    async def encode(self, mm_hash: str, item: Item | None) -> EncodedResult:
+    async def encode(self, mm_hash: str, item: Item | None, ref: MmRef | None = None) -> EncodedResult:
+        """The item's EC handle; `item` is the skeleton when `ref` says where its tensors are."""
         key = ec_key(self.model_id, mm_hash)
         handle = self._lookup(key)
         if handle is not None:
@@ -70,7 +81,7 @@ class EncodeService:
         self._inflight[key] = future
         try:
             with self.admission.admit():
-                result = await self._encode(key, mm_hash, item)
+                result = await self._encode(key, mm_hash, item, ref)
             future.set_result(result)
             return result
         except BaseException as exc:
@@ -86,18 +97,35 @@ class EncodeService:
         except ConnectorError as exc:
             raise as_epd_error(exc, "ec") from None
 
-    async def _encode(self, key: str, mm_hash: str, item: Item) -> EncodedResult:
-        tensors = {name: to_torch(elem.data) for name, elem in item.items() if elem.data is not None}
-        # One entry per item: the embedding plus whatever else the family's prefill needs (deepstack).
-        # Awaited as a future, not in a thread: every waiting item can join the engine's next batch.
-        [future] = self.engine.submit([tensors])
+    async def _encode(self, key: str, mm_hash: str, item: Item, ref: MmRef | None) -> EncodedResult:
         try:
-            entry = await asyncio.wait_for(asyncio.wrap_future(future), self.timeout_s)
-        except TimeoutError:
-            raise DeadlineExceeded(f"encoding item {mm_hash} did not finish in {self.timeout_s} s") from None
+            with self._opened(item, ref) as full:
+                entry = await self._forward(mm_hash, full)
+        except ConnectorError as exc:  # the mm entry is gone or was overwritten: the coordinator renders again
+            raise as_epd_error(exc, "mm") from None
         try:
             handle = await asyncio.to_thread(self.store.put, key, entry)
         except ConnectorError as exc:
             raise as_epd_error(exc, "ec") from None
         ITEMS.labels("encoded").inc()
         return EncodedResult(mm_hash, handle, False)
+
+    @contextlib.contextmanager
+    def _opened(self, item: Item, ref: MmRef | None) -> Iterator[Item]:
+        if ref is None:
+            yield item
+            return
+        if self.mm_store is None:
+            raise InvalidRequest("this encoder reads no mm store: send kwargs_data inline", code="no_mm_store")
+        with open_item(self.mm_store, item, ref) as full:
+            yield full
+
+    async def _forward(self, mm_hash: str, item: Item) -> dict:
+        tensors = {name: to_torch(elem.data) for name, elem in item.items() if elem.data is not None}
+        # One entry per item: the embedding plus whatever else the family's prefill needs (deepstack).
+        # Awaited as a future, not in a thread: every waiting item can join the engine's next batch.
+        [future] = self.engine.submit([tensors])
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), self.timeout_s)
+        except TimeoutError:
+            raise DeadlineExceeded(f"encoding item {mm_hash} did not finish in {self.timeout_s} s") from None

@@ -28,7 +28,9 @@ async def build(config: EpdConfig) -> RoleServer:
     ec_store = open_store(config, "ec", producer=False)
     kv_store = open_store(config, "kv")
     inline = InlineEncoder(adapter, path, config.device, config.dtype) if config.prefill_inline_encode else None
-    service = PrefillService(engine, lm, ec_store, kv_store, config.instance_id, config.prefill_max_queue, inline)
+    mm_store = open_store(config, "mm", producer=False) if inline is not None else None  # inline items by handle
+    service = PrefillService(engine, lm, ec_store, kv_store, config.instance_id, config.prefill_max_queue, inline,
+                             mm_store)
     servicer = PrefillServicer(service)
 
     def register(server: grpc.aio.Server) -> None:
@@ -38,6 +40,8 @@ async def build(config: EpdConfig) -> RoleServer:
         engine.close()
         kv_store.close()
         ec_store.close()
+        if mm_store is not None:
+            mm_store.close()
 
     from .api_router import routes
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 
+from services.connectors.mm import MmRef
 from services.protocol.errors import InvalidRequest
 from services.protocol.serialization import decode_item
 from services.rpc.convert import dumps, loads, sampling_from_pb
@@ -21,8 +22,9 @@ def items_from_pb(items: list[pb.MultiModalItem]) -> list[PrefillItem]:
             raise InvalidRequest(f"item {item.mm_hash}: mm_metadata is required", code="missing_mm_metadata")
         # kwargs_data reaches prefill only when no encoder could take the item (inline_encode.py).
         kwargs = decode_item(item.kwargs_data) if item.kwargs_data else None
+        ref = MmRef.from_json(item.kwargs_ref_json) if item.kwargs_ref_json else None  # pixels by handle
         out.append(PrefillItem(item.modality, item.mm_hash, item.offset, item.length, decode_item(item.mm_metadata),
-                               kwargs))
+                               kwargs, ref))
     return out
 
 

@@ -13,6 +13,7 @@ position state (rope_delta) decode needs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,7 @@ from prometheus_client import Counter
 from services.admission import Admission
 from services.connectors.base import ConnectorError, TensorStore
 from services.connectors.kv import kv_key
+from services.connectors.mm import MmRef, open_item
 from services.connectors.wiring import as_epd_error
 from services.decode.params_from import decode_params
 from services.decode.sampler import sample_first
@@ -59,6 +61,7 @@ class PrefillItem:
     length: int
     metadata: Item
     kwargs: Item | None = None  # only when no encoder could take the item (inline_encode.py)
+    kwargs_ref: MmRef | None = None  # kwargs is the skeleton; its tensors are in the mm store
 
 
 @dataclass
@@ -71,9 +74,10 @@ class PrefillOutcome:
 
 class PrefillService:
     def __init__(self, engine: PrefillEngine, lm: LanguageModel, ec_store: TensorStore, kv_store: TensorStore,
-                 instance_id: str, max_queue: int = 32, inline: InlineEncoder | None = None) -> None:
+                 instance_id: str, max_queue: int = 32, inline: InlineEncoder | None = None,
+                 mm_store: TensorStore | None = None) -> None:
         self.engine, self.lm, self.instance_id = engine, lm, instance_id
-        self.ec_store, self.kv_store = ec_store, kv_store
+        self.ec_store, self.kv_store, self.mm_store = ec_store, kv_store, mm_store
         self.inline = inline
         self.admission = Admission("prefill", max_queue)
         # Read at scrape time, so entries that decode released or that expired show at once.
@@ -89,8 +93,7 @@ class PrefillService:
                        ec_params: dict[str, Any], sampling: dict[str, Any], cache_salt: str | None) -> PrefillOutcome:
         params = decode_params(sampling)
         self._check_ids(token_ids)
-        mm_inputs = await asyncio.to_thread(self._load_embeddings, items, ec_params)
-        held = await self._run_engine(token_ids, mm_inputs, cache_salt)
+        held = await self._forward(token_ids, items, ec_params, cache_salt)
         try:
             first = sample_first(held.first_logits, params, 0, self.lm.eos_token_ids, token_ids)
         except BaseException:
@@ -103,6 +106,23 @@ class PrefillService:
                       "rope_delta": held.rope_delta, "num_prompt_tokens": held.num_prompt_tokens,
                       "first_token_id": first}
         return PrefillOutcome(first, params_out, held.num_prompt_tokens, held.num_cached_tokens)
+
+    async def _forward(self, token_ids: list[int], items: list[PrefillItem], ec_params: dict[str, Any],
+                       cache_salt: str | None) -> HeldPrefill:
+        """The prompt through the engine with each embedding read as a zero-copy view of the EC store, kept
+        open until the forward is done: the scatter into the prompt's embeddings is the one copy.  An entry
+        evicted meanwhile fails the prompt (ec_entry_missing) rather than use bytes that changed under it."""
+        views = contextlib.ExitStack()
+        held: HeldPrefill | None = None
+        try:
+            with views:
+                mm_inputs = await asyncio.to_thread(self._load_embeddings, items, ec_params, views)
+                held = await self._run_engine(token_ids, mm_inputs, cache_salt)
+        except ConnectorError as exc:
+            if held is not None:
+                held.release()
+            raise as_epd_error(exc, "ec") from None
+        return held
 
     async def _run_engine(self, token_ids: list[int], mm_inputs: list[MultiModalInput],
                           cache_salt: str | None) -> HeldPrefill:
@@ -148,26 +168,41 @@ class PrefillService:
             raise InvalidRequest(f"token id {bad} is out of range [0, {self.lm.vocab_size})",
                                  code="invalid_token_id")
 
-    def _load_embeddings(self, items: list[PrefillItem], ec_params: dict[str, Any]) -> list[MultiModalInput]:
+    def _load_embeddings(self, items: list[PrefillItem], ec_params: dict[str, Any],
+                         views: contextlib.ExitStack) -> list[MultiModalInput]:
         inputs = []
         for item in items:
-            extras = self._entry(item, ec_params)
+            extras = self._entry(item, ec_params, views)
             embedding = extras.pop("embedding")  # the rest (e.g. Qwen3-VL deepstack) goes to the adapter
             metadata = {k: to_torch(e.data) for k, e in item.metadata.items() if e.data is not None}
             inputs.append(MultiModalInput(item.modality, item.offset, item.length, metadata, embedding,
                                           mm_hash=item.mm_hash, extras=extras))
         return inputs
 
-    def _entry(self, item: PrefillItem, ec_params: dict[str, Any]) -> dict[str, Any]:
-        """The item's EC entry: from the EC store by handle, or encoded here when no encoder could."""
+    def _inline(self, kwargs: Item, ref: MmRef | None) -> dict[str, Any]:
+        """Encoded here; an item by handle is read from the mm store (the same handle encode would read)."""
+        assert self.inline is not None
+        if ref is None:
+            return self.inline.entry(kwargs)
+        if self.mm_store is None:
+            raise InvalidRequest("this prefill reads no mm store: send kwargs_data inline", code="no_mm_store")
+        try:
+            with open_item(self.mm_store, kwargs, ref) as full:
+                return self.inline.entry(full)
+        except ConnectorError as exc:
+            raise as_epd_error(exc, "mm") from None
+
+    def _entry(self, item: PrefillItem, ec_params: dict[str, Any], views: contextlib.ExitStack) -> dict[str, Any]:
+        """The item's EC entry: a view of the EC store by handle (open until `views` closes), or encoded here
+        when no encoder could."""
         handle = ec_params.get(item.mm_hash)
         if not isinstance(handle, dict) and item.kwargs is not None and self.inline is not None:
-            return self.inline.entry(item.kwargs)
+            return self._inline(item.kwargs, item.kwargs_ref)
         if not isinstance(handle, dict):
             raise InvalidRequest(f"ec_transfer_params has no handle for mm_hash {item.mm_hash}",
                                  code="missing_ec_handle")
         try:
-            extras = self.ec_store.get(handle)
+            extras = dict(views.enter_context(self.ec_store.view(handle)))
             if "embedding" not in extras:
                 raise KeyError("embedding")
             return extras

@@ -133,7 +133,10 @@ def from_torch(tensor: torch.Tensor) -> Tensor:
 
 
 def to_torch(tensor: Tensor) -> torch.Tensor:
-    """A wire tensor as a CPU torch tensor that owns writable memory."""
+    """A wire tensor as a CPU torch tensor that owns writable memory; a torch tensor (a zero-copy view
+    from a connector store) passes through as it is."""
+    if not isinstance(tensor, np.ndarray | RawTensor) and hasattr(tensor, "data_ptr"):
+        return tensor  # type: ignore[return-value]
     import torch
 
     if isinstance(tensor, RawTensor) and tensor.dtype == "bfloat16":

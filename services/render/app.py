@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 
 from services.config import EpdConfig
+from services.connectors.wiring import open_store
 from services.server import RoleServer
 
 from .api_router import routes
@@ -32,12 +33,17 @@ async def build(config: EpdConfig) -> RoleServer:
 
     path = resolve_model(config.model)
     service = RenderService(path, config.served_model_id(), media_policy(config), limits(config))
-    servicer = RenderServicer(service)
+    mm_store = open_store(config, "mm")  # processed images, read by encode by handle
+    servicer = RenderServicer(service, mm_store)
+
+    def cleanup() -> None:
+        service.close()
+        mm_store.close()
 
     def register(server: grpc.aio.Server) -> None:
         from services.rpc.v1 import epd_pb2_grpc as rpc
 
         rpc.add_RenderServiceServicer_to_server(servicer, server)
 
-    return RoleServer(name="render", register_grpc=register, cleanup=service.close,
-                      http_routes=routes(service))
+    return RoleServer(name="render", register_grpc=register, cleanup=cleanup, http_routes=routes(service),
+                      stores=[mm_store])

@@ -72,3 +72,33 @@ def test_stop_reason_from_grpc_text():
 def test_finish_reason_from_grpc_text():
     assert [finish_reason(t) for t in ("", "stop", "length", "abort", "error", "weird")] == \
         [None, "stop", "length", "abort", "error", "error"]
+
+
+def test_features_are_stored_once_and_travel_by_handle_without_torch(tmp_path):
+    """In a process where torch cannot be imported (as in the coordinator): decode, store, forward a handle."""
+    import json
+    import subprocess
+    import sys
+
+    request = _request().model_dump_json()
+    script = (
+        "import sys, json; sys.modules['torch'] = None\n"
+        "from coordinator.steps.generate_input import rendered_from_features\n"
+        "from services.connectors.base import StoreConfig\n"
+        "from services.connectors.registry import create_store\n"
+        "from services.protocol.generate import GenerateRequest\n"
+        "from services.protocol.serialization import decode_item, item_payload_nbytes\n"
+        "store = create_store(StoreConfig('shm', 'mm', sys.argv[2], capacity_bytes=1 << 22, preallocate=False))\n"
+        "req = GenerateRequest.model_validate_json(open(sys.argv[1]).read())\n"
+        "[item] = rendered_from_features(req, 'm', store).items\n"
+        "ref = json.loads(item.kwargs_ref_json)\n"
+        "print(json.dumps({'inline_tensor_bytes': item_payload_nbytes(decode_item(item.kwargs_data)),\n"
+        "                  'stored': [t['name'] for t in ref['handle']['tensors']],\n"
+        "                  'copied': store.stats().bytes_copied, 'torch': sys.modules['torch'] is None}))\n"
+        "store.close()\n")
+    path = tmp_path / "req.json"
+    path.write_text(request)
+    out = subprocess.run([sys.executable, "-c", script, str(path), "gen" + tmp_path.name[-8:].replace("-", "")],
+                         capture_output=True, text=True, timeout=60, check=True)
+    assert json.loads(out.stdout) == {"inline_tensor_bytes": 0, "stored": ["pixel_values", "image_grid_thw"],
+                                      "copied": 16 * 1176 * 4 + 24, "torch": True}

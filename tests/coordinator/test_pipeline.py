@@ -47,7 +47,7 @@ def retries(bench: Bench) -> dict[tuple[str, str], float]:
 
 def test_the_steps_run_in_one_order_and_no_step_holds_another():
     assert [cls.name for cls in STEPS] == ["generate_input", "render", "encode", "prefill", "decode"]
-    assert set(RECOVERIES) == {"ec_entry_missing", "kv_entry_missing"}
+    assert set(RECOVERIES) == {"ec_entry_missing", "kv_entry_missing", "mm_entry_missing"}
     assert [RECOVERIES[c].rerun_from for c in ("ec_entry_missing", "kv_entry_missing")] == ["encode", "prefill"]
 
 
@@ -110,6 +110,19 @@ def test_ec_entry_missing_encodes_again_then_prefills():
     assert json.loads(bench.prefill.requests[1].ec_transfer_params_json) == {"h0": {"n": 2}}
     assert bench.cluster.ec_handles.get("h0") == b'{"n": 2}'
     assert retries(bench) == {("prefill", "ec_entry_missing"): 1.0}
+
+
+def test_mm_entry_missing_renders_again_then_encodes():
+    async def scenario(bench, pipeline):
+        bench.encode.script = ["mm_missing"]
+        ctx = chat_context()
+        body = await answer(pipeline, ctx)
+        return bench, ctx, body
+
+    bench, ctx, body = run(scenario)
+    assert body["choices"][0]["message"]["content"] == "abc"
+    assert bench.render.calls == 2 and len(bench.encode.requests) == 2 and len(bench.prefill.requests) == 1
+    assert ctx.recovered == {"mm_entry_missing"} and retries(bench) == {("encode", "mm_entry_missing"): 1.0}
 
 
 def test_an_image_seen_before_is_not_sent_to_an_encoder_again():

@@ -1,4 +1,5 @@
-"""Pixels go only to encode; prefill receives metadata; an image is encoded once."""
+"""Pixels go render -> mm store -> encode, never through the coordinator; prefill receives metadata; an image
+is encoded once."""
 
 from __future__ import annotations
 
@@ -25,12 +26,17 @@ def _post(cluster, body):
     return reply.json()
 
 
-def test_prefill_receives_no_pixel_data(shm_cluster):
+def test_pixels_travel_by_handle_and_prefill_receives_no_pixel_data(shm_cluster):
     before = {role: _mm_bytes(shm_cluster, role) for role in ("encode", "prefill")}
+    stored_before = metric_value(shm_cluster.metrics("render"), "epd_mm_store_bytes_copied_total")
+    read_before = metric_value(shm_cluster.metrics("encode"), "epd_mm_store_bytes_copied_total")
     _post(shm_cluster, chat("What is this?", [noise_image(448, 448, seed=101)], max_tokens=2))
     encode_bytes = _mm_bytes(shm_cluster, "encode") - before["encode"]
     prefill_bytes = _mm_bytes(shm_cluster, "prefill") - before["prefill"]
-    assert encode_bytes > 1_000_000, encode_bytes       # full kwargs_data: (1024, 1176) float32 pixels
+    stored = metric_value(shm_cluster.metrics("render"), "epd_mm_store_bytes_copied_total") - stored_before
+    assert stored == 1024 * 1176 * 4 + 3 * 8, stored   # (1024, 1176) float32 pixels + grid, written once
+    assert metric_value(shm_cluster.metrics("encode"), "epd_mm_store_bytes_copied_total") == read_before  # views
+    assert 0 < encode_bytes < 2_000, encode_bytes       # the item's skeleton and handle, no pixels
     assert 0 < prefill_bytes < 2_000, prefill_bytes     # only image_grid_thw
 
 

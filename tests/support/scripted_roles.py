@@ -55,12 +55,17 @@ class Render(rpc.RenderServiceServicer):
 
 
 class Encode(rpc.EncodeServiceServicer):
+    """`script`: "ok" or "mm_missing" per call; "ok" once it runs out."""
+
     def __init__(self) -> None:
+        self.script: list[str] = []
         self.requests: list[pb.EncodeRequest] = []
 
     @rpc_method
     async def Encode(self, request: pb.EncodeRequest, context: grpc.aio.ServicerContext):
         self.requests.append(request)
+        if (self.script.pop(0) if self.script else "ok") == "mm_missing":
+            raise NotFound("mm entry is gone", code="mm_entry_missing")
         items = [pb.EncodedItem(mm_hash=i.mm_hash, handle_json=json.dumps({"n": len(self.requests)}).encode())
                  for i in request.items]
         return pb.EncodeResponse(request_id=request.request_id, items=items)

@@ -7,20 +7,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class MultiModalItem(_message.Message):
-    __slots__ = ("modality", "mm_hash", "offset", "length", "kwargs_data", "mm_metadata")
+    __slots__ = ("modality", "mm_hash", "offset", "length", "kwargs_data", "mm_metadata", "kwargs_ref_json")
     MODALITY_FIELD_NUMBER: _ClassVar[int]
     MM_HASH_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     KWARGS_DATA_FIELD_NUMBER: _ClassVar[int]
     MM_METADATA_FIELD_NUMBER: _ClassVar[int]
+    KWARGS_REF_JSON_FIELD_NUMBER: _ClassVar[int]
     modality: str
     mm_hash: str
     offset: int
     length: int
     kwargs_data: bytes
     mm_metadata: bytes
-    def __init__(self, modality: _Optional[str] = ..., mm_hash: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., kwargs_data: _Optional[bytes] = ..., mm_metadata: _Optional[bytes] = ...) -> None: ...
+    kwargs_ref_json: bytes
+    def __init__(self, modality: _Optional[str] = ..., mm_hash: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., kwargs_data: _Optional[bytes] = ..., mm_metadata: _Optional[bytes] = ..., kwargs_ref_json: _Optional[bytes] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty", "skip_special_tokens", "include_stop_str_in_output")
