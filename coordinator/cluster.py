@@ -17,6 +17,7 @@ from services.config import EpdConfig
 from services.connectors.base import TensorStore
 from services.connectors.wiring import open_store
 from services.grpc_tls import channel_credentials, channel_options
+from services.owned_metrics import OwnedGauges
 from services.rpc.v1 import epd_pb2_grpc as rpc
 
 from .metrics import CoordinatorMetrics
@@ -49,6 +50,14 @@ class HandleCache:
         return len(self._entries)
 
 
+GAUGES = {
+    "epd_mm_store_bytes": ("Bytes of posted features' tensors the coordinator's mm store holds",
+                           lambda c: c.mm_store.stats().bytes_used),
+    "epd_mm_store_bytes_copied_total": ("Payload bytes the coordinator's mm store copied (each posted item's "
+                                        "tensors, once)", lambda c: c.mm_store.stats().bytes_copied),
+}
+
+
 class Cluster:
     def __init__(self, config: EpdConfig, metrics: CoordinatorMetrics | None = None) -> None:
         self.config = config
@@ -69,6 +78,7 @@ class Cluster:
         for pool in self.pools:
             pool.start_probing()
         self.mm_store = open_store(self.config, "mm", producer=False)
+        self.gauges = OwnedGauges(self, GAUGES)
 
     def _pool(self, role: str, stub: Callable[[grpc.aio.Channel], Any]) -> InstancePool:
         config = self.config

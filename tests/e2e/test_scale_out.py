@@ -102,14 +102,17 @@ def test_token_ids_only_path_equals_chat(orch):
     assert via_ids["request_id"].startswith("generate-tokens-")
 
 
-def test_features_path_sends_pixels_only_to_encode(orch):
+def test_features_path_stores_pixels_once_and_sends_encode_a_handle(orch):
     rendered = orch.render(chat("Look.", [noise_image(224, 224, 31)], max_tokens=2))
     before = {role: orch.metric(role, f"epd_{role}_mm_bytes_received_total") for role in ("encode", "prefill")}
+    stored_before = orch.metric("coordinator", "epd_mm_store_bytes_copied_total")
     orch.ok("coordinator", "/inference/v1/generate", rendered)
     encode = orch.metric("encode", "epd_encode_mm_bytes_received_total") - before["encode"]
     prefill = orch.metric("prefill", "epd_prefill_mm_bytes_received_total") - before["prefill"]
-    # pixel_values (256, 1176) raw uint8 = 301,056 bytes (vLLM's form: 4x less than float32), + the grid
-    assert 301_056 < encode < 302_000, encode
+    stored = orch.metric("coordinator", "epd_mm_store_bytes_copied_total") - stored_before
+    # pixel_values (256, 1176) raw uint8 = 301,056 bytes (vLLM's form) + the grid, stored once
+    assert stored == 256 * 1176 + 24, stored
+    assert 0 < encode < 2_000, encode           # the item's skeleton and handle
     assert 0 < prefill < 2_000, prefill         # image_grid_thw only
 
 

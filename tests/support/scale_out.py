@@ -68,7 +68,8 @@ class Orchestrator:
         return reply.json()
 
     def metric(self, role: str, name: str) -> float:
-        return metric_value(self.http.get(self.urls[role] + "/metrics").text, name)
+        base = self.cluster.url if role == "coordinator" else self.urls[role]
+        return metric_value(self.http.get(base + "/metrics").text, name)
 
     def render(self, chat: dict[str, Any]) -> dict[str, Any]:
         return self.ok("render", "/v1/chat/completions/render", chat)
