@@ -55,6 +55,10 @@ class EpdConfig:
     mm_capacity_mb: int = _f(256, "bytes (MiB) of processed images (kwargs_data tensors) the mm store of one "
                              "render instance (or the coordinator, for features posted to it) may hold")
     mm_ttl_s: float = _f(120.0, "seconds a processed image stays in the mm store for encode to read")
+    render_workers: int = _f(0, "processes per render instance that decode and process images (several images "
+                             "and requests at once); 0 = one per two cores, at least 1", roles="render")
+    render_cache_mb: int = _f(256, "bytes (MiB) of processed images a render instance keeps by content hash, so "
+                              "an image it has seen is not decoded and processed again", roles="render")
     encode_instances: int = _f(1, "encode processes `epd serve` starts", roles="serve")
     prefill_instances: int = _f(1, "prefill processes `epd serve` starts", roles="serve")
     decode_instances: int = _f(1, "decode processes `epd serve` starts", roles="serve")
@@ -185,6 +189,7 @@ class EpdConfig:
                      "prefill_max_queue", "encode_max_queue", "max_num_batched_tokens"):
             _check(getattr(self, name) >= 1, f"{name} must be >= 1")
         _check(self.prefix_cache_mb >= 0, "prefix_cache_mb must be >= 0")
+        _check(min(self.render_workers, self.render_cache_mb) >= 0, "render_workers, render_cache_mb must be >= 0")
         _check(0 <= self.port < 65536 and 0 <= self.grpc_port < 65536 and 0 <= self.http_port < 65536,
                "ports must be in 0..65535")
         _check(self.request_timeout_s > 0 and self.media_timeout_s > 0, "timeouts must be > 0")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
+
 import grpc
 
 from services.config import EpdConfig
@@ -28,11 +31,19 @@ def limits(config: EpdConfig) -> RenderLimits:
                         max_model_len=config.max_model_len)
 
 
+def render_workers(config: EpdConfig) -> int:
+    """--render-workers, or one per two cores (the other roles need the rest), at least 1."""
+    return config.render_workers or max(1, (os.cpu_count() or 2) // 2)
+
+
 async def build(config: EpdConfig) -> RoleServer:
     from services.models.registry import resolve_model
 
     path = resolve_model(config.model)
-    service = RenderService(path, config.served_model_id(), media_policy(config), limits(config))
+    service = RenderService(path, config.served_model_id(), media_policy(config), limits(config),
+                            num_workers=render_workers(config), cache_mb=config.render_cache_mb)
+    if service.workers is not None:
+        await asyncio.to_thread(service.workers.warm_up)  # each worker loads the image processor now
     mm_store = open_store(config, "mm")  # processed images, read by encode by handle
     servicer = RenderServicer(service, mm_store)
 

@@ -7,7 +7,8 @@ truncated or corrupt file fails here, not later inside the HF processor.  PIL's 
 MAX_IMAGE_PIXELS is left untouched as a backstop (MediaPolicy keeps ours at or below it), and epd
 never sets ImageFile.LOAD_TRUNCATED_IMAGES, which would let truncated files through.
 
-Called by: `media.load_image` (in a worker thread: decoding is CPU-bound).  Error codes:
+Called by: `media.load_image`, and render's worker processes (services/render/workers.py: decoding is
+CPU-bound); `image_size` (header only) by render's main process to check limits before any decode.  Error codes:
 invalid_image (not an image, unsupported format, corrupt or truncated), image_too_large.
 """
 
@@ -34,6 +35,18 @@ def decode_image(data: bytes, policy: MediaPolicy) -> Image.Image:
     _check_pixels(image, policy)
     _load(image)
     return _as_rgb(image)
+
+
+def image_size(data: bytes, policy: MediaPolicy) -> tuple[int, int]:
+    """(width, height) from the header only, checked against the pixel limit; no pixel is decoded."""
+    if not data:
+        raise InvalidRequest("image is empty", code=INVALID_IMAGE)
+    image = _open(data, policy)
+    try:
+        _check_pixels(image, policy)
+        return image.size
+    finally:
+        image.close()
 
 
 def _open(data: bytes, policy: MediaPolicy) -> Image.Image:

@@ -20,17 +20,18 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from PIL import Image
-
 from services.protocol.errors import InvalidRequest
 from services.render.chat import ImageRef
 from services.render.features import IMAGE, RenderedItem, rendered_item
-from services.render.hashing import item_hash
+from services.render.hashing import mm_hash
+from services.render.image_decode import image_size
 from services.render.limits import RenderLimits
-from services.render.media import MediaPolicy, load_image
+from services.render.media import MediaPolicy
+from services.render.media_fetch import fetch_media
 from services.render.placeholders import VisionTokens, fit_runs
 from services.render.processor import ImageProcessor, ProcessedImage
 from services.render.uuid_scope import scoped_uuid
+from services.render.workers import ImageWorkers
 
 T = TypeVar("T")
 # Media error code -> (render limit, the policy field it tightens).
@@ -41,8 +42,9 @@ _SIZE_CODES = {"image_too_large": ("max_image_pixels", "max_image_pixels"),
 @dataclass(frozen=True)
 class LoadedImage:
     ref: ImageRef
-    image: Image.Image
-    data: bytes           # the original encoded bytes: what mm_hash covers
+    width: int
+    height: int
+    data: bytes           # the original encoded bytes: what mm_hash covers (decoded by a worker)
 
 
 @dataclass(frozen=True)
@@ -55,12 +57,12 @@ class ImagePipeline:
     """Per-service image handling; holds no per-request state."""
 
     def __init__(self, processor: ImageProcessor, policy: MediaPolicy, limits: RenderLimits,
-                 model_id: str, executor: Executor, hash_model_id: str | None = None) -> None:
+                 model_id: str, workers: ImageWorkers, hash_model_id: str | None = None) -> None:
         self.processor = processor
         self.limits = limits
         self.model_id = model_id  # the served name: scopes client uuids (uuid_scope)
         self.hash_model_id = hash_model_id or model_id  # vLLM's model_id in mm_hash: the model as given
-        self.executor = executor
+        self.workers = workers
         self.policy = dataclasses.replace(
             policy, max_bytes=min(policy.max_bytes, limits.max_image_bytes),
             max_image_pixels=min(policy.max_image_pixels, limits.max_image_pixels))
@@ -71,9 +73,7 @@ class ImagePipeline:
 
     async def process(self, images: Sequence[LoadedImage], cache_salt: str | None = None) -> list[ReadyImage]:
         """Processed images with their mm_hash (a client uuid is scoped by model and cache_salt)."""
-        loop = asyncio.get_running_loop()
-        return await gather_or_cancel(
-            [loop.run_in_executor(self.executor, self._process_one, image, cache_salt) for image in images])
+        return await gather_or_cancel([self._process_one(i, image, cache_salt) for i, image in enumerate(images)])
 
     def place(self, token_ids: Sequence[int], ready: Sequence[ReadyImage], vision: VisionTokens,
               metadata_keys: Sequence[str]) -> tuple[list[int], list[RenderedItem]]:
@@ -86,17 +86,21 @@ class ImagePipeline:
     async def _load_one(self, index: int, ref: ImageRef) -> LoadedImage:
         try:
             # No shared session: media opens (and closes) one per fetch, so nothing outlives an event loop.
-            image, data = await load_image(ref.url, self.policy)
-            self.limits.check_image(image.width, image.height, len(data))
+            data = await fetch_media(ref.url, self.policy)
+            width, height = image_size(data, self.policy)
+            self.limits.check_image(width, height, len(data))
         except InvalidRequest as exc:
             raise self._named(index, exc) from None
-        return LoadedImage(ref, image, data)
+        return LoadedImage(ref, width, height, data)
 
-    def _process_one(self, image: LoadedImage, cache_salt: str | None) -> ReadyImage:
-        processed = self.processor.process(image.image)
+    async def _process_one(self, index: int, image: LoadedImage, cache_salt: str | None) -> ReadyImage:
+        content = await asyncio.to_thread(mm_hash, IMAGE, image.data, self.hash_model_id)
+        try:
+            processed = await self.workers.process(content, image.data)
+        except InvalidRequest as exc:
+            raise self._named(index, exc) from None
         uuid = scoped_uuid(self.model_id, cache_salt, image.ref.uuid) if image.ref.uuid else None
-        mm_hash = item_hash(IMAGE, image.data, self.hash_model_id, uuid)
-        return ReadyImage(processed, mm_hash)
+        return ReadyImage(processed, uuid or content)
 
     def _named(self, index: int, exc: InvalidRequest) -> InvalidRequest:
         message = f"image {index}: {exc.message}"

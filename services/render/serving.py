@@ -13,9 +13,10 @@ ids equal the family's HF processor's.  What a family's placeholders and
 metadata are comes from its adapter's `RenderSpec` (services.models); a
 text-only model has no image processor and answers 400 to any image.
 
-Threads: tokenizer calls go through a one-thread executor (HF fast tokenizers
-are not safe to call concurrently); image processing and hashing use a
-bounded pool of `num_workers` threads.
+Concurrency: tokenizer calls go through a one-thread executor (HF fast
+tokenizers are not safe to call concurrently); image decoding and processing
+run on `num_workers` worker processes (0: two threads here) behind a
+processed-item cache of `cache_mb` keyed by content hash (services/render/workers.py).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from services.render.processor import ImageProcessor
 from services.render.prompt import RenderedPrompt
 from services.render.template import ChatTemplate
 from services.render.text_bound import check_text_fits, longest_token_bytes, message_texts
+from services.render.workers import ImageWorkers
 
 __all__ = ["RenderLimits", "RenderService", "RenderedItem", "RenderedPrompt"]
 
@@ -55,10 +57,8 @@ class RenderService:
 
     def __init__(self, model_path: str | Path, model_id: str, media_policy: MediaPolicy | None = None,
                  limits: RenderLimits | None = None, *, aliases: Sequence[str] = (),
-                 metadata_keys: Sequence[str] | None = None, num_workers: int = 2,
-                 spec: RenderSpec | None = None) -> None:
-        if num_workers < 1:
-            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+                 metadata_keys: Sequence[str] | None = None, num_workers: int = 0,
+                 spec: RenderSpec | None = None, cache_mb: int = 256) -> None:
         self.model_path = Path(model_path)
         self.model_id = model_id
         self.served_model_names = (model_id, *aliases)
@@ -72,10 +72,13 @@ class RenderService:
         self.vocab_size = max(len(self.tokenizer), _checkpoint_vocab(model_path))
         self.longest_token = longest_token_bytes(self.tokenizer.get_vocab())
         self._tok_pool = ThreadPoolExecutor(1, thread_name_prefix="render-tok")
-        self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="render-proc")
-        self.images = None if self.vision is None else ImagePipeline(
-            ImageProcessor(model_path, self.spec), media_policy or MediaPolicy(), self.limits, model_id,
-            self._pool, hash_model_id=str(model_path))
+        self.workers: ImageWorkers | None = None
+        self.images: ImagePipeline | None = None
+        if self.vision is not None:
+            policy = media_policy or MediaPolicy()
+            self.workers = ImageWorkers(model_path, self.spec, policy, num_workers, cache_mb << 20)
+            self.images = ImagePipeline(ImageProcessor(model_path, self.spec), policy, self.limits, model_id,
+                                        self.workers, hash_model_id=str(model_path))
 
     # ---- public API -------------------------------------------------------------------------------
 
@@ -153,8 +156,9 @@ class RenderService:
                                  code="model_not_found")
 
     def close(self) -> None:
-        """Stop the worker threads (queued work is cancelled)."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stop the workers (queued work is cancelled)."""
+        if self.workers is not None:
+            self.workers.close()
         self._tok_pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- internals --------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ surfaces, which still carry the whole item (render's answer as base64) and, post
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import grpc
 import httpx
@@ -22,6 +24,20 @@ from tests.support.cluster import metric_value
 from tests.support.images import chat, noise_image
 
 PIXELS_224 = 256 * 1176 * 4  # a 224x224 image: (256, 1176) float32 patches
+SKELETON = 117                # its item without tensor data: field settings only
+ARCHITECTURE = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
+
+
+def _documented(hop: str) -> int:
+    """The bold figure of `hop`'s row in docs/architecture.md's "What crosses which hop" table."""
+    row = next(line for line in ARCHITECTURE.read_text().splitlines() if line.startswith(f"| {hop} |"))
+    return int(re.search(r"\*\*([\d,]+)\*\*", row).group(1).replace(",", ""))
+
+
+def test_the_documented_sizes_are_the_measured_ones():
+    assert _documented("render → mm store") == PIXELS_224 + 24
+    assert _documented("render → coordinator → encode") == SKELETON
+    assert _documented("mm store → encode") == 0
 
 
 def _hop_bytes(cluster) -> dict[str, float]:
@@ -38,11 +54,20 @@ def _delta(after: dict, before: dict) -> dict:
 def test_the_coordinator_moves_no_pixel_bytes(request, cluster_name):
     cluster = request.getfixturevalue(cluster_name)
     before = _hop_bytes(cluster)
-    body = chat("What?", [noise_image(224, 224, seed=811), noise_image(224, 224, seed=812)], max_tokens=2)
+    copied = {role: metric_value(cluster.metrics(role), "epd_mm_store_bytes_copied_total") for role in ("render",
+                                                                                                       "encode")}
+    seed = 811 if cluster_name == "shm_cluster" else 813
+    body = chat("What?", [noise_image(224, 224, seed=seed), noise_image(224, 224, seed=seed + 1)], max_tokens=2)
     with cluster.client() as client:
         assert client.post("/v1/chat/completions", json=body).status_code == 200
     moved = _delta(_hop_bytes(cluster), before)
-    assert 0 < moved["render"] < 2 * 300 and moved["render"] == moved["encode"], moved  # two skeletons
+    stored = metric_value(cluster.metrics("render"), "epd_mm_store_bytes_copied_total") - copied["render"]
+    read = metric_value(cluster.metrics("encode"), "epd_mm_store_bytes_copied_total") - copied["encode"]
+    # shm copies each image into the pool once; redis sends it from the arrays; encode's views copy nothing
+    # (redis: received straight into the tensors' buffer)
+    assert stored == (2 * _documented("render → mm store") if cluster_name == "shm_cluster" else 0), stored
+    assert read == 0, read
+    assert moved["render"] == moved["encode"] == 2 * SKELETON, moved                    # two skeletons
     assert moved["prefill"] == 0, moved                                                # metadata only
 
     address = [g for r, _, g in cluster.roles if r == "render"][0]
@@ -57,6 +82,7 @@ def test_the_coordinator_moves_no_pixel_bytes(request, cluster_name):
         assert {t["name"]: t["nbytes"] for t in ref.handle["tensors"]} == {"pixel_values": PIXELS_224,
                                                                           "image_grid_thw": 24}
     assert sum(len(i.kwargs_data) for i in reply.items) == moved["render"]  # the counter counts exactly that
+    assert all(len(i.kwargs_data) == SKELETON for i in reply.items)
 
 
 def test_a_features_request_is_stored_once_then_travels_by_handle(shm_cluster):
@@ -73,5 +99,5 @@ def test_a_features_request_is_stored_once_then_travels_by_handle(shm_cluster):
         by_chat = client.post("/v1/chat/completions", json={**body, "return_token_ids": True}).json()
     assert generated.status_code == 200, generated.text
     moved = _delta(_hop_bytes(shm_cluster), before)
-    assert 0 < moved["encode"] < 2 * 300, moved  # the chat request's item was known: only the features' one
+    assert moved["encode"] == SKELETON, moved  # the chat request's item was known: only the features' one
     assert generated.json()["choices"][0]["token_ids"] == by_chat["choices"][0]["token_ids"]

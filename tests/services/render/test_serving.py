@@ -202,7 +202,7 @@ def test_too_many_bytes(demo_model_path, service) -> None:
 
     _, url = png(224, 224)
     pipeline = ImagePipeline(service.images.processor, MediaPolicy(), RenderLimits(max_image_bytes=10_000),
-                             MODEL, service._pool)
+                             MODEL, service.workers)
     with pytest.raises(InvalidRequest, match="max_image_bytes=10000") as info:
         run(pipeline.load([ImageRef(url)]))
     assert info.value.code == "media_too_large"

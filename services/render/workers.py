@@ -1,0 +1,155 @@
+"""Image decoding and HF processing on a pool of worker processes, behind a processed-item cache.
+
+`ImageWorkers.process(data)` turns one image's encoded bytes into its
+`ProcessedImage` (the processor arrays and its placeholder count).  With
+`num_workers >= 1` (render's default: `--render-workers`) the decode and the
+processor run in that many spawned processes, so several images and requests
+preprocess at once and the render event loop never waits on them (nor on the
+GIL they hold); with 0 they run on two threads in this process (tests, tools).
+Workers import no torch (the same block render's main process has) and load
+the checkpoint's image processor once, at start.
+
+Errors a worker raises on purpose (a corrupt or oversized image) come back as
+(message, code) and are raised here as the same InvalidRequest; a worker that
+dies (OOM) breaks the pool, which is rebuilt for the next call and reported as
+a 503 for this one.
+
+The cache maps an image's content key (the mm_hash of its bytes, model and
+processor settings: never a client uuid) to its ProcessedImage, bounded in
+bytes (least recently used out first), so an image render has seen is neither
+decoded nor processed again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import sys
+from collections import OrderedDict
+from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import Counter
+
+from services.models.base import RenderSpec
+from services.protocol.errors import InvalidRequest, Unavailable
+from services.render.image_decode import decode_image
+from services.render.media_policy import MediaPolicy
+from services.render.processor import ImageProcessor, ProcessedImage
+
+log = logging.getLogger(__name__)
+CACHE = Counter("epd_render_processed_cache", "Images looked up in render's processed-item cache, by result "
+                "(hit: not decoded nor processed again)", ["result"])
+_worker: tuple[ImageProcessor, MediaPolicy] | None = None  # set once in each worker process
+
+
+def _init_worker(model_path: str, spec: RenderSpec | None, policy: MediaPolicy) -> None:
+    global _worker
+    sys.modules.setdefault("torch", None)  # type: ignore[arg-type]  # as in render's main process
+    _worker = (ImageProcessor(model_path, spec), policy)
+
+
+def decode_and_process(data: bytes) -> tuple[str, Any]:
+    """("ok", ProcessedImage) or ("invalid", (message, code)); runs in a worker (or a thread)."""
+    assert _worker is not None, "worker not initialised"
+    processor, policy = _worker
+    return _run(processor, policy, data)
+
+
+def _run(processor: ImageProcessor, policy: MediaPolicy, data: bytes) -> tuple[str, Any]:
+    try:
+        return "ok", processor.process(decode_image(data, policy))
+    except InvalidRequest as exc:  # sent back as plain values: exceptions with extra fields do not pickle
+        return "invalid", (exc.message, exc.code)
+
+
+class ProcessedCache:
+    """content key -> ProcessedImage, bounded in bytes, least recently used evicted first."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes_used = 0
+        self._entries: OrderedDict[str, tuple[ProcessedImage, int]] = OrderedDict()
+
+    def get(self, key: str) -> ProcessedImage | None:
+        found = self._entries.get(key)
+        CACHE.labels("hit" if found else "miss").inc()
+        if found is None:
+            return None
+        self._entries.move_to_end(key)
+        return found[0]
+
+    def put(self, key: str, processed: ProcessedImage) -> None:
+        size = sum(a.nbytes for a in processed.arrays.values())
+        if size > self.max_bytes:
+            return
+        self._drop(key)
+        self._entries[key] = (processed, size)
+        self.bytes_used += size
+        while self.bytes_used > self.max_bytes:
+            self._drop(next(iter(self._entries)))
+
+    def _drop(self, key: str) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self.bytes_used -= entry[1]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class ImageWorkers:
+    def __init__(self, model_path: str | Path, spec: RenderSpec | None, policy: MediaPolicy,
+                 num_workers: int = 0, cache_bytes: int = 256 << 20) -> None:
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        self.num_workers = num_workers
+        self._args = (str(model_path), spec, policy)
+        self.cache = ProcessedCache(cache_bytes)
+        self._local = ImageProcessor(model_path, spec) if num_workers == 0 else None
+        self._pool: Executor = self._make_pool()
+
+    def _make_pool(self) -> Executor:
+        if self.num_workers == 0:
+            return ThreadPoolExecutor(2, thread_name_prefix="render-proc")
+        return ProcessPoolExecutor(self.num_workers, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_init_worker, initargs=self._args)
+
+    def warm_up(self) -> None:
+        """Start every worker now (each loads the image processor), not at the first request."""
+        if isinstance(self._pool, ProcessPoolExecutor):
+            for future in [self._pool.submit(_ping) for _ in range(self.num_workers)]:
+                future.result(timeout=120)
+
+    async def process(self, key: str, data: bytes) -> ProcessedImage:
+        """The processed image of `data`, from the cache when its content `key` was seen."""
+        cached = self.cache.get(key)
+        if cached is not None:
+            return cached
+        status, value = await self._submit(data)
+        if status == "invalid":
+            raise InvalidRequest(value[0], code=value[1])
+        self.cache.put(key, value)
+        return value
+
+    async def _submit(self, data: bytes) -> tuple[str, Any]:
+        loop = asyncio.get_running_loop()
+        if self._local is not None:
+            return await loop.run_in_executor(self._pool, _run, self._local, self._args[2], data)
+        try:
+            return await loop.run_in_executor(self._pool, decode_and_process, data)
+        except BrokenProcessPool:
+            log.error("a render worker process died; starting a new pool")
+            self._pool = self._make_pool()
+            raise Unavailable("a render worker died while processing the image", code="render_worker_died") \
+                from None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _ping() -> bool:
+    return _worker is not None
