@@ -49,6 +49,9 @@ _worker: tuple[ImageProcessor, MediaPolicy] | None = None  # set once in each wo
 def _init_worker(model_path: str, spec: RenderSpec | None, policy: MediaPolicy) -> None:
     global _worker
     sys.modules.setdefault("torch", None)  # type: ignore[arg-type]  # as in render's main process
+    from services.role_main import NO_TORCH_MESSAGE  # ...and the same silence about it
+
+    logging.getLogger("transformers").addFilter(lambda record: NO_TORCH_MESSAGE not in record.getMessage())
     _worker = (ImageProcessor(model_path, spec), policy)
 
 
