@@ -47,4 +47,4 @@ async def build(config: EpdConfig) -> RoleServer:
 
     http = routes(service, config.served_model_id(), adapter.metadata_keys)
     return RoleServer(name="prefill", register_grpc=register, cleanup=cleanup, http_routes=http,
-                      stores=[ec_store, kv_store])
+                      stores=[ec_store, kv_store, *([mm_store] if mm_store is not None else [])])

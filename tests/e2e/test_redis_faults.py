@@ -1,6 +1,7 @@
 """Redis restarts under load: clear 503s for the requests it hits, full recovery without restarting anything.
 
-While Redis is down the roles that use it are not ready (GET /ready 503 naming Redis, gRPC health
+While Redis is down the roles that use it (all four: render writes processed images to the mm store, encode
+reads them) are not ready (GET /ready 503 naming Redis, gRPC health
 NOT_SERVING), so the coordinator stops sending them work and is itself not ready.
 
 The cluster keeps EC and KV entries in its own Redis; the test kills that
@@ -60,10 +61,11 @@ def test_a_redis_restart_mid_load_gives_503s_then_full_recovery(redis_faults):
     assert failed, "the outage hit no request"
     for r in failed:  # a call that met the outage names Redis; once a role's readiness saw it, it takes no work
         error = r.body["error"]
-        if error["code"] in ("ec_store_unavailable", "kv_store_unavailable"):
+        if error["code"] in ("ec_store_unavailable", "kv_store_unavailable", "mm_store_unavailable"):
             assert "redis" in error["message"], error
         else:
-            assert error["code"] in ("encode_unavailable", "prefill_unavailable", "decode_unavailable"), error
+            assert error["code"] in ("render_unavailable", "encode_unavailable", "prefill_unavailable",
+                                     "decode_unavailable"), error
             assert error["message"].startswith(f"no healthy {error['code'].split('_')[0]} instance"), error
     assert max(r.seconds for r in results) < 15.0                   # failing is fast, nothing hangs
     assert statuses[-40:] == [200] * 40, statuses[-40:]              # recovered, under the same load
@@ -86,9 +88,8 @@ def _wait_status(url: str, status: int, deadline_s: float = 10.0) -> httpx.Respo
 
 def test_readiness_follows_redis_while_liveness_stays(redis_faults):
     server, cluster = redis_faults
-    roles = {role: cluster.http_urls(role)[0] for role in ("encode", "prefill", "decode")}
-    render = cluster.http_urls("render")[0]
-    for url in [*roles.values(), render]:
+    roles = {role: cluster.http_urls(role)[0] for role in ("render", "encode", "prefill", "decode")}
+    for url in roles.values():
         assert httpx.get(url + "/ready", timeout=5).json()["status"] == "ready"
     server.stop()
     try:
@@ -98,17 +99,17 @@ def test_readiness_follows_redis_while_liveness_stays(redis_faults):
             assert reply.status_code == 503, (role, reply.text)
             body = reply.json()
             assert body["status"] == "not_ready" and body["role"] == role
-            purposes = {"encode": ["ec"], "prefill": ["ec", "kv"], "decode": ["kv"]}[role]
+            purposes = {"render": ["mm"], "encode": ["ec", "mm"], "prefill": ["ec", "kv", "mm"],
+                        "decode": ["kv"]}[role]
             assert [p.split(":")[0] for p in body["problems"]] == [f"{p} store (redis)" for p in purposes]
             assert all(f"Redis at {where} is not reachable (" in p for p in body["problems"]), body
             live = httpx.get(url + "/health", timeout=5)
             assert live.status_code == 200 and live.json()["ready"] is False     # alive, only not ready
-        assert httpx.get(render + "/ready", timeout=5).status_code == 200       # render uses no store
         coordinator = _wait_status(cluster.url + "/ready", 503)                  # no ready instance of a role
         assert coordinator.status_code == 503, coordinator.text
         assert coordinator.json()["problems"] == [
-            f"no ready {role} instance (1 known; GET /ready on each says why)" for role in ("encode", "prefill",
-                                                                                          "decode")]
+            f"no ready {role} instance (1 known; GET /ready on each says why)"
+            for role in ("render", "encode", "prefill", "decode")]
         assert httpx.get(cluster.url + "/health", timeout=5).status_code == 200  # alive all the same
     finally:
         server.start()
