@@ -34,7 +34,7 @@ def test_pixels_travel_by_handle_and_prefill_receives_no_pixel_data(shm_cluster)
     encode_bytes = _mm_bytes(shm_cluster, "encode") - before["encode"]
     prefill_bytes = _mm_bytes(shm_cluster, "prefill") - before["prefill"]
     stored = metric_value(shm_cluster.metrics("render"), "epd_mm_store_bytes_copied_total") - stored_before
-    assert stored == 1024 * 1176 * 4 + 3 * 8, stored   # (1024, 1176) float32 pixels + grid, written once
+    assert stored == 1024 * 1176 + 3 * 8, stored       # (1024, 1176) uint8 pixels + grid, written once
     assert metric_value(shm_cluster.metrics("encode"), "epd_mm_store_bytes_copied_total") == read_before  # views
     assert 0 < encode_bytes < 2_000, encode_bytes       # the item's skeleton and handle, no pixels
     assert 0 < prefill_bytes < 2_000, prefill_bytes     # only image_grid_thw

@@ -23,8 +23,8 @@ from services.rpc.v1 import epd_pb2_grpc as rpc
 from tests.support.cluster import metric_value
 from tests.support.images import chat, noise_image
 
-PIXELS_224 = 256 * 1176 * 4  # a 224x224 image: (256, 1176) float32 patches
-SKELETON = 117                # its item without tensor data: field settings only
+PIXELS_224 = 256 * 1176      # a 224x224 image: (256, 1176) uint8 patches (vLLM's form)
+SKELETON = 118                # its item without tensor data: field settings only
 ARCHITECTURE = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
 
 
@@ -78,7 +78,7 @@ def test_the_coordinator_moves_no_pixel_bytes(request, cluster_name):
         skeleton = decode_item(item.kwargs_data)
         assert item_payload_nbytes(skeleton) == 0 and skeleton["pixel_values"].data is None  # 0 pixel bytes
         ref = MmRef.from_json(item.kwargs_ref_json)
-        assert ref.keys == ("pixel_values", "image_grid_thw")
+        assert set(ref.keys) == {"pixel_values", "image_grid_thw"}  # in the processor's (vLLM's) key order
         assert {t["name"]: t["nbytes"] for t in ref.handle["tensors"]} == {"pixel_values": PIXELS_224,
                                                                           "image_grid_thw": 24}
     assert sum(len(i.kwargs_data) for i in reply.items) == moved["render"]  # the counter counts exactly that
