@@ -20,8 +20,10 @@ from tests.services.connectors.helpers import read_json_line, start_child
 
 BOUND_S = 3 * LIVENESS_INTERVAL_S + 2.0  # two checks, plus scheduling slack on a loaded machine
 
+# Its own namespace: `epd serve` and role start-ups on this machine sweep dead owners' segments of the "epd"
+# namespace, which would unlink this one before the consumer could show that it does.
 PRODUCER = """
-store = create_store(StoreConfig("shm", "ec", sys.argv[1], capacity_bytes=4 << 20))
+store = create_store(StoreConfig("shm", "ec", sys.argv[1], capacity_bytes=4 << 20, namespace="epdliveness"))
 print(json.dumps(store.put("img", {"x": torch.arange(1000, dtype=torch.float32)})), flush=True)
 sys.stdin.readline()
 """
