@@ -1,9 +1,17 @@
-"""Keys of the KV store: one entry per request, written by prefill, read once by decode, then released."""
+"""Keys of the KV store: one entry per prefill, written by prefill, read once by decode (by handle), released.
+
+A request id is a client's label, not unique (coordinator/request_ids.py; a
+role's HTTP API takes X-Request-Id as sent), so the key adds a random part:
+two prefills of requests with the same id never overwrite each other's entry.
+The id stays first, for logs and debugging.
+"""
 
 from __future__ import annotations
+
+import uuid
 
 
 def kv_key(request_id: str) -> str:
     if not request_id:
         raise ValueError("kv_key needs a request id")
-    return f"req|{request_id}"
+    return f"req|{request_id}|{uuid.uuid4().hex[:12]}"

@@ -59,3 +59,10 @@ def test_put_into_stores_what_fill_wrote(backend, make_store):
     handle = store.put_into("req|a", {"kv": (torch.float32, (2, 3, 4)), "n": (torch.int64, (1,))}, fill)
     got = store.get(handle)
     assert torch.equal(got["kv"], source) and got["n"].tolist() == [7]
+
+
+def test_kv_keys_are_unique_per_prefill_even_for_one_request_id():
+    from services.connectors.kv import kv_key
+
+    keys = {kv_key("same-id") for _ in range(100)}
+    assert len(keys) == 100 and all(k.startswith("req|same-id|") for k in keys)
