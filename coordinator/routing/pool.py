@@ -211,14 +211,22 @@ class InstancePool:
                 self.remove(i.address, f"failed its probes for {self.forget_after_s:g} s")
 
     async def check_all(self, timeout: float = PROBE_TIMEOUT_S) -> dict[str, bool]:
-        """Probe every instance now (used by /health and /cluster)."""
+        """Probe every instance now (used by /ready and /cluster).  An answer counts for routing too, so a
+        200 from /ready means the next request is routed to what answered SERVING (not half a probe interval
+        later); a failed call is left to the background probe's miss counting."""
         async def one(i: Instance) -> bool:
             try:
                 reply = await health_pb2_grpc.HealthStub(i.channel).Check(
                     health_pb2.HealthCheckRequest(), timeout=timeout)
-                return reply.status == health_pb2.HealthCheckResponse.SERVING
             except grpc.aio.AioRpcError:
                 return False
+            serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+            if i in self.instances:  # not removed while the probe was in flight
+                if serving:
+                    self._mark_up(i)
+                else:
+                    self.mark_down(i, "health probe: not serving")
+            return serving
         instances = list(self.instances)
         results = await asyncio.gather(*(one(i) for i in instances))
         return {i.address: ok for i, ok in zip(instances, results, strict=True)}

@@ -49,6 +49,13 @@ _CONSUMED_AT = 48
 _CONSUMED = struct.Struct("<Q")
 
 
+def _store(buf: mmap.mmap, at: int, fmt: struct.Struct, *values: object) -> None:
+    """Write packed fields with one copy of the finished bytes.  Never `Struct.pack_into` on shared memory:
+    CPython zero-fills the destination before packing field by field, so a concurrent reader could see a
+    zero magic, state or generation that no writer ever stored (seen as "slot header damaged")."""
+    buf[at:at + fmt.size] = fmt.pack(*values)
+
+
 class SlotHeader(NamedTuple):
     magic: int
     state: int
@@ -83,7 +90,7 @@ class Layout:
         return mmap.PAGESIZE + index * SLOT_SIZE
 
     def write_header(self, buf: mmap.mmap) -> None:
-        SEGMENT.pack_into(buf, 0, SEGMENT_MAGIC, VERSION, self.num_slots, SLOT_SIZE, self.data_start,
+        _store(buf, 0, SEGMENT, SEGMENT_MAGIC, VERSION, self.num_slots, SLOT_SIZE, self.data_start,
                           self.capacity)
 
     @classmethod
@@ -119,21 +126,21 @@ class Layout:
 
     def begin_write(self, buf: mmap.mmap, index: int, header: SlotHeader) -> None:
         at = self.slot_at(index)
-        _STATE.pack_into(buf, at + _STATE_AT, WRITING)  # invalidate first, then the rest
+        _store(buf, at + _STATE_AT, _STATE, WRITING)  # invalidate first, then the rest
         fence()
-        SLOT.pack_into(buf, at, *header._replace(state=WRITING))
+        _store(buf, at, SLOT, *header._replace(state=WRITING))
 
     def publish(self, buf: mmap.mmap, index: int, crc: int, flags: int) -> None:
         at = self.slot_at(index)
-        _CRC.pack_into(buf, at + _CRC_AT, crc, flags)
+        _store(buf, at + _CRC_AT, _CRC, crc, flags)
         fence()  # the payload and the checksum are visible before the slot says READY
-        _STATE.pack_into(buf, at + _STATE_AT, READY)
+        _store(buf, at + _STATE_AT, _STATE, READY)
 
     def mark_free(self, buf: mmap.mmap, index: int) -> None:
-        _STATE.pack_into(buf, self.slot_at(index) + _STATE_AT, FREE)
+        _store(buf, self.slot_at(index) + _STATE_AT, _STATE, FREE)
         fence()  # visible before any store that reuses the extent
 
     def mark_consumed(self, buf: mmap.mmap, index: int, gen: int) -> None:
         # Only this field is written by consumers; carrying the generation means a late mark can never
         # hit a newer entry that reused the slot.
-        _CONSUMED.pack_into(buf, self.slot_at(index) + _CONSUMED_AT, gen)
+        _store(buf, self.slot_at(index) + _CONSUMED_AT, _CONSUMED, gen)

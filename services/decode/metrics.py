@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 ENGINE_GAUGES: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
     "epd_decode_slots_used": ("Batch rows (slots) in use", lambda s: s.active),
     "epd_decode_queued": ("Requests whose KV is in the pool, waiting for a batch row", lambda s: s.queued),
-    "epd_decode_kv_blocks_total": ("KV blocks in the decode pool", lambda s: s.kv.num_blocks),
+    "epd_decode_kv_blocks": ("KV blocks in the decode pool (all of them)", lambda s: s.kv.num_blocks),
     "epd_decode_kv_blocks_used": ("KV blocks holding tokens", lambda s: s.kv.used_blocks),
     "epd_decode_kv_blocks_reserved": ("KV blocks promised to admitted requests, not yet holding tokens",
                                       lambda s: s.kv.reserved_blocks),

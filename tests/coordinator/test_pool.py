@@ -59,6 +59,34 @@ def test_an_announced_instance_starts_down_and_a_probe_admits_it():
     assert asyncio.run(run()) < 1.5
 
 
+def test_a_probe_made_now_counts_for_routing():
+    """/ready's probes (check_all) update routing at once: what answered SERVING is picked by the next request,
+    what answered NOT_SERVING is not, without waiting for the background probe (not started here)."""
+    async def run():
+        port = free_port()
+        server = grpc.aio.server()
+        servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        await servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        pool = InstancePool("decode", [], rpc.DecodeServiceStub, metrics=_METRICS)
+        instance = pool.add(f"127.0.0.1:{port}")
+        assert await pool.check_all() == {instance.address: False}
+        with pytest.raises(Unavailable):
+            pool.pick()
+        await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        assert await pool.check_all() == {instance.address: True}
+        picked = pool.pick()
+        await servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert await pool.check_all() == {instance.address: False}
+        left = len(pool.healthy())
+        await pool.close()
+        await server.stop(None)
+        return picked is instance, left
+    assert asyncio.run(run()) == (True, 0)
+
+
 def test_a_healthy_instance_whose_port_closes_is_marked_down_within_a_probe():
     async def run():
         port = free_port()
