@@ -68,6 +68,9 @@ class EpdConfig:
     decode_urls: str = _f("", "comma-separated gRPC addresses of decode instances", roles="coordinator")
     render_http_urls: str = _f("", "comma-separated HTTP base URLs (http://host:port) of render instances, "
                                "in render_urls order (listed by GET /cluster)", roles="coordinator")
+    openai_render_urls: str = _f("", "comma-separated HTTP base URLs of render instances on which encode, prefill and "
+                                 "decode render llm-d's OpenAI-format /v1/chat/completions calls (in order, the "
+                                 "next one when one is down; `epd serve` sets it)", roles="encode, prefill, decode")
     encode_http_urls: str = _f("", "comma-separated HTTP base URLs of encode instances (encode_urls order)",
                                roles="coordinator")
     prefill_http_urls: str = _f("", "comma-separated HTTP base URLs of prefill instances (prefill_urls "

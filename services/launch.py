@@ -192,8 +192,11 @@ def serve(config: EpdConfig) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
+        # encode, prefill and decode render llm-d's OpenAI-format calls on the render instance
+        renders = {"EPD_OPENAI_RENDER_URLS": _http_urls(roles, "render", config.host)}
         for child in roles:
-            spawn(child, config, {"EPD_MODEL": model_path, "EPD_SERVED_MODEL_NAME": config.served_model_id()})
+            spawn(child, config, {"EPD_MODEL": model_path, "EPD_SERVED_MODEL_NAME": config.served_model_id(),
+                                  **(renders if child.role != "render" else {})})
         wait_ready(roles, config.host, time.monotonic() + STARTUP_TIMEOUT_S)
         spawn(coordinator, config, {"EPD_SERVED_MODEL_NAME": config.served_model_id(),
                                     **{f"EPD_{r.upper()}_URLS": _urls(roles, r)

@@ -1,4 +1,7 @@
-"""Decode's HTTP routes (PROTOCOL.md): POST /inference/v1/generate and POST /abort_requests.
+"""Decode's HTTP routes (PROTOCOL.md): POST /inference/v1/generate, /v1/chat/completions, /abort_requests.
+
+POST /v1/chat/completions takes llm-d's OpenAI-format decode call (services.openai_calls) and answers
+the client's chat completion.
 
 Generate on decode means: kv_transfer_params from a prefill answer (+ sampling)
 -> every output token, the first one (sampled by prefill) included, as one
@@ -30,7 +33,8 @@ from services.http_api import (
     parse_body,
     sse_response,
 )
-from services.protocol.answers import GenerateAnswer, OutputDelta
+from services.openai_calls import RenderClient, openai_call
+from services.protocol.answers import GenerateAnswer, OpenAIAnswer, OutputDelta
 from services.protocol.errors import EpdError, InternalError, InvalidRequest
 from services.protocol.generate import RESPONSE_ID_PREFIX, AbortRequest, GenerateRequest, response_id
 
@@ -69,8 +73,8 @@ def decode_answer(body: GenerateRequest, rsp_id: str, model: str) -> GenerateAns
 
 
 class DecodeApi:
-    def __init__(self, service: DecodeService, model_id: str) -> None:
-        self.service, self.model_id = service, model_id
+    def __init__(self, service: DecodeService, model_id: str, render: RenderClient) -> None:
+        self.service, self.model_id, self.render = service, model_id, render
 
     @endpoint
     async def generate(self, request: Request) -> Response:
@@ -91,13 +95,41 @@ class DecodeApi:
         return model_response(await built.collect(deltas))
 
     @endpoint
+    async def chat(self, request: Request) -> Response:
+        """llm-d's OpenAI-format decode call: the client's chat + the prefill's kv_transfer_params; the
+        answer (JSON or SSE) is OpenAI's, built as the coordinator builds its own."""
+        call = await openai_call(request, self.render)
+        body = call.generate
+        check_model(body.model, self.model_id)
+        kv = body.kv_transfer_params
+        if kv is None:
+            raise InvalidRequest("decode needs kv_transfer_params (from a prefill answer)",
+                                 code="missing_kv_transfer_params")
+        if kv.get("num_prompt_tokens") != len(body.token_ids):
+            raise InvalidRequest(f"kv_transfer_params hold the KV of {kv.get('num_prompt_tokens')} prompt tokens "
+                                 f"but this chat renders to {len(body.token_ids)}: send the chat the prefill "
+                                 "had", code="kv_prompt_mismatch")
+        sampling = body.sampling_params.model_dump(exclude={"extra_args"})
+        events = self.service.decode(header_request_id(request) or body.request_id, kv, sampling,
+                                     list(body.token_ids))
+        first = await anext(events)
+        built = OpenAIAnswer("chat", body.request_id, body.model or self.model_id, None, len(body.token_ids),
+                             call.include_usage, list(body.token_ids) if call.body.get("return_token_ids") is True
+                             else None)
+        deltas = output_deltas(first, events)
+        if body.stream:
+            return sse_response(built.sse(deltas))
+        return JSONResponse(await built.collect(deltas))
+
+    @endpoint
     async def abort(self, request: Request) -> Response:
         body = await parse_body(request, AbortRequest)
         ids = [r.removeprefix(RESPONSE_ID_PREFIX) for r in body.request_ids]
         return JSONResponse({"aborted": self.service.abort(ids)})
 
 
-def routes(service: DecodeService, model_id: str) -> list[Route]:
-    api = DecodeApi(service, model_id)
+def routes(service: DecodeService, model_id: str, render: RenderClient | None = None) -> list[Route]:
+    api = DecodeApi(service, model_id, render or RenderClient([]))
     return [Route("/inference/v1/generate", api.generate, methods=["POST"]),
+            Route("/v1/chat/completions", api.chat, methods=["POST"]),
             Route("/abort_requests", api.abort, methods=["POST"])]

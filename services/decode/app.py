@@ -42,7 +42,9 @@ async def build(config: EpdConfig) -> RoleServer:
         engine.close()
         kv_store.close()
 
+    from services.openai_calls import render_client
+
     from .api_router import routes
 
-    http = routes(service, config.served_model_id())
+    http = routes(service, config.served_model_id(), render_client(config))
     return RoleServer(name="decode", register_grpc=register, cleanup=cleanup, http_routes=http, stores=[kv_store])

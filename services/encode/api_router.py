@@ -1,4 +1,6 @@
-"""Encode's HTTP routes (PROTOCOL.md): POST /inference/v1/generate and POST /abort_requests.
+"""Encode's HTTP routes (PROTOCOL.md): POST /inference/v1/generate, /v1/chat/completions, /abort_requests.
+
+POST /v1/chat/completions takes llm-d's OpenAI-format encode call (services.openai_calls).
 
 Generate on encode means: take each item's kwargs_data (a null entry means
 "already encoded: resolve by mm_hash"), run the vision tower through the same
@@ -16,6 +18,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from services.http_api import check_model, endpoint, header_request_id, model_response, parse_body
+from services.openai_calls import RenderClient, openai_call
 from services.protocol.common import Usage
 from services.protocol.errors import InvalidRequest
 from services.protocol.features import FeatureItem
@@ -57,12 +60,20 @@ def _kwargs(item: FeatureItem) -> Item | None:
 
 
 class EncodeApi:
-    def __init__(self, service: EncodeService) -> None:
-        self.service = service
+    def __init__(self, service: EncodeService, render: RenderClient) -> None:
+        self.service, self.render = service, render
 
     @endpoint
     async def generate(self, request: Request) -> Response:
-        body = await parse_body(request, GenerateRequest)
+        return model_response(await self._encode(await parse_body(request, GenerateRequest), request))
+
+    @endpoint
+    async def chat(self, request: Request) -> Response:
+        """llm-d's OpenAI-format encode call: one image in a chat body (services.openai_calls)."""
+        call = await openai_call(request, self.render)
+        return model_response(call.answer(await self._encode(call.generate, request)))
+
+    async def _encode(self, body: GenerateRequest, request: Request) -> GenerateResponse:
         check_model(body.model, self.service.model_id)
         items = _unique_items(body)
         decoded = {mm_hash: _kwargs(item) for mm_hash, item in items.items()}
@@ -73,7 +84,7 @@ class EncodeApi:
             choices=[GenerateChoice(index=0, token_ids=[], finish_reason="stop")],
             usage=Usage(prompt_tokens=len(body.token_ids), completion_tokens=0),
             ec_transfer_params={r.mm_hash: r.handle for r in results})
-        return model_response(answer)
+        return answer
 
     @endpoint
     async def abort(self, request: Request) -> Response:
@@ -81,7 +92,8 @@ class EncodeApi:
         return JSONResponse({"aborted": 0})  # an encode runs to completion in one call; nothing to stop
 
 
-def routes(service: EncodeService) -> list[Route]:
-    api = EncodeApi(service)
+def routes(service: EncodeService, render: RenderClient | None = None) -> list[Route]:
+    api = EncodeApi(service, render or RenderClient([]))
     return [Route("/inference/v1/generate", api.generate, methods=["POST"]),
+            Route("/v1/chat/completions", api.chat, methods=["POST"]),
             Route("/abort_requests", api.abort, methods=["POST"])]

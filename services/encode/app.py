@@ -36,7 +36,10 @@ async def build(config: EpdConfig) -> RoleServer:
         store.close()
         mm_store.close()
 
+    from services.openai_calls import render_client
+
     from .api_router import routes
 
-    return RoleServer(name="encode", register_grpc=register, cleanup=cleanup, http_routes=routes(service),
+    return RoleServer(name="encode", register_grpc=register, cleanup=cleanup,
+                      http_routes=routes(service, render_client(config)),
                       stores=[store, mm_store])

@@ -1,4 +1,6 @@
-"""Prefill's HTTP routes (PROTOCOL.md): POST /inference/v1/generate and POST /abort_requests.
+"""Prefill's HTTP routes (PROTOCOL.md): POST /inference/v1/generate, /v1/chat/completions, /abort_requests.
+
+POST /v1/chat/completions takes llm-d's OpenAI-format prefill call (services.openai_calls).
 
 Generate on prefill means: token ids + each item's mm_metadata + the
 ec_transfer_params encode answered -> the first token (choices[0].token_ids)
@@ -24,6 +26,7 @@ from starlette.routing import Route
 from services.decode.params_from import decode_params
 from services.decode.stop import StopChecker
 from services.http_api import check_model, endpoint, header_request_id, model_response, parse_body
+from services.openai_calls import RenderClient, openai_call
 from services.protocol.common import Usage
 from services.protocol.errors import InvalidRequest
 from services.protocol.features import FeatureItem
@@ -84,12 +87,24 @@ def first_token_finish(first: int, sampling: dict[str, Any],
 
 
 class PrefillApi:
-    def __init__(self, service: PrefillService, model_id: str, metadata_keys: Sequence[str]) -> None:
+    def __init__(self, service: PrefillService, model_id: str, metadata_keys: Sequence[str],
+                 render: RenderClient) -> None:
         self.service, self.model_id, self.metadata_keys = service, model_id, tuple(metadata_keys)
+        self.render = render
 
     @endpoint
     async def generate(self, request: Request) -> Response:
-        body = await parse_body(request, GenerateRequest)
+        answer, cached = await self._prefill(await parse_body(request, GenerateRequest), request)
+        return model_response(answer, headers={"X-Cached-Tokens": str(cached)})
+
+    @endpoint
+    async def chat(self, request: Request) -> Response:
+        """llm-d's OpenAI-format prefill call: the chat capped to one token + transfer params."""
+        call = await openai_call(request, self.render)
+        answer, cached = await self._prefill(call.generate, request)
+        return model_response(call.answer(answer), headers={"X-Cached-Tokens": str(cached)})
+
+    async def _prefill(self, body: GenerateRequest, request: Request) -> tuple[GenerateResponse, int]:
         check_model(body.model, self.model_id)
         self._check_shape(body)
         ec_params = body.ec_transfer_params or {}
@@ -108,7 +123,7 @@ class PrefillApi:
                                     stop_reason=stop_reason)],
             usage=Usage(prompt_tokens=outcome.prompt_tokens, completion_tokens=1),
             kv_transfer_params=outcome.kv_transfer_params)
-        return model_response(answer, headers={"X-Cached-Tokens": str(outcome.cached_tokens)})
+        return answer, outcome.cached_tokens
 
     @staticmethod
     def _check_shape(body: GenerateRequest) -> None:
@@ -125,7 +140,9 @@ class PrefillApi:
         return JSONResponse({"aborted": 0})  # a prefill is one forward pass; nothing runs long enough to stop
 
 
-def routes(service: PrefillService, model_id: str, metadata_keys: Sequence[str]) -> list[Route]:
-    api = PrefillApi(service, model_id, metadata_keys)
+def routes(service: PrefillService, model_id: str, metadata_keys: Sequence[str],
+           render: RenderClient | None = None) -> list[Route]:
+    api = PrefillApi(service, model_id, metadata_keys, render or RenderClient([]))
     return [Route("/inference/v1/generate", api.generate, methods=["POST"]),
+            Route("/v1/chat/completions", api.chat, methods=["POST"]),
             Route("/abort_requests", api.abort, methods=["POST"])]

@@ -43,8 +43,10 @@ async def build(config: EpdConfig) -> RoleServer:
         if mm_store is not None:
             mm_store.close()
 
+    from services.openai_calls import render_client
+
     from .api_router import routes
 
-    http = routes(service, config.served_model_id(), adapter.metadata_keys)
+    http = routes(service, config.served_model_id(), adapter.metadata_keys, render_client(config))
     return RoleServer(name="prefill", register_grpc=register, cleanup=cleanup, http_routes=http,
                       stores=[ec_store, kv_store, *([mm_store] if mm_store is not None else [])])
