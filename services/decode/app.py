@@ -43,8 +43,10 @@ async def build(config: EpdConfig) -> RoleServer:
         kv_store.close()
 
     from services.openai_calls import render_client
+    from services.vllm_metrics import VllmGauges
 
     from .api_router import routes
 
+    VllmGauges(service, "decode", config.served_model_id())  # what llm-d scrapes
     http = routes(service, config.served_model_id(), render_client(config))
     return RoleServer(name="decode", register_grpc=register, cleanup=cleanup, http_routes=http, stores=[kv_store])

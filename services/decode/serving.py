@@ -74,6 +74,11 @@ class DecodeService:
         self.gauges = OwnedGauges(self, GAUGES)
         export_info(engine)
 
+    @property
+    def num_waiting_for_kv(self) -> int:
+        """Requests waiting for room in the KV pool (not yet queued in the engine)."""
+        return self._num_waiting
+
     async def decode(self, request_id: str, kv_params: Any, sampling: dict[str, Any],
                      prompt_token_ids: list[int] | None = None) -> AsyncIterator[DecodeEvent]:
         params = decode_params(sampling)

@@ -37,9 +37,11 @@ async def build(config: EpdConfig) -> RoleServer:
         mm_store.close()
 
     from services.openai_calls import render_client
+    from services.vllm_metrics import VllmGauges
 
     from .api_router import routes
 
+    VllmGauges(service, "encode", config.served_model_id())  # what llm-d scrapes
     return RoleServer(name="encode", register_grpc=register, cleanup=cleanup,
                       http_routes=routes(service, render_client(config)),
                       stores=[store, mm_store])

@@ -44,9 +44,11 @@ async def build(config: EpdConfig) -> RoleServer:
             mm_store.close()
 
     from services.openai_calls import render_client
+    from services.vllm_metrics import VllmGauges
 
     from .api_router import routes
 
+    VllmGauges(service, "prefill", config.served_model_id())  # what llm-d scrapes
     http = routes(service, config.served_model_id(), adapter.metadata_keys, render_client(config))
     return RoleServer(name="prefill", register_grpc=register, cleanup=cleanup, http_routes=http,
                       stores=[ec_store, kv_store, *([mm_store] if mm_store is not None else [])])

@@ -83,6 +83,11 @@ class PrefillEngine:
         """Prompts submitted and not finished (running or waiting)."""
         return len(self._scheduler)
 
+    @property
+    def num_running(self) -> int:
+        """Prompts holding KV blocks: being prefilled (a scrape reads it; a copy of the queue, no lock)."""
+        return sum(1 for job in list(self._scheduler.waiting) if job.blocks)
+
     def submit(self, token_ids: list[int], mm_items: list[MultiModalInput] | None = None,
                cache_salt: str | None = None) -> Future[HeldPrefill]:
         """Queue one prompt; the future resolves to its HeldPrefill (release it!) or to the error
