@@ -26,9 +26,22 @@ DEMO_ALIASES = {"demo": "epd-demo-qwen2-vl", "epd-demo-qwen2-vl": "epd-demo-qwen
                 "demo-medium": "epd-demo-qwen2-vl-medium"}
 LINEAR_KERNELS = ("auto", "prepacked", "default")   # services.models.prepack.MODES (checked by a test)
 ATTENTION_KERNELS = ("auto", "c", "torch")          # services.decode.attention.KERNELS (checked by a test)
+DECODE_STEPS = ("auto", "eager", "compiled")        # services.decode.compiled.STEP_MODES (checked by a test)
 ROLES = ("coordinator", "render", "encode", "prefill", "decode")
 # The names of coordinator.routing.policies.POLICIES (checked by a test): config cannot import the coordinator.
 ROUTING_POLICIES = ("affinity", "least_loaded", "round_robin")
+
+
+def _int_list_ok(raw: str, low: int, high: int) -> bool:
+    try:
+        return all(low <= int(part) <= high for part in raw.split(",") if part.strip())
+    except ValueError:
+        return False
+
+
+def int_list(raw: str) -> tuple[int, ...]:
+    """"1, 4,16" -> (1, 4, 16); "" -> ()."""
+    return tuple(int(part) for part in raw.split(",") if part.strip())
 
 
 def _f(default: Any, help: str, roles: str = "all", **kw: Any) -> Any:
@@ -97,6 +110,16 @@ class EpdConfig:
                         "its cores), none for roles started alone", roles="roles")
     decode_attention: str = _f("auto", "decode attention kernel: auto (the compiled C kernel where it applies) "
                                "| c | torch")
+    decode_step: str = _f("eager", "decode step: eager (the default: no start-up cost) | compiled (torch.compile, "
+                          "one graph per batch bucket 1, 2, 4, ... rows; a cold compile takes tens of seconds on "
+                          "2 cores) | auto (compile and time both per bucket at start-up within "
+                          "--decode-compile-budget-s, keep compiled where faster)", roles="decode")
+    decode_step_buckets: str = _f("", "batch sizes the compiled decode step has graphs for, comma-separated (a "
+                                  "step pads its rows up to the next one; larger counts run eager); default 1, "
+                                  "2, 4, ... and --decode-slots", roles="decode")
+    decode_compile_budget_s: float = _f(120.0, "seconds --decode-step auto may spend compiling and timing at "
+                                        "start-up (a warm cache in ~/.cache/epd/inductor makes it quick); buckets "
+                                        "left over run eager", roles="decode")
     encode_max_batch_tokens: int = _f(16384, "patches one vision-tower forward may take")
     max_images_per_request: int = _f(8, "images one request may carry")
     max_image_pixels: int = _f(16_777_216, "largest accepted image, width x height")
@@ -179,6 +202,10 @@ class EpdConfig:
         _check(self.linear_kernel in LINEAR_KERNELS, f"linear_kernel must be one of {', '.join(LINEAR_KERNELS)}")
         _check(self.decode_attention in ATTENTION_KERNELS,
                f"decode_attention must be one of {', '.join(ATTENTION_KERNELS)}")
+        _check(self.decode_step in DECODE_STEPS, f"decode_step must be one of {', '.join(DECODE_STEPS)}")
+        _check(self.decode_compile_budget_s >= 0, "decode_compile_budget_s must be >= 0")
+        _check(_int_list_ok(self.decode_step_buckets, 1, self.decode_slots),
+               f"decode_step_buckets must be comma-separated integers in 1..decode_slots ({self.decode_slots})")
         _check(1 <= self.kv_block_size <= 256, "kv_block_size must be in 1..256")
         _check(self.omp_wait_policy in ("", "passive", "active"), "omp_wait_policy must be passive, active or ''")
         for name, raw in (("role_threads", self.role_threads), ("role_nice", self.role_nice.replace("auto", ""))):

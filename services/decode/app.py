@@ -13,6 +13,7 @@ logger = logging.getLogger(__name__)
 
 
 async def build(config: EpdConfig) -> RoleServer:
+    from services.config import int_list
     from services.connectors.wiring import open_store
     from services.models.prepack import export, prepack_language
     from services.models.processing import load_tokenizer
@@ -29,7 +30,9 @@ async def build(config: EpdConfig) -> RoleServer:
     engine = DecodeEngine(lm, load_tokenizer(path), config.decode_slots, config.max_model_len,
                           max_queued=config.decode_queue, stream_timeout=config.request_timeout_s,
                           kv_cache_bytes=config.kv_cache_mb << 20, block_size=config.kv_block_size,
-                          attention=config.decode_attention)
+                          attention=config.decode_attention, step=config.decode_step,
+                          compile_budget_s=config.decode_compile_budget_s,
+                          step_buckets=int_list(config.decode_step_buckets) or None)
     logger.info("decode engine: %s", engine.describe())
     kv_store = open_store(config, "kv", producer=False)
     service = DecodeService(engine, kv_store, kv_wait_s=config.decode_kv_wait_s)

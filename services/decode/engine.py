@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from services.decode.block_pool import BlockPool, PoolStats
+from services.decode.compiled import StepReport
 from services.decode.detokenizer import IncrementalDetokenizer, decode_function
 from services.decode.errors import ContextTooLong, EngineClosed, EngineFull
 from services.decode.params import DecodeParams
@@ -66,13 +67,15 @@ class EngineStats:
     kv_bytes_copied: int = 0      # prompt KV bytes copied into the pool (one copy per request)
     attention_kernel: str = ""    # "c" | "torch" (services/decode/attention.py)
     step_mode: str = "eager"      # how the step runs (services/decode/compiled.py)
+    compiled_steps: int = 0       # steps that ran a compiled graph (the rest of `steps` ran eager)
 
 
 class DecodeEngine:
     def __init__(self, lm: LanguageModel, tokenizer: Any, num_slots: int, max_model_len: int,
                  max_queued: int | None = None, stream_timeout: float | None = 60.0,
                  seed: int | None = None, kv_cache_bytes: int | None = None, block_size: int = 16,
-                 attention: str = "auto") -> None:
+                 attention: str = "auto", step: str = "eager", compile_budget_s: float = 120.0,
+                 step_buckets: Sequence[int] | None = None) -> None:
         if num_slots < 1 or max_model_len < 2:
             raise ValueError(f"need num_slots >= 1 and max_model_len >= 2, got {num_slots}, {max_model_len}")
         if max_model_len > lm.layout.max_model_len:
@@ -84,7 +87,8 @@ class DecodeEngine:
         if kv_cache_bytes is None:  # room for every slot at full length, as a preallocated engine had
             kv_cache_bytes = num_slots * -(-max_model_len // block_size) * _block_bytes(lm, block_size)
         self.pool = BlockPool(lm.layout, kv_cache_bytes, block_size, device=lm.device or "cpu")
-        self._runner = DecodeRunner(lm, self.pool, num_slots, max_model_len, Sampler(seed), attention)
+        self._runner = DecodeRunner(lm, self.pool, num_slots, max_model_len, Sampler(seed), attention, step,
+                                    compile_budget_s, step_buckets)
         self._bytes_copied = 0
         self._decoders = {skip: decode_function(tokenizer, skip) for skip in (True, False)}
         self._cond = threading.Condition()
@@ -154,13 +158,18 @@ class DecodeEngine:
             active = len(self._rows)
             return EngineStats(self.num_slots, active, len(self._requests) - active, self._steps,
                                self._tokens, self._finished, self.pool.stats(), self._bytes_copied,
-                               self._runner.attention_kernel)
+                               self._runner.attention_kernel, self._runner.step_mode, self._runner.compiled_steps)
+
+    @property
+    def step_report(self) -> StepReport:
+        """How the step runs per batch bucket, the start-up timings and why (services/decode/compiled.py)."""
+        return self._runner.step_report
 
     def describe(self) -> str:
-        """One line for the start-up log: pool, kernel, step mode."""
+        """One line for the start-up log: pool, kernel, step mode (with the per-bucket choice and timings)."""
         kv, stats = self.pool.stats(), self.stats()
         return (f"{kv.num_blocks} KV blocks of {kv.block_size} tokens ({kv.num_blocks * kv.block_bytes / 2**20:.0f} "
-                f"MiB), {self.num_slots} rows, attention {stats.attention_kernel}, step {stats.step_mode}")
+                f"MiB), {self.num_slots} rows, attention {stats.attention_kernel}; {self.step_report.line()}")
 
     def close(self, timeout: float = 5.0) -> None:
         """Stops the worker (unfinished requests end with "abort"); waits at most `timeout` s."""

@@ -31,6 +31,8 @@ ENGINE_GAUGES: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
                                  lambda s: s.kv.held_ratio),
     "epd_decode_kv_usage_ratio": ("Fraction of the pool's blocks used or reserved",
                                   lambda s: (s.kv.used_blocks + s.kv.reserved_blocks) / s.kv.num_blocks),
+    "epd_decode_compiled_steps": ("Decode steps that ran a compiled graph (services/decode/compiled.py); the "
+                                  "other steps ran eager", lambda s: s.compiled_steps),
     "epd_decode_kv_copied_bytes_total": ("Prompt KV bytes copied into the pool (one copy per request)",
                                    lambda s: s.kv_bytes_copied),
 }
@@ -38,10 +40,29 @@ _INFO: dict[str, Gauge] = {}
 
 
 def export_info(engine: DecodeEngine) -> None:
-    """`epd_decode_attention_kernel_info{kernel}` and `epd_decode_step_mode_info{mode}`: 1 for what runs."""
+    """`epd_decode_attention_kernel_info{kernel}` and `epd_decode_step_mode_info{mode}`: 1 for what runs;
+    per batch bucket `epd_decode_step_bucket_info{bucket, mode}` (1), the start-up timings
+    `epd_decode_step_startup_ms{bucket, mode}` (auto only) and `epd_decode_step_compile_seconds{bucket}`."""
     stats = engine.stats()
     for name, label, value in (("epd_decode_attention_kernel_info", "kernel", stats.attention_kernel),
                                ("epd_decode_step_mode_info", "mode", stats.step_mode)):
-        info = _INFO.get(name) or _INFO.setdefault(name, Gauge(name, f"Decode {label} in use (1)", [label]))
-        info.clear()
+        info = _gauge(name, f"Decode {label} in use (1)", [label])
         info.labels(value).set(1)
+    buckets = _gauge("epd_decode_step_bucket_info", "How the decode step runs at each batch bucket (1)",
+                     ["bucket", "mode"])
+    timings = _gauge("epd_decode_step_startup_ms", "Start-up timing of one decode step per bucket and mode",
+                     ["bucket", "mode"])
+    compile_s = _gauge("epd_decode_step_compile_seconds", "Wall time of compiling one bucket's graph", ["bucket"])
+    for bucket, result in engine.step_report.buckets.items():
+        buckets.labels(str(bucket), result.mode).set(1)
+        for mode, ms in (("eager", result.eager_ms), ("compiled", result.compiled_ms)):
+            if ms is not None:
+                timings.labels(str(bucket), mode).set(ms)
+        if result.compile_s is not None:
+            compile_s.labels(str(bucket)).set(result.compile_s)
+
+
+def _gauge(name: str, help: str, labels: list[str]) -> Gauge:
+    gauge = _INFO.get(name) or _INFO.setdefault(name, Gauge(name, help, labels))
+    gauge.clear()
+    return gauge

@@ -5,6 +5,11 @@ engine's row i; each row's block table lives in row i of the preallocated `table
 max_blocks_per_request] int32 tensor, written only when a row gains a block (or moves, when a
 leaving row is filled by the last one).  Per step the host work is O(rows): one block/offset
 per row for the new token, its position and its length, written into preallocated buffers.
+
+The forward runs eagerly or compiled (services/decode/compiled.py, chosen at construction by
+`step`): compiled, a step of `count` rows runs the graph of the smallest compiled bucket >= count,
+rows count..bucket-1 padded (token 0 at position 0, K/V written to and read from the pool's scratch
+block only) and their logits dropped.
 """
 
 from __future__ import annotations
@@ -16,18 +21,27 @@ import torch
 from services.compute_metrics import compute_timer
 from services.decode.attention import select_attention
 from services.decode.block_pool import BlockPool
+from services.decode.compiled import (
+    BLOCK,
+    IDS,
+    OFFSET,
+    POS,
+    StepReport,
+    choose_step,
+    pad_inputs,
+    step_buckets,
+    step_inputs,
+)
 from services.decode.paged_forward import PagedDecoder
 from services.decode.request_blocks import RequestBlocks
 from services.decode.sampler import RowSampling, Sampler
 from services.models.base import LanguageModel
 
-# Step buffer rows: token ids, positions, write blocks, write offsets (int64) and lengths (int32).
-_IDS, _POS, _BLOCK, _OFFSET = range(4)
-
 
 class DecodeRunner:
     def __init__(self, lm: LanguageModel, pool: BlockPool, max_rows: int, max_model_len: int, sampler: Sampler,
-                 attention: str = "auto") -> None:
+                 attention: str = "auto", step: str = "eager", compile_budget_s: float = 120.0,
+                 buckets: Sequence[int] | None = None) -> None:
         self.lm, self.pool, self.sampler = lm, pool, sampler
         self.device = pool.kv.device
         layout = lm.layout
@@ -40,6 +54,19 @@ class DecodeRunner:
         self._step64 = torch.zeros((4, max_rows), dtype=torch.int64)
         self._lens = torch.zeros(max_rows, dtype=torch.int32)
         self._step64_np, self._lens_np = self._step64.numpy(), self._lens.numpy()
+        self.compiled_steps = 0     # steps that ran a compiled graph (engine stats, /metrics)
+        self.compiled, self.step_report = choose_step(
+            self.decoder.forward, step, step_buckets(max_rows, buckets),
+            lambda bucket: pad_inputs(bucket, max_rows, self.max_blocks, pool.scratch_block, self.device),
+            compile_budget_s, self.decoder.active)
+
+    @property
+    def step_mode(self) -> str:
+        """"compiled" while any bucket runs compiled; "eager" (also after a compiled step failed)."""
+        return self.step_report.mode if self.compiled.enabled else "eager"
+
+    def describe_step(self) -> StepReport:
+        return self.step_report
 
     @property
     def attention_kernel(self) -> str:
@@ -81,12 +108,29 @@ class DecodeRunner:
             block, offset, is_new = seq.append_slot()
             if is_new:
                 self.tables[row, len(seq.blocks) - 1] = block
-            buf[_IDS, row], buf[_POS, row] = token, position + delta
-            buf[_BLOCK, row], buf[_OFFSET, row] = block, offset
+            buf[IDS, row], buf[POS, row] = token, position + delta
+            buf[BLOCK, row], buf[OFFSET, row] = block, offset
             lens[row] = seq.num_tokens
             num_blocks.append(len(seq.blocks))
-        step = self._step64[:, :count].to(self.device)
-        logits = self.decoder.forward(step[_IDS], step[_POS], step[_BLOCK], step[_OFFSET],
-                                      self.tables[:count].to(self.device), self._lens[:count].to(self.device),
-                                      num_blocks)
-        return self.sampler.sample(logits, rows, inplace=True)
+        logits = None
+        bucket = self.compiled.bucket_for(count)
+        if bucket is not None:
+            logits = self.compiled(*self._inputs(self._pad(count, bucket)))
+            self.compiled_steps += logits is not None
+        if logits is None:   # eager (or the compiled step just failed: it is off now, this step reruns eager)
+            logits = self.decoder.forward(*self._inputs(count), num_blocks)
+        return self.sampler.sample(logits[:count], rows, inplace=True)
+
+    def _pad(self, count: int, bucket: int) -> int:
+        """Rows count..bucket-1 become padding: they write and read only the scratch block."""
+        if bucket > count:
+            scratch = self.pool.scratch_block
+            buf = self._step64_np
+            buf[IDS, count:bucket] = buf[POS, count:bucket] = buf[OFFSET, count:bucket] = 0
+            buf[BLOCK, count:bucket] = scratch
+            self._lens_np[count:bucket] = 1
+            self.tables[count:bucket, 0] = scratch
+        return bucket
+
+    def _inputs(self, rows: int) -> tuple[torch.Tensor, ...]:
+        return step_inputs(self._step64, self.tables, self._lens, rows, self.device)

@@ -18,12 +18,23 @@ Memory: each swapped `nn.Linear` is replaced by a `PackedLinear` that holds only
 weight, so the original fp32 tensor is freed (tests check with a weakref) — except a tied
 LM head, whose weight the input embedding still reads: then the packed copy is extra, and
 `LinearReport.extra_bytes` says how much.  Only float32 weights on CPU are packed.
+
+torch.compile cannot trace the packed weight (an opaque oneDNN tensor has no storage to fake),
+so under compilation `PackedLinear` calls the custom op `epd::packed_linear(x, index,
+out_features)` instead: `index` is the layer's place in the list of packed linears that the
+caller makes current with `packed_scope(linears)` around each call of the compiled graph (so
+the graph names no object of this process and Inductor's cache serves any load of the same
+model), the op's fake implementation gives the output shape, and the compiled graph calls the
+same oneDNN GEMM between its fused kernels (services/decode/compiled.py).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -53,12 +64,61 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = pack_weight(linear.weight.detach(), batch_hint)
         self.bias = None if linear.bias is None else linear.bias.detach()
+        self.scope_index: int | None = None   # its place in the list given to `packed_scope`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():   # the graph calls the GEMM by index (module docstring)
+            if self.scope_index is None:
+                raise RuntimeError("a PackedLinear is compiled without an index: number it with number_packed()")
+            return torch.ops.epd.packed_linear(x, self.scope_index, self.out_features)
+        return self.run(x)
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN"
+
+
+def number_packed(modules: Sequence[nn.Module]) -> list[PackedLinear]:
+    """The PackedLinears among `modules` (in order), each told its index in the returned list."""
+    packed = [m for m in modules if isinstance(m, PackedLinear)]
+    for index, module in enumerate(packed):
+        module.scope_index = index
+    return packed
+
+
+_SCOPE = threading.local()
+
+
+@contextmanager
+def packed_scope(linears: list[PackedLinear]) -> Iterator[None]:
+    """Make `linears` the table `epd::packed_linear` indexes into, in this thread."""
+    previous = getattr(_SCOPE, "linears", None)
+    _SCOPE.linears = linears
+    try:
+        yield
+    finally:
+        _SCOPE.linears = previous
+
+
+_OPS = torch.library.Library("epd", "FRAGMENT")
+_OPS.define("packed_linear(Tensor x, int index, int out_features) -> Tensor")
+
+
+def _packed_linear(x: torch.Tensor, index: int, out_features: int) -> torch.Tensor:
+    linears = getattr(_SCOPE, "linears", None)
+    if linears is None:
+        raise RuntimeError("epd::packed_linear called outside packed_scope()")
+    return linears[index].run(x)
+
+
+def _packed_linear_fake(x: torch.Tensor, index: int, out_features: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+_OPS.impl("packed_linear", _packed_linear, "CPU")
+torch.library.register_fake("epd::packed_linear", _packed_linear_fake, lib=_OPS)
 
 
 def pack_weight(weight: torch.Tensor, batch_hint: int = _BATCH_HINT) -> torch.Tensor:
