@@ -7,8 +7,9 @@ read), else as soon as the bytes read pass it; and it must arrive within
 --body-read-timeout-s, else 408 (a client trickling its body must not hold a
 request slot for ever).  Bodies
 over OFF_LOOP_BYTES (a features request with images is MBs of base64) are
-parsed and validated in a worker thread so other requests' streams keep
-flowing while it runs.
+parsed and validated in a worker thread, their long strings lifted out of the
+parse (services/protocol/large_json.py: json.loads holds the GIL for the whole
+body), so other requests' streams keep flowing while it runs.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from starlette.responses import Response
 from services.config import EpdConfig
 from services.http_api import error_response
 from services.protocol.errors import InvalidRequest, PayloadTooLarge, RequestTimeout, as_epd_error
-from services.protocol.parsing import parse_json
+from services.protocol.large_json import parse_json_large
 
 from .metrics import CoordinatorMetrics
 
@@ -56,12 +57,12 @@ async def _read_body(request: Request, limits: BodyLimits) -> bytearray:
     return raw
 
 
-async def read_body(request: Request, limits: BodyLimits) -> bytes:
+async def read_body(request: Request, limits: BodyLimits) -> bytearray:
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limits.max_bytes:
         raise limits.too_large()
     try:
-        return bytes(await asyncio.wait_for(_read_body(request, limits), limits.timeout_s))
+        return await asyncio.wait_for(_read_body(request, limits), limits.timeout_s)
     except TimeoutError:
         raise RequestTimeout(f"request body not received within {limits.timeout_s:g} s (--body-read-timeout-s)",
                              code="body_timeout") from None
@@ -69,7 +70,7 @@ async def read_body(request: Request, limits: BodyLimits) -> bytes:
 
 def _json_object(raw: bytes) -> dict[str, Any]:
     try:
-        body = parse_json(raw)
+        body = parse_json_large(raw)
     except InvalidRequest as exc:
         raise InvalidRequest(exc.message, code="invalid_json") from None
     if not isinstance(body, dict):
@@ -83,9 +84,9 @@ async def off_loop(size: int, work: Callable[[], T]) -> T:
 
 
 async def read_json(request: Request, limits: BodyLimits) -> tuple[bytes, dict[str, Any]]:
-    """The raw body and its JSON object."""
-    raw = await read_body(request, limits)
-    return raw, await off_loop(len(raw), lambda: _json_object(raw))
+    """The raw body (as bytes: copied in the worker thread when large) and its JSON object."""
+    buf = await read_body(request, limits)
+    return await off_loop(len(buf), lambda: (bytes(buf), _json_object(buf)))
 
 
 def stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:

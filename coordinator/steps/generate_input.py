@@ -23,7 +23,6 @@ The request's own sampling params, cache_salt and model replace render's.
 from __future__ import annotations
 
 import asyncio
-import base64
 import binascii
 import time
 
@@ -31,6 +30,7 @@ from services.config import EpdConfig
 from services.connectors.base import ConnectorError, TensorStore
 from services.connectors.mm import mm_key, store_item
 from services.connectors.wiring import as_epd_error
+from services.protocol.b64 import b64decode_strict
 from services.protocol.errors import InvalidRequest, NotFound
 from services.protocol.features import FeatureItem
 from services.protocol.generate import GenerateRequest
@@ -47,9 +47,9 @@ from .base import Step
 LIGHT_KEYS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts", "image_sizes")
 
 
-def _bytes(b64: str, where: str) -> bytes:
+def _bytes(b64: str, where: str) -> bytes | bytearray:
     try:
-        return base64.b64decode(b64, validate=True)
+        return b64decode_strict(b64)
     except (binascii.Error, ValueError):
         raise InvalidRequest(f"{where}: not valid base64", code="invalid_base64") from None
 
@@ -75,10 +75,12 @@ def _item(item: FeatureItem, model: str, mm_store: TensorStore | None) -> pb.Mul
                              code="missing_mm_metadata")
     place = item.placeholder
     out = pb.MultiModalItem(modality=item.modality, mm_hash=item.mm_hash, offset=place.offset,
-                            length=place.length, kwargs_data=kwargs, mm_metadata=metadata)
+                            length=place.length, mm_metadata=metadata)
     if decoded is not None and mm_store is not None:  # stored once; from here on it travels by handle
         skeleton, ref = store_item(mm_store, mm_key(model, item.mm_hash), decoded)
         out.kwargs_data, out.kwargs_ref_json = encode_item(skeleton), ref.to_json()
+    else:  # (never copied into the message when it is stored: MBs in one call that holds the GIL)
+        out.kwargs_data = bytes(kwargs)
     return out
 
 

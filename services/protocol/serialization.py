@@ -12,7 +12,6 @@ coordinator use this module).
 
 from __future__ import annotations
 
-import base64
 import binascii
 from collections.abc import Mapping
 from typing import Any
@@ -20,6 +19,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from services.protocol.b64 import b64decode_strict, b64encode_text
 from services.protocol.errors import EpdError, InvalidRequest
 from services.protocol.items import (  # noqa: F401  (re-exported: the item API lives here too)
     FIELD_KINDS,
@@ -77,7 +77,7 @@ def encode_item(item: Mapping[str, FieldElem]) -> bytes:
 
 def item_to_b64(item: Mapping[str, FieldElem]) -> str:
     """An item as padded standard base64 (as JSON carries it)."""
-    return base64.b64encode(encode_item(item)).decode("ascii")
+    return b64encode_text(encode_item(item))
 
 
 # ---- decoding -------------------------------------------------------------------------------------
@@ -212,7 +212,7 @@ def item_from_b64(text: str, *, max_bytes: int = DEFAULT_MAX_ITEM_BYTES) -> Item
     if len(text) > (max_bytes // 3 + 1) * 4:
         raise InvalidRequest(f"multimodal item: base64 text exceeds the limit of {max_bytes} bytes")
     try:
-        raw = base64.b64decode(text, validate=True)
+        raw = b64decode_strict(text)
     except (binascii.Error, ValueError) as exc:
         raise InvalidRequest(f"multimodal item: invalid base64 ({exc})") from None
     return decode_item(raw, max_bytes=max_bytes)

@@ -17,7 +17,6 @@ media_fetch_timeout.
 from __future__ import annotations
 
 import asyncio
-import base64
 import binascii
 import os
 import re
@@ -32,6 +31,8 @@ import aiohttp
 from aiohttp.abc import AbstractResolver, ResolveResult
 from yarl import URL
 
+from services.protocol.b64 import PIECE as OFF_LOOP_CHARS
+from services.protocol.b64 import b64decode_strict
 from services.protocol.errors import InvalidRequest
 from services.render.media_policy import (
     INVALID_URL,
@@ -113,8 +114,9 @@ async def fetch_media(url: str, policy: MediaPolicy, session: aiohttp.ClientSess
         raise InvalidRequest("media URL has no scheme (expected http(s): or data:)", code=INVALID_URL)
     scheme = match.group(1).lower()
     check_scheme(scheme, policy)
-    if scheme == "data":
-        return decode_data_url(url, policy)
+    if scheme == "data":  # MBs of base64: decoded in a thread, in pieces (services/protocol/b64.py)
+        return decode_data_url(url, policy) if len(url) <= OFF_LOOP_CHARS else \
+            await asyncio.to_thread(decode_data_url, url, policy)
     if scheme == "file":
         return await asyncio.to_thread(_read_file, _parse_url(url), policy)
     if session is None:
@@ -150,7 +152,7 @@ def decode_data_url(url: str, policy: MediaPolicy) -> bytes:
     if len(payload) > 4 * -(-policy.max_bytes // 3):
         raise InvalidRequest(f"data URL payload exceeds {policy.max_bytes} bytes", code=TOO_LARGE)
     try:
-        data = base64.b64decode(payload, validate=True)
+        data = bytes(b64decode_strict(payload))
     except (binascii.Error, ValueError):
         raise InvalidRequest("data URL payload is not valid base64", code="invalid_data_url") from None
     if not data:

@@ -10,6 +10,7 @@ wants the bytes), the whole item travels inline as before.
 from __future__ import annotations
 
 import asyncio
+from typing import TypeVar
 
 import grpc
 
@@ -18,8 +19,9 @@ from services.connectors.mm import mm_key, store_item
 from services.connectors.wiring import as_epd_error
 from services.owned_metrics import OwnedGauges
 from services.protocol.errors import InvalidRequest
+from services.protocol.large_json import parse_json_large
 from services.protocol.openai import ChatCompletionRequest, CompletionRequest
-from services.protocol.parsing import parse_json, parse_model
+from services.protocol.parsing import parse_json, parse_model, validate_model
 from services.protocol.serialization import encode_item
 from services.rpc.convert import dumps
 from services.rpc.handlers import rpc_method
@@ -29,6 +31,8 @@ from services.rpc.v1 import epd_pb2_grpc as rpc
 from .prompt import RenderedPrompt
 from .serving import RenderService
 
+M = TypeVar("M")
+OFF_LOOP_BYTES = 256 * 1024
 GAUGES = {
     "epd_mm_store_bytes": ("Bytes of processed images held by this render's mm store",
                            lambda s: s.mm_store.stats().bytes_used),
@@ -71,6 +75,14 @@ def by_handle(prompt: RenderedPrompt, store: TensorStore) -> list[pb.MultiModalI
     return out
 
 
+async def _parsed(cls: type[M], raw: bytes) -> M:
+    """The request model; a large body (MBs of data URLs) parsed and validated in a worker thread, its long
+    strings outside json.loads (services/protocol/large_json.py) so the loop keeps running meanwhile."""
+    if len(raw) <= OFF_LOOP_BYTES:
+        return parse_model(cls, raw)
+    return await asyncio.to_thread(lambda: validate_model(cls, parse_json_large(raw)))
+
+
 class RenderServicer(rpc.RenderServiceServicer):
     def __init__(self, service: RenderService, mm_store: TensorStore | None = None) -> None:
         self.service, self.mm_store = service, mm_store
@@ -87,13 +99,13 @@ class RenderServicer(rpc.RenderServiceServicer):
 
     @rpc_method
     async def RenderChat(self, request: pb.RenderChatRequest, context: grpc.aio.ServicerContext):
-        chat = parse_model(ChatCompletionRequest, request.chat_request_json)
+        chat = await _parsed(ChatCompletionRequest, request.chat_request_json)
         prompt = await self.service.render_chat(chat, request.request_id or None)
         return await self._answer(prompt)
 
     @rpc_method
     async def RenderCompletion(self, request: pb.RenderCompletionRequest, context: grpc.aio.ServicerContext):
-        completion = parse_model(CompletionRequest, request.completion_request_json)
+        completion = await _parsed(CompletionRequest, request.completion_request_json)
         prompts = await self.service.render_completion(completion, request.request_id or None)
         if len(prompts) != 1:
             raise InvalidRequest("prompt: the coordinator takes one prompt per request", code="too_many_prompts")

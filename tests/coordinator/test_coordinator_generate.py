@@ -102,3 +102,12 @@ def test_features_are_stored_once_and_travel_by_handle_without_torch(tmp_path):
                          capture_output=True, text=True, timeout=60, check=True)
     assert json.loads(out.stdout) == {"inline_tensor_bytes": 0, "stored": ["pixel_values", "image_grid_thw"],
                                       "copied": 16 * 1176 * 4 + 24, "torch": True}
+
+
+def test_a_large_item_without_an_mm_store_travels_whole():
+    pixels = FieldElem(np.arange(600_000, dtype=np.uint8).reshape(1000, 600) % 251, FieldSpec.flat([(0, 1000, None)]))
+    request = _request()
+    request.features.kwargs_data["image"][0] = item_to_b64({"pixel_values": pixels, "image_grid_thw": GRID})
+    [item] = rendered_from_features(request, "m").items
+    assert isinstance(item.kwargs_data, bytes) and len(item.kwargs_data) > 600_000
+    assert np.array_equal(decode_item(item.kwargs_data)["pixel_values"].data, pixels.data)
