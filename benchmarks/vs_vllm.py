@@ -80,7 +80,14 @@ def start_both(setup: VsVllm) -> Servers:
         if "peer" in started:
             started["peer"].stop()
         raise
-    thread.join()
+    try:
+        thread.join()
+    except BaseException:  # SIGTERM while vLLM starts: stop epd now, vLLM as soon as it is up
+        epd.stop()
+        thread.join()
+        if "peer" in started:
+            started["peer"].stop()
+        raise
     if "peer_error" in started:
         epd.stop()
         raise started["peer_error"]

@@ -1,0 +1,47 @@
+"""The data-path benchmarks' arithmetic and tables, on known numbers (their runs take minutes).
+
+render_workers: the median of per-round ratios and the CPU-bound ceiling; overhead: the breakdown line
+of its docs block; ttft_vs_vllm: the two image sizes it measures and its docs table.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import overhead, ttft_vs_vllm
+from benchmarks.common import Figure
+from benchmarks.render_workers import Round, figures
+
+
+def test_figure_is_the_median_of_back_to_back_ratios_with_the_cpu_ceiling():
+    one = [Round(10.0, 6.0, 1.0), Round(20.0, 6.0, 1.0), Round(40.0, 6.0, 1.0)]
+    two = [Round(18.0, 6.0, 1.0), Round(30.0, 6.0, 1.0), Round(80.0, 6.0, 1.0)]  # ratios 1.8, 1.5, 2.0
+    (figure,) = figures({1: one, 2: two})
+    assert figure.value == pytest.approx(1.8)
+    assert figure.passed is True and figure.target == 1.7
+    assert figure.detail["round_ratios"] == pytest.approx([1.8, 1.5, 2.0])
+    assert figure.detail["ceiling_2_idle_cores"] == pytest.approx(12.0 / 7.0)
+    assert figure.detail["images_per_s_1_worker"] == 20.0 and figure.detail["images_per_s_2_workers"] == 30.0
+    assert "ratio = median of per-round ratios 1.50..2.00" in figure.note
+    assert "workers 6.0 ms, main process 1.0 ms, so the ceiling on 2 idle cores is 1.71x" in figure.note
+
+
+def test_overhead_breakdown_line_names_every_part():
+    detail = {"hop_render_ms": 2.0, "hop_encode_ms": 1.9, "hop_prefill_ms": 1.8, "coordinator_rest_ms": 4.6,
+              "client_side_ms": 2.3, "transfers_and_handlers_ms": 8.2}
+    assert overhead.breakdown_text(detail) == (
+        "Where the overhead sits (p50 ms, each on its own): render hop 2.00; encode hop 1.90; prefill hop 1.80; "
+        "coordinator outside the three calls (decode open included) 4.60; client side (HTTP in and out) 2.30; "
+        "in-role transfers 8.20.")
+    assert overhead.TARGET_MS == 3.0
+
+
+def test_ttft_vs_vllm_measures_both_sizes_at_c1_and_tabulates_them():
+    runs = ttft_vs_vllm.setups(12)
+    assert [r.image_size for r in runs] == [(224, 224), (1024, 768)]
+    assert all(r.levels == ((1, 12),) and r.model == "hd32" and r.output_len == 8 for r in runs)
+    where = {"time": "t", "cpus": 2, "loadavg_at_start": [1.0, 2.0, 3.0]}
+    table = ttft_vs_vllm.markdown([Figure("a", 0.9, 1.0, "le", note="45.0 vs 50.0 ms"), Figure("b", None, 1.0, "le")],
+                                  where, "python -m benchmarks.ttft_vs_vllm")
+    assert table.splitlines()[-2:] == ["| a | 0.90x (45.0 vs 50.0 ms) | <= 1.0x | met |", "| b | n/a | <= 1.0x | n/a |"]
+    assert "load average at start [1.0, 2.0, 3.0]" in table
