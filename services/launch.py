@@ -29,6 +29,9 @@ from .demo_request import curl_example
 from .server import free_port
 
 STARTUP_TIMEOUT_S = 300.0
+# The coordinator loads no model (~1 s idle), but a fresh install compiles its imports and a loaded 2-core box
+# once took over 60 s to bring it up.
+COORDINATOR_READY_TIMEOUT_S = 180.0
 STOP_MARGIN_S = 5.0             # past the grace period, before SIGKILL
 SHOW_PROBLEMS_AFTER_S = 5.0     # a role not ready this long: say why while waiting
 PR_SET_PDEATHSIG = 1
@@ -203,7 +206,7 @@ def serve(config: EpdConfig) -> int:
                                        for r in ("render", "encode", "prefill", "decode")},
                                     **{f"EPD_{r.upper()}_HTTP_URLS": _http_urls(roles, r, config.host)
                                        for r in ("render", "encode", "prefill", "decode")}})
-        wait_ready([coordinator], config.host, time.monotonic() + 60)
+        wait_ready([coordinator], config.host, time.monotonic() + COORDINATOR_READY_TIMEOUT_S)
         time.sleep(0.5)  # a coordinator that lost its port to another server exits at once; don't trust that answer
         if coordinator.process is not None and coordinator.process.poll() is not None:
             raise RuntimeError(f"coordinator exited with {coordinator.process.returncode} (port {config.port} taken?)")
