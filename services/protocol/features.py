@@ -11,9 +11,17 @@ from __future__ import annotations
 
 from typing import Any, Literal, NamedTuple
 
-from pydantic import Field, model_validator
+from pydantic import (
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from services.protocol.common import ProtocolModel
+from services.protocol.metadata_json import json_to_b64
 
 ModalityLists = dict[str, list[str | None]]
 
@@ -23,6 +31,30 @@ class PlaceholderRange(ProtocolModel):
 
     offset: int = Field(ge=0, description="Index in token_ids of the item's first placeholder token.")
     length: int = Field(gt=0, description="Number of placeholder tokens (= number of embeddings).")
+    is_embed: list[bool] | None = Field(
+        default=None, description="epd extension (vLLM #54548, open): per placeholder token, whether it takes "
+        "an embedding; left out of the JSON when null. epd's families embed every placeholder token.")
+
+    @field_validator("is_embed")
+    @classmethod
+    def _mask(cls, value: list[bool] | None, info: ValidationInfo) -> list[bool] | None:
+        length = info.data.get("length")
+        if value is None:
+            return value
+        if length is not None and len(value) != length:
+            raise ValueError(f"is_embed has {len(value)} entries for a placeholder of length {length}")
+        if not all(value):
+            raise ValueError(f"is_embed marks placeholder token {value.index(False)} as not an embedding: epd's "
+                             "model families take an embedding on every placeholder token (sparse masks are "
+                             "not supported)")
+        return value
+
+    @model_serializer(mode="wrap")
+    def _without_null_mask(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("is_embed", ()) is None:
+            del out["is_embed"]
+        return out
 
     @property
     def end(self) -> int:
@@ -64,7 +96,21 @@ class MultiModalFeatures(ProtocolModel):
                                               "processor output); null entry = resolve by hash.")
     mm_metadata: ModalityLists | None = Field(
         default=None, description="Base64 msgpack item with only the light "
-        "fields the embedding consumer still needs.")
+        "fields the embedding consumer still needs; or those fields as plain JSON number arrays "
+        "({\"image_grid_thw\": [1, 4, 4]}, vLLM #56090), read as the same item.")
+
+    @field_validator("mm_metadata", mode="before")
+    @classmethod
+    def _json_metadata(cls, value: Any) -> Any:
+        """JSON-array entries (services.protocol.metadata_json) become the base64 items the roles read."""
+        if not isinstance(value, dict):
+            return value
+        out: dict[str, Any] = {}
+        for modality, entries in value.items():
+            if not isinstance(entries, list):
+                return value  # the type check reports it
+            out[modality] = [_entry(modality, i, e) for i, e in enumerate(entries)]
+        return out
 
     @model_validator(mode="after")
     def _check(self) -> MultiModalFeatures:
@@ -121,6 +167,15 @@ class MultiModalFeatures(ProtocolModel):
     def without_kwargs(self) -> MultiModalFeatures:
         """The features as prefill gets them: mm_metadata only, no kwargs_data."""
         return self.model_copy(update={"kwargs_data": None})
+
+
+def _entry(modality: str, index: int, entry: Any) -> Any:
+    if not isinstance(entry, dict):
+        return entry
+    try:
+        return json_to_b64(entry)
+    except ValueError as exc:
+        raise ValueError(f"mm_metadata.{modality}[{index}]: {exc}") from None
 
 
 def _name(item: FeatureItem) -> str:

@@ -16,13 +16,13 @@ from __future__ import annotations
 import asyncio
 
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from services.http_api import endpoint, header_request_id, model_response, parse_body, read_body
 from services.protocol.common import fresh_id
 from services.protocol.derender_stream import ChatDerenderStreamRequest, CompletionDerenderStreamRequest
-from services.protocol.openai import ChatCompletionRequest, CompletionRequest
+from services.protocol.openai import CompletionRequest
 from services.protocol.openai_responses import ModelCard, ModelList
 from services.protocol.tokenization import (
     DetokenizeRequest,
@@ -32,6 +32,7 @@ from services.protocol.tokenization import (
     parse_tokenize_request,
 )
 
+from .answer_format import RenderChatRequest, formatted
 from .derender import Derenderer
 from .derender_vllm import as_vllm_chat, as_vllm_completion
 from .serving import RenderService
@@ -44,10 +45,13 @@ class RenderApi:
 
     @endpoint
     async def render_chat(self, request: Request) -> Response:
-        chat = await parse_body(request, ChatCompletionRequest)
+        chat = await parse_body(request, RenderChatRequest)
         prompt = await self.service.render_chat(chat, _vllm_id("chatcmpl-", request, chat.request_id))
         # base64 of the pixel arrays: megabytes per image, off the event loop.
-        return model_response(await asyncio.to_thread(prompt.to_generate_request))
+        generate = await asyncio.to_thread(prompt.to_generate_request)
+        if chat.plain_answer:
+            return model_response(generate)
+        return JSONResponse(await asyncio.to_thread(formatted, generate, chat))
 
     @endpoint
     async def render_completion(self, request: Request) -> Response:

@@ -1,0 +1,49 @@
+"""Render answers in the forms a caller asks for (epd extensions beside vLLM's render request fields).
+
+- `"mm_metadata_format": "json"`: each `features.mm_metadata` entry as plain JSON number arrays
+  (`{"image_grid_thw": [1, 4, 4]}`, vLLM #56090's idea; services.protocol.metadata_json) instead of
+  base64 msgpack, so a router without msgpack or torch can read the grid; default "base64" (vLLM's).
+- `"return_is_embed": true`: each placeholder with `is_embed`, one flag per placeholder token
+  (vLLM #54548, still open).  Every placeholder token epd's families write takes an embedding, so
+  the mask is all true; generate accepts it (and refuses sparse masks, which no epd family makes).
+
+Both are off by default, so render's answer stays byte-compatible with vLLM's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from services.protocol.generate import GenerateRequest
+from services.protocol.metadata_json import b64_to_json
+from services.protocol.openai import ChatCompletionRequest
+
+
+class RenderChatRequest(ChatCompletionRequest):
+    """A chat render request: vLLM's fields plus epd's answer-format options."""
+
+    mm_metadata_format: Literal["base64", "json"] = Field(
+        default="base64", description="epd extension: 'json' answers mm_metadata as plain number arrays.")
+    return_is_embed: bool = Field(default=False, description="epd extension: placeholders carry is_embed.")
+
+    @property
+    def plain_answer(self) -> bool:
+        return self.mm_metadata_format == "base64" and not self.return_is_embed
+
+
+def formatted(generate: GenerateRequest, request: RenderChatRequest) -> dict[str, Any]:
+    """The render answer as JSON, with mm_metadata and placeholders in the forms `request` asked for."""
+    body = generate.model_dump(mode="json")
+    features = body.get("features")
+    if not features:
+        return body
+    if request.mm_metadata_format == "json" and features.get("mm_metadata"):
+        features["mm_metadata"] = {modality: [None if e is None else b64_to_json(e) for e in entries]
+                                   for modality, entries in features["mm_metadata"].items()}
+    if request.return_is_embed:
+        for ranges in features["mm_placeholders"].values():
+            for place in ranges:
+                place["is_embed"] = [True] * place["length"]
+    return body
