@@ -6,6 +6,8 @@ running and its KV blocks (reserved for the whole answer) as the pool fraction e
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -29,14 +31,27 @@ def model(shm_cluster):
     return httpx.get(shm_cluster.url + "/v1/models", timeout=10).json()["data"][0]["id"]
 
 
+def settled(url: str, deadline_s: float = 15.0) -> dict[str, tuple[str, str, list]]:
+    """A scrape once no request is left running or waiting (an earlier test's aborted stream may still
+    be winding down), or the last one at the deadline."""
+    end = time.monotonic() + deadline_s
+    while True:
+        families = scrape(url)
+        busy = [families[n][2][0][1] for n in ("vllm:num_requests_running", "vllm:num_requests_waiting")]
+        if busy == [0.0, 0.0] or time.monotonic() > end:
+            return families
+        time.sleep(0.1)
+
+
 @pytest.mark.parametrize("role", ["encode", "prefill", "decode"])
 def test_idle_role_exports_vllm_load_gauges(shm_cluster, model, role):
-    families = scrape(shm_cluster.http_urls(role)[0])
+    families = settled(shm_cluster.http_urls(role)[0])
     for name, doc in NAMES.items():
         assert families[name] == ("gauge", doc, [({"model_name": model, "engine": "0"}, 0.0)]), (role, name)
 
 
 def test_decode_in_flight_is_running_with_its_kv(shm_cluster, model):
+    settled(shm_cluster.http_urls("decode")[0])
     body = {"model": model, **chat("Count slowly.", max_tokens=1500, temperature=0, ignore_eos=True, stream=True)}
     with httpx.stream("POST", shm_cluster.url + "/v1/chat/completions", json=body, timeout=120) as reply:
         lines = reply.iter_lines()
