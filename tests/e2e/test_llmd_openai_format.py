@@ -130,9 +130,13 @@ def test_llmd_openai_format_calls_answer_as_the_coordinator(orch, model, case):
     # what llm-d reads back: encode's handles keyed by render's mm_hashes, prefill's KV parameters
     assert [list(e["ec_transfer_params"]) for e in trace.get("encode", [])] == [[h] for h in trace["hashes"]]
     assert all(e["object"] == "chat.completion" and e["usage"]["completion_tokens"] == 0
+               and e["choices"][0]["message"] == {"role": "assistant", "content": None}
                for e in trace.get("encode", []))
     prefill = trace["prefill"]
-    assert prefill["object"] == "chat.completion"
+    assert prefill["object"] == "chat.completion" and prefill["id"] == f"chatcmpl-llmd-{case}"
+    assert prefill["choices"][0]["message"] == {"role": "assistant", "content": None}
+    assert {"do_remote_prefill", "handle", "num_prompt_tokens", "rope_delta", "first_token_id"} <= \
+        set(prefill["kv_transfer_params"])
     assert prefill["usage"] == {**direct["usage"], "completion_tokens": 1,
                                 "total_tokens": direct["usage"]["prompt_tokens"] + 1}
     assert prefill["kv_transfer_params"]["num_prompt_tokens"] == len(trace["rendered"]["token_ids"])
