@@ -7,7 +7,10 @@
   (vLLM #54548, still open).  Every placeholder token epd's families write takes an embedding, so
   the mask is all true; generate accepts it (and refuses sparse masks, which no epd family makes).
 
-Both are off by default, so render's answer stays byte-compatible with vLLM's.
+Both are off by default, so render's answer stays byte-compatible with vLLM's.  vLLM's own
+`mm_payload` ("tensors" | "none", and its deprecated alias `return_mm_kwargs: false`) is honoured too:
+"none" leaves kwargs_data and mm_metadata null and serializes no pixels at all (the roles' OpenAI-format
+decode calls ask for it: they need only the token ids).
 """
 
 from __future__ import annotations
@@ -24,9 +27,21 @@ from services.protocol.openai import ChatCompletionRequest
 class RenderChatRequest(ChatCompletionRequest):
     """A chat render request: vLLM's fields plus epd's answer-format options."""
 
+    mm_payload: Literal["tensors", "none"] = Field(
+        default="tensors", description="vLLM's: 'none' answers kwargs_data and mm_metadata null (token layout and "
+        "hashes only, for cache-aware routers; not for /inference/v1/generate).")
+    return_mm_kwargs: bool | None = Field(default=None, description="vLLM's deprecated alias: false = "
+                                          "mm_payload 'none'; ignored when mm_payload is set.")
     mm_metadata_format: Literal["base64", "json"] = Field(
         default="base64", description="epd extension: 'json' answers mm_metadata as plain number arrays.")
     return_is_embed: bool = Field(default=False, description="epd extension: placeholders carry is_embed.")
+
+    @property
+    def tensors(self) -> bool:
+        """Whether the answer carries kwargs_data and mm_metadata (vLLM's mm_payload rule)."""
+        if "mm_payload" in self.model_fields_set:
+            return self.mm_payload == "tensors"
+        return self.return_mm_kwargs is not False
 
     @property
     def plain_answer(self) -> bool:

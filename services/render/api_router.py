@@ -48,7 +48,8 @@ class RenderApi:
         chat = await parse_body(request, RenderChatRequest)
         prompt = await self.service.render_chat(chat, _vllm_id("chatcmpl-", request, chat.request_id))
         # base64 of the pixel arrays: megabytes per image, off the event loop.
-        generate = await asyncio.to_thread(prompt.to_generate_request)
+        generate = await asyncio.to_thread(prompt.to_generate_request, include_kwargs=chat.tensors,
+                                           include_metadata=chat.tensors)
         if chat.plain_answer:
             return model_response(generate)
         return JSONResponse(await asyncio.to_thread(formatted, generate, chat))

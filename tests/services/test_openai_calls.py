@@ -9,7 +9,7 @@ import pytest
 
 from services.config import EpdConfig
 from services.openai_calls import RenderClient, render_client
-from services.protocol.errors import Unavailable
+from services.protocol.errors import EpdError, Unavailable
 
 
 def _closed_port() -> int:
@@ -39,3 +39,42 @@ def test_render_client_from_config_uses_the_urls_and_the_role_key():
     assert client.urls == ["http://a:1", "http://b:2"]
     assert client.headers == {"Authorization": "Bearer sk-role-1"}
     assert render_client(EpdConfig()).headers == {}
+
+
+def test_render_call_sends_the_body_the_id_the_key_and_mm_payload_none_when_asked():
+    """Against a real HTTP server standing in for render: what the role sends, and errors passed on."""
+    from aiohttp import web
+
+    seen: list[tuple[bytes, dict]] = []
+
+    async def render(request: web.Request) -> web.Response:
+        seen.append((await request.read(), {k.lower(): v for k, v in request.headers.items()}))
+        if len(seen) == 3:
+            return web.json_response({"error": {"message": "bad image", "type": "invalid_request_error",
+                                                "code": "invalid_image"}}, status=400)
+        return web.json_response({"request_id": "chatcmpl-r1", "token_ids": [1, 2, 3]})
+
+    async def run() -> list:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions/render", render)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", _closed_port())
+        await site.start()
+        url = f"http://127.0.0.1:{site._port}"  # noqa: SLF001 - the port the site bound
+        client = RenderClient([f"http://127.0.0.1:{_closed_port()}", url], api_key="sk-role-2")
+        try:
+            first = await client.render(b'{"messages": []} \n', "r1")
+            second = await client.render(b'{"messages": []}', None, tensors=False)
+            with pytest.raises(EpdError) as err:
+                await client.render(b'{"messages": []}', None)
+            return [first, second, err.value]
+        finally:
+            await runner.cleanup()
+
+    first, second, error = asyncio.run(run())
+    assert first.token_ids == [1, 2, 3] and second.request_id == "chatcmpl-r1"
+    assert seen[0][0] == b'{"messages": []} \n'
+    assert seen[0][1]["x-request-id"] == "r1" and seen[0][1]["authorization"] == "Bearer sk-role-2"
+    assert seen[1][0] == b'{"messages": [], "mm_payload": "none"}' and "x-request-id" not in seen[1][1]
+    assert (error.status, error.code, error.message) == (400, "invalid_image", "bad image")

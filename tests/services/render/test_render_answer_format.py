@@ -49,3 +49,19 @@ def test_unknown_metadata_format_is_a_400(client):
     assert reply.status_code == 400
     assert reply.json()["error"]["code"] == "invalid_request"
     assert "mm_metadata_format" in reply.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("flags", [{"mm_payload": "none"}, {"return_mm_kwargs": False},
+                                   {"return_mm_kwargs": False, "mm_payload": "none"}])
+def test_vllms_mm_payload_none_leaves_out_every_tensor(client, flags):
+    images = [noise_image(56, 56, 1)]
+    plain = client.post(RENDER, json=_chat(images), headers={"X-Request-Id": "r2"}).json()
+    bare = client.post(RENDER, json=_chat(images, **flags), headers={"X-Request-Id": "r2"}).json()
+    assert bare["features"] == {**plain["features"], "kwargs_data": None, "mm_metadata": None}
+    assert {k: v for k, v in bare.items() if k != "features"} == {k: v for k, v in plain.items() if k != "features"}
+
+
+def test_mm_payload_set_wins_over_the_deprecated_alias(client):
+    body = _chat([noise_image(56, 56, 1)], mm_payload="tensors", return_mm_kwargs=False)
+    features = client.post(RENDER, json=body).json()["features"]
+    assert features["kwargs_data"]["image"][0] and features["mm_metadata"]["image"][0]
