@@ -21,7 +21,7 @@ transfer parameters beside `choices` (`OpenAICall.answer`).  Render's 4xx errors
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,11 +69,11 @@ class RenderClient:
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
 
-    async def render(self, raw: bytes, request_id: str | None, tensors: bool = True) -> GenerateRequest:
-        """`raw` (a JSON object) rendered; tensors=False asks for vLLM's mm_payload "none" (ids and hashes
-        only: no pixels serialized or sent), by appending the field, so a large body is not re-encoded."""
-        if not tensors:
-            raw = raw.rstrip()[:-1] + b', "mm_payload": "none"}'
+    async def render(self, raw: bytes, request_id: str | None, payload: str = "tensors") -> GenerateRequest:
+        """`raw` (a JSON object) rendered with mm_payload `payload` ("none": ids and hashes only; "metadata":
+        no pixels, mm_metadata and the body's ec_transfer_params), appended so a large body is not re-encoded."""
+        if payload != "tensors":
+            raw = raw.rstrip()[:-1] + b', "mm_payload": ' + json.dumps(payload).encode() + b"}"
         if not self.urls:
             raise Unavailable("this role has no render instance to render OpenAI bodies with (set "
                               "--openai-render-urls), so it takes only /inference/v1/generate",
@@ -155,15 +155,20 @@ class OpenAICall:
             kv_transfer_params=generated.kv_transfer_params, ec_transfer_params=generated.ec_transfer_params)
 
 
-async def openai_call(request: Request, render: RenderClient, tensors: bool = True) -> OpenAICall:
+def _tensors(_: dict[str, Any]) -> str:
+    return "tensors"
+
+
+async def openai_call(request: Request, render: RenderClient,
+                      payload: Callable[[dict[str, Any]], str] = _tensors) -> OpenAICall:
     """Read a chat-format call and have it rendered; transfer parameters are taken from the raw body.
-    tensors=False: the role needs only the token ids (decode), render sends no pixels."""
+    `payload(body)`: the mm_payload the role needs (decode "none": ids only; prefill "metadata")."""
     raw = await read_body(request)
     body = parse_json(raw)
     if not isinstance(body, dict) or not body:
         raise InvalidRequest("the body must be a non-empty JSON object (an OpenAI chat request)",
                              code="invalid_type")
-    generate = await render.render(raw, header_request_id(request), tensors)
+    generate = await render.render(raw, header_request_id(request), payload(body))
     call = OpenAICall(body, generate)
     call = OpenAICall(body, generate.model_copy(update={
         "kv_transfer_params": call.transfer_params("kv_transfer_params"),

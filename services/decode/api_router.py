@@ -98,7 +98,7 @@ class DecodeApi:
     async def chat(self, request: Request) -> Response:
         """llm-d's OpenAI-format decode call: the client's chat + the prefill's kv_transfer_params; the
         answer (JSON or SSE) is OpenAI's, built as the coordinator builds its own."""
-        call = await openai_call(request, self.render, tensors=False)  # decode needs the token ids only
+        call = await openai_call(request, self.render, lambda _: "none")  # decode needs the token ids only
         body = call.generate
         check_model(body.model, self.model_id)
         kv = body.kv_transfer_params

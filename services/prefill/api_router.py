@@ -86,6 +86,13 @@ def first_token_finish(first: int, sampling: dict[str, Any],
     return ("stop" if finish == "stop" else "length"), reason
 
 
+def _payload(body: dict[str, Any]) -> str:
+    """With EC handles prefill needs no pixels from render (mm_metadata only); without, render's full
+    answer (so an image without a handle is refused as no_vision_encoder, as on /inference/v1/generate)."""
+    return "metadata" if isinstance(body.get("ec_transfer_params"), dict) and body["ec_transfer_params"] \
+        else "tensors"
+
+
 class PrefillApi:
     def __init__(self, service: PrefillService, model_id: str, metadata_keys: Sequence[str],
                  render: RenderClient) -> None:
@@ -100,7 +107,7 @@ class PrefillApi:
     @endpoint
     async def chat(self, request: Request) -> Response:
         """llm-d's OpenAI-format prefill call: the chat capped to one token + transfer params."""
-        call = await openai_call(request, self.render)
+        call = await openai_call(request, self.render, _payload)
         answer, cached = await self._prefill(call.generate, request)
         return model_response(call.answer(answer), headers={"X-Cached-Tokens": str(cached)})
 

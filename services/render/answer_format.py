@@ -10,7 +10,8 @@
 Both are off by default, so render's answer stays byte-compatible with vLLM's.  vLLM's own
 `mm_payload` ("tensors" | "none", and its deprecated alias `return_mm_kwargs: false`) is honoured too:
 "none" leaves kwargs_data and mm_metadata null and serializes no pixels at all (the roles' OpenAI-format
-decode calls ask for it: they need only the token ids).
+decode calls ask for it: they need only the token ids); epd's extra value "metadata" keeps mm_metadata
+and the request's ec_transfer_params, the view a prefill takes (their prefill calls ask for it).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from services.protocol.common import TransferParams
+from services.protocol.errors import InvalidRequest
 from services.protocol.generate import GenerateRequest
 from services.protocol.metadata_json import b64_to_json
 from services.protocol.openai import ChatCompletionRequest
@@ -27,9 +30,12 @@ from services.protocol.openai import ChatCompletionRequest
 class RenderChatRequest(ChatCompletionRequest):
     """A chat render request: vLLM's fields plus epd's answer-format options."""
 
-    mm_payload: Literal["tensors", "none"] = Field(
+    mm_payload: Literal["tensors", "none", "metadata"] = Field(
         default="tensors", description="vLLM's: 'none' answers kwargs_data and mm_metadata null (token layout and "
-        "hashes only, for cache-aware routers; not for /inference/v1/generate).")
+        "hashes only, for cache-aware routers; not for /inference/v1/generate). epd's 'metadata': kwargs_data "
+        "null, mm_metadata kept, with the request's ec_transfer_params (a prefill's view: no pixels).")
+    ec_transfer_params: TransferParams | None = Field(
+        default=None, description="vLLM's chat field; with mm_payload 'metadata' the answer carries it.")
     return_mm_kwargs: bool | None = Field(default=None, description="vLLM's deprecated alias: false = "
                                           "mm_payload 'none'; ignored when mm_payload is set.")
     mm_metadata_format: Literal["base64", "json"] = Field(
@@ -37,11 +43,20 @@ class RenderChatRequest(ChatCompletionRequest):
     return_is_embed: bool = Field(default=False, description="epd extension: placeholders carry is_embed.")
 
     @property
-    def tensors(self) -> bool:
-        """Whether the answer carries kwargs_data and mm_metadata (vLLM's mm_payload rule)."""
-        if "mm_payload" in self.model_fields_set:
-            return self.mm_payload == "tensors"
-        return self.return_mm_kwargs is not False
+    def payload(self) -> str:
+        """The effective mm_payload (vLLM's rule: return_mm_kwargs false is 'none' unless mm_payload is set)."""
+        if "mm_payload" not in self.model_fields_set and self.return_mm_kwargs is False:
+            return "none"
+        return self.mm_payload
+
+    def answer_kwargs(self, has_items: bool) -> dict[str, Any]:
+        """`RenderedPrompt.to_generate_request`'s arguments for this request's payload."""
+        payload = self.payload
+        if payload == "metadata" and has_items and not self.ec_transfer_params:
+            raise InvalidRequest("mm_payload 'metadata' needs ec_transfer_params (the EC handles of the images): "
+                                 "a metadata-only answer is what a prefill takes", code="missing_ec_transfer_params")
+        return {"include_kwargs": payload == "tensors", "include_metadata": payload != "none",
+                "ec_transfer_params": self.ec_transfer_params if payload == "metadata" and has_items else None}
 
     @property
     def plain_answer(self) -> bool:

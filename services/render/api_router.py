@@ -14,6 +14,7 @@ else the body's request_id, else a fresh one.
 from __future__ import annotations
 
 import asyncio
+import functools
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -48,8 +49,8 @@ class RenderApi:
         chat = await parse_body(request, RenderChatRequest)
         prompt = await self.service.render_chat(chat, _vllm_id("chatcmpl-", request, chat.request_id))
         # base64 of the pixel arrays: megabytes per image, off the event loop.
-        generate = await asyncio.to_thread(prompt.to_generate_request, include_kwargs=chat.tensors,
-                                           include_metadata=chat.tensors)
+        generate = await asyncio.to_thread(functools.partial(prompt.to_generate_request,
+                                                             **chat.answer_kwargs(bool(prompt.items))))
         if chat.plain_answer:
             return model_response(generate)
         return JSONResponse(await asyncio.to_thread(formatted, generate, chat))

@@ -65,7 +65,7 @@ def test_render_call_sends_the_body_the_id_the_key_and_mm_payload_none_when_aske
         client = RenderClient([f"http://127.0.0.1:{_closed_port()}", url], api_key="sk-role-2")
         try:
             first = await client.render(b'{"messages": []} \n', "r1")
-            second = await client.render(b'{"messages": []}', None, tensors=False)
+            second = await client.render(b'{"messages": []}', None, "none")
             with pytest.raises(EpdError) as err:
                 await client.render(b'{"messages": []}', None)
             return [first, second, err.value]

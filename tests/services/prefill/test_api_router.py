@@ -56,3 +56,11 @@ def test_an_item_needs_metadata_or_kwargs():
 ])
 def test_first_token_finish(token, sampling, expected):
     assert first_token_finish(token, sampling, eos_ids=(2,)) == expected
+
+
+def test_openai_format_prefill_asks_render_for_metadata_only_when_it_has_handles():
+    from services.prefill.api_router import _payload
+
+    assert _payload({"ec_transfer_params": {"h": {"backend": "shm"}}}) == "metadata"
+    assert _payload({"ec_transfer_params": {}}) == "tensors"
+    assert _payload({"messages": []}) == "tensors"

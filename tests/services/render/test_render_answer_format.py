@@ -65,3 +65,20 @@ def test_mm_payload_set_wins_over_the_deprecated_alias(client):
     body = _chat([noise_image(56, 56, 1)], mm_payload="tensors", return_mm_kwargs=False)
     features = client.post(RENDER, json=body).json()["features"]
     assert features["kwargs_data"]["image"][0] and features["mm_metadata"]["image"][0]
+
+
+def test_metadata_payload_is_a_prefills_view_with_the_requests_handles(client):
+    images = [noise_image(56, 56, 1)]
+    plain = client.post(RENDER, json=_chat(images), headers={"X-Request-Id": "r3"}).json()
+    handles = {plain["features"]["mm_hashes"]["image"][0]: {"backend": "shm", "key": "k"}}
+    view = client.post(RENDER, json=_chat(images, mm_payload="metadata", ec_transfer_params=handles),
+                       headers={"X-Request-Id": "r3"}).json()
+    assert view["features"] == {**plain["features"], "kwargs_data": None}
+    assert view["ec_transfer_params"] == handles and plain["ec_transfer_params"] is None
+    reply = client.post(RENDER, json=_chat(images, mm_payload="metadata"))
+    assert reply.status_code == 400 and reply.json()["error"] == {
+        "message": "mm_payload 'metadata' needs ec_transfer_params (the EC handles of the images): a "
+                   "metadata-only answer is what a prefill takes",
+        "type": "invalid_request_error", "code": "missing_ec_transfer_params"}
+    text_only = {"messages": [{"role": "user", "content": "hi"}], "mm_payload": "metadata"}
+    assert client.post(RENDER, json=text_only).json()["features"] is None
