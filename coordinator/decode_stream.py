@@ -32,6 +32,8 @@ import grpc
 
 from services.protocol.answers import OutputDelta, protocol_finish_reason
 from services.protocol.errors import DeadlineExceeded, EpdError, InternalError, Unavailable
+from services.protocol.logprobs import loads_list
+from services.rpc.convert import loads
 from services.rpc.v1 import epd_pb2 as pb
 
 from .clients import call_metadata, count_call, error_from_rpc, is_transport_failure, with_failover
@@ -130,7 +132,8 @@ def chunk_delta(chunk: pb.DecodeChunk, sampling: pb.SamplingParams) -> OutputDel
     """A gRPC decode chunk as the answer builder takes it."""
     return OutputDelta(token_ids=list(chunk.token_ids), text=chunk.text,
                        finish_reason=protocol_finish_reason(chunk.finish_reason),
-                       stop_reason=stop_reason(chunk.stop_reason, sampling))
+                       stop_reason=stop_reason(chunk.stop_reason, sampling),
+                       logprobs=loads_list(loads(chunk.logprobs_json)) if chunk.logprobs_json else None)
 
 
 def stop_reason(text: str, sampling: pb.SamplingParams) -> int | str | None:

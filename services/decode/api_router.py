@@ -54,7 +54,7 @@ async def output_deltas(first: DecodeEvent, events: AsyncIterator[DecodeEvent]) 
             if event.finish_reason == "error":
                 raise _event_error(event)
             yield OutputDelta(token_ids=event.token_ids, text=event.text, finish_reason=event.finish_reason,
-                              stop_reason=event.stop_reason)
+                              stop_reason=event.stop_reason, logprobs=event.logprobs)
             if event.finished:
                 return
             event = await anext(events)

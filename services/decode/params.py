@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.protocol.errors import InvalidRequest
+from services.protocol.logprobs import MAX_LOGPROBS
 
 # Below this a temperature means greedy (as in vLLM).
 SAMPLING_EPS = 1e-5
@@ -34,6 +35,7 @@ class DecodeParams:
     frequency_penalty: float = 0.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logprobs: int | None = None         # top logprobs per output token (0..20); None: none computed
 
     def __post_init__(self) -> None:
         # Accept lists from callers; store tuples so params stay hashable-ish and immutable.
@@ -58,6 +60,8 @@ class DecodeParams:
                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         _check(all(self.stop), "stop strings must be non-empty")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0")
+        _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+               f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
     @property
     def is_greedy(self) -> bool:

@@ -10,7 +10,7 @@ from .params import DecodeParams
 
 _FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop", "stop_token_ids",
            "ignore_eos", "min_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty",
-           "skip_special_tokens", "include_stop_str_in_output")
+           "skip_special_tokens", "include_stop_str_in_output", "logprobs")
 
 
 def decode_params(sampling: dict[str, Any]) -> DecodeParams:

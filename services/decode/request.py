@@ -62,7 +62,8 @@ class DecodeRequest:
             text += tail
         if matched is not None:
             finish, reason = FINISH_STOP, matched
-        return self._event([token_id], text, finish, reason)
+        record = self.sampling.take_logprobs()  # None for the first token (prefill sampled it) and when not asked
+        return self._event([token_id], text, finish, reason, logprobs=None if record is None else [record])
 
     def end(self, finish_reason: str, error: str | None = None) -> DecodeEvent:
         """The final event of a request that ends from outside (abort, error, shutdown)."""
@@ -78,5 +79,6 @@ class DecodeRequest:
                 logger.exception("on_event callback failed for request %s", self.request_id)
 
     def _event(self, token_ids: list[int], text: str, finish: str | None, stop_reason: int | str | None,
-               error: str | None = None) -> DecodeEvent:
-        return DecodeEvent(self.request_id, token_ids, text, finish, stop_reason, len(self.output_ids), error)
+               error: str | None = None, logprobs: list | None = None) -> DecodeEvent:
+        return DecodeEvent(self.request_id, token_ids, text, finish, stop_reason, len(self.output_ids), error,
+                           logprobs)

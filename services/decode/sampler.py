@@ -22,6 +22,8 @@ import torch
 
 from services.decode.params import DecodeParams
 from services.decode.penalties import PenaltyState
+from services.decode.token_logprobs import gather
+from services.protocol.logprobs import TokenLogprob
 
 _MASK64 = (1 << 64) - 1
 
@@ -50,6 +52,12 @@ class RowSampling:
         eos = () if params.ignore_eos else tuple(eos_token_ids)
         # While fewer than min_tokens are out, neither EOS nor a stop token may be drawn.
         self.suppressed = sorted(set(eos) | set(params.stop_token_ids)) if params.min_tokens else []
+        self.logprobs: TokenLogprob | None = None  # the last sampled token's, when params.logprobs asks
+
+    def take_logprobs(self) -> TokenLogprob | None:
+        """The logprobs of the token just sampled (once), or None."""
+        record, self.logprobs = self.logprobs, None
+        return record
 
     @property
     def needs_adjust(self) -> bool:
@@ -84,9 +92,20 @@ class Sampler:
         """Token ids for every row; does not call `record` (the caller does, once it keeps the token).
 
         `inplace=True` lets penalties and suppression write into `logits` (the engine's own tensor).
+        Rows whose params ask for logprobs get them in `row.logprobs`, from the raw logits.
         """
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} requests")
+        wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        raw = logits[wanted] if wanted else None  # a copy (index list), taken before any in-place adjustment
+        tokens = self._tokens(logits, rows, inplace)
+        if raw is not None:
+            records = gather(raw, [tokens[i] for i in wanted], [rows[i].params.logprobs or 0 for i in wanted])
+            for i, record in zip(wanted, records, strict=True):
+                rows[i].logprobs = record
+        return tokens
+
+    def _tokens(self, logits: torch.Tensor, rows: Sequence[RowSampling], inplace: bool) -> list[int]:
         logits = _adjusted(logits, rows, inplace)
         greedy = [i for i, row in enumerate(rows) if row.params.is_greedy]
         if len(greedy) == len(rows):
@@ -218,5 +237,13 @@ def sample_first(logits: torch.Tensor, params: DecodeParams, index: int = 0,
                  eos_token_ids: Sequence[int] = (), prompt_token_ids: Sequence[int] | None = None,
                  sampler: Sampler | None = None) -> int:
     """Sample one token from logits [vocab] with decode's rules (prefill's first output token)."""
+    return sample_first_logprobs(logits, params, index, eos_token_ids, prompt_token_ids, sampler)[0]
+
+
+def sample_first_logprobs(logits: torch.Tensor, params: DecodeParams, index: int = 0,
+                          eos_token_ids: Sequence[int] = (), prompt_token_ids: Sequence[int] | None = None,
+                          sampler: Sampler | None = None) -> tuple[int, TokenLogprob | None]:
+    """`sample_first`, and the token's logprobs when `params.logprobs` asks for them (else None)."""
     row = RowSampling(params, eos_token_ids, prompt_token_ids, index=index)
-    return (sampler or Sampler()).sample(logits.reshape(1, -1), [row])[0]
+    token = (sampler or Sampler()).sample(logits.reshape(1, -1), [row])[0]
+    return token, row.take_logprobs()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import grpc
 
-from services.rpc.convert import loads, sampling_from_pb
+from services.protocol.logprobs import dumps_list
+from services.rpc.convert import dumps, loads, sampling_from_pb
 from services.rpc.handlers import rpc_method, rpc_stream
 from services.rpc.v1 import epd_pb2 as pb
 from services.rpc.v1 import epd_pb2_grpc as rpc
@@ -16,6 +17,8 @@ from .stream import DecodeEvent
 def to_chunk(event: DecodeEvent, prompt_tokens: int) -> pb.DecodeChunk:
     chunk = pb.DecodeChunk(token_ids=event.token_ids, text=event.text, finish_reason=event.finish_reason or "",
                            stop_reason="" if event.stop_reason is None else str(event.stop_reason))
+    if event.logprobs:
+        chunk.logprobs_json = dumps(dumps_list(event.logprobs))
     if event.finished:
         chunk.usage.prompt_tokens = prompt_tokens
         chunk.usage.completion_tokens = event.completion_tokens

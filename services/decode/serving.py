@@ -11,8 +11,9 @@ cancelled) aborts the request, which frees its row and blocks before the next st
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from prometheus_client import Counter
@@ -21,7 +22,9 @@ from services.connectors.base import ConnectorError, TensorStore
 from services.connectors.wiring import as_epd_error
 from services.owned_metrics import OwnedGauges
 from services.protocol.errors import InvalidRequest
+from services.protocol.logprobs import FLOOR, TokenLogprob
 
+from .detokenizer import decode_function
 from .engine import DecodeEngine
 from .errors import EngineFull
 from .metrics import ENGINE_GAUGES, export_info
@@ -92,9 +95,12 @@ class DecodeService:
         except BaseException:
             blocks.release()
             raise
+        texts = _LogprobTexts(self.engine.tokenizer, kv_params, first_token) if params.logprobs is not None else None
         finished = False
         try:
             async for event in stream.events():
+                if texts is not None:
+                    event = texts.complete(event)
                 TOKENS.inc(len(event.token_ids))
                 if event.finished:
                     finished = True
@@ -147,3 +153,24 @@ class DecodeService:
         stats, engine = self.engine.stats(), self.engine
         if stats.active + stats.queued >= engine.num_slots + engine.max_queued:
             raise EngineFull(f"decode is full: {engine.num_slots} slots busy, {engine.max_queued} waiting")
+
+
+class _LogprobTexts:
+    """Gives a request's events their logprobs records with token texts; the first token's record (sampled by
+    prefill) comes from kv_transfer_params["first_logprobs"] (vLLM's -9999.0 sentinel when prefill sent none)."""
+
+    def __init__(self, tokenizer: Any, kv_params: dict, first_token: int) -> None:
+        raw = kv_params.get("first_logprobs")
+        self.first: TokenLogprob | None = (TokenLogprob.from_json(raw) if isinstance(raw, dict)
+                                           else TokenLogprob(first_token, FLOOR, 0))
+        whole = decode_function(tokenizer, False)
+        self.decode: Callable[[int], str] = lambda token_id: whole([token_id])
+
+    def complete(self, event: DecodeEvent) -> DecodeEvent:
+        records = list(event.logprobs or [])
+        if self.first is not None and event.token_ids:
+            records.insert(0, self.first)
+            self.first = None
+        if not records:
+            return event
+        return dataclasses.replace(event, logprobs=[r.with_text(self.decode) for r in records])

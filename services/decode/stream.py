@@ -14,6 +14,8 @@ from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
+from services.protocol.logprobs import TokenLogprob
+
 
 @dataclass(frozen=True)
 class DecodeEvent:
@@ -26,6 +28,7 @@ class DecodeEvent:
     stop_reason: int | str | None = None   # the stop token id or stop string; None for EOS
     completion_tokens: int = 0             # output tokens so far, this event's included
     error: str | None = None               # set with finish_reason "error"
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for logprobs
 
     @property
     def finished(self) -> bool:

@@ -39,9 +39,10 @@ from services.protocol.generate import (
     response_id,
 )
 from services.protocol.items import Item, metadata_only
+from services.protocol.logprobs import generate_logprobs
 from services.protocol.serialization import item_from_b64
 
-from .serving import MM_BYTES, PrefillItem, PrefillService
+from .serving import MM_BYTES, PrefillItem, PrefillOutcome, PrefillService
 
 NO_VISION_ENCODER = "this prefill instance has no vision encoder; send kwargs_data to encode"
 
@@ -93,6 +94,11 @@ def _payload(body: dict[str, Any]) -> str:
         else "tensors"
 
 
+def first_logprobs(outcome: PrefillOutcome) -> dict[str, Any] | None:
+    """vLLM's GenerateLogProbs of the one token prefill samples (ids only: prefill decodes no text)."""
+    return None if outcome.first_logprobs is None else generate_logprobs([outcome.first_logprobs])
+
+
 class PrefillApi:
     def __init__(self, service: PrefillService, model_id: str, metadata_keys: Sequence[str],
                  render: RenderClient) -> None:
@@ -127,7 +133,7 @@ class PrefillApi:
             request_id=response_id(body.request_id, header_request_id(request)),
             model=body.model or self.model_id,
             choices=[GenerateChoice(token_ids=[outcome.first_token_id], finish_reason=finish,
-                                    stop_reason=stop_reason)],
+                                    stop_reason=stop_reason, logprobs=first_logprobs(outcome))],
             usage=Usage(prompt_tokens=outcome.prompt_tokens, completion_tokens=1),
             kv_transfer_params=outcome.kv_transfer_params)
         return answer, outcome.cached_tokens

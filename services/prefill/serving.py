@@ -25,11 +25,12 @@ from services.connectors.kv import kv_key
 from services.connectors.mm import MmRef, open_item
 from services.connectors.wiring import as_epd_error
 from services.decode.params_from import decode_params
-from services.decode.sampler import sample_first
+from services.decode.sampler import sample_first_logprobs
 from services.models.base import LanguageModel, MultiModalInput
 from services.owned_metrics import OwnedGauges
 from services.protocol.errors import InvalidRequest
 from services.protocol.items import Item
+from services.protocol.logprobs import TokenLogprob
 from services.protocol.tensors import to_torch
 
 from .engine import PrefillEngine
@@ -70,6 +71,7 @@ class PrefillOutcome:
     kv_transfer_params: dict[str, Any]
     prompt_tokens: int
     cached_tokens: int
+    first_logprobs: TokenLogprob | None = None  # when sampling asked for logprobs
 
 
 class PrefillService:
@@ -95,7 +97,7 @@ class PrefillService:
         self._check_ids(token_ids)
         held = await self._forward(token_ids, items, ec_params, cache_salt)
         try:
-            first = sample_first(held.first_logits, params, 0, self.lm.eos_token_ids, token_ids)
+            first, logprobs = sample_first_logprobs(held.first_logits, params, 0, self.lm.eos_token_ids, token_ids)
         except BaseException:
             held.release()
             raise
@@ -105,7 +107,9 @@ class PrefillService:
         params_out = {"do_remote_prefill": True, "remote_engine_id": self.instance_id, "handle": handle,
                       "rope_delta": held.rope_delta, "num_prompt_tokens": held.num_prompt_tokens,
                       "first_token_id": first}
-        return PrefillOutcome(first, params_out, held.num_prompt_tokens, held.num_cached_tokens)
+        if logprobs is not None:  # decode answers the first token's logprobs too
+            params_out["first_logprobs"] = logprobs.to_json()
+        return PrefillOutcome(first, params_out, held.num_prompt_tokens, held.num_cached_tokens, logprobs)
 
     async def _forward(self, token_ids: list[int], items: list[PrefillItem], ec_params: dict[str, Any],
                        cache_salt: str | None) -> HeldPrefill:

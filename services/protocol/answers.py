@@ -37,6 +37,7 @@ from services.protocol.generate import (
     GenerateStreamChunk,
     StreamOptions,
 )
+from services.protocol.logprobs import TokenLogprob, chat_logprobs, completion_logprobs, generate_logprobs
 from services.protocol.openai_responses import (
     ChatChunkChoice,
     ChatCompletionChoice,
@@ -61,7 +62,7 @@ class OutputDelta:
     text: str = ""
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    logprobs: Any = None
+    logprobs: Sequence[TokenLogprob] | None = None  # one per token id, when the request asked
 
 
 def protocol_finish_reason(reason: str | None) -> FinishReason | None:
@@ -83,18 +84,23 @@ class GenerateAnswer:
         self.response_id, self.model, self.prompt_tokens = response_id, model, prompt_tokens
         self.options, self.created = options, created if created is not None else now_s()
 
-    def _choice(self, delta: OutputDelta, token_ids: list[int]) -> GenerateChoice:
+    def _choice(self, delta: OutputDelta, token_ids: list[int],
+                records: Sequence[TokenLogprob] | None) -> GenerateChoice:
         return GenerateChoice(token_ids=token_ids, finish_reason=protocol_finish_reason(delta.finish_reason),
-                              stop_reason=delta.stop_reason, logprobs=delta.logprobs)
+                              stop_reason=delta.stop_reason,
+                              logprobs=None if records is None else generate_logprobs(records))
 
     async def collect(self, deltas: AsyncIterator[OutputDelta]) -> GenerateResponse:
         tokens: list[int] = []
+        records: list[TokenLogprob] | None = None
         last = OutputDelta()
         async for delta in deltas:
             tokens.extend(delta.token_ids)
+            if delta.logprobs is not None:
+                records = [*(records or []), *delta.logprobs]
             if delta.finish_reason:
                 last = delta
-        choice = self._choice(last, tokens)
+        choice = self._choice(last, tokens, records)
         choice.finish_reason = choice.finish_reason or "abort"  # the stream ended without saying why
         return GenerateResponse(request_id=self.response_id, model=self.model, created=self.created,
                                 choices=[choice], usage=usage(self.prompt_tokens, len(tokens)))
@@ -106,7 +112,7 @@ class GenerateAnswer:
             async for delta in deltas:
                 count += len(delta.token_ids)
                 if delta.token_ids or delta.finish_reason:
-                    yield sse_event(self._chunk([self._choice(delta, list(delta.token_ids))],
+                    yield sse_event(self._chunk([self._choice(delta, list(delta.token_ids), delta.logprobs)],
                                                 usage(self.prompt_tokens, count) if continuous else None))
             if self.options is not None and self.options.include_usage:
                 yield sse_event(self._chunk([], usage(self.prompt_tokens, count)))
@@ -168,18 +174,27 @@ class OpenAIAnswer:
         role = ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))
         return ChatCompletionChunk(id=self.response_id, created=self.created, model=self.model, choices=[role])
 
+    def logprobs(self, records: Sequence[TokenLogprob] | None, text_offset: int = 0) -> dict[str, Any] | None:
+        """OpenAI's logprobs object of this kind for `records` (None: not asked)."""
+        if records is None:
+            return None
+        return chat_logprobs(records) if self.kind == "chat" else completion_logprobs(records, text_offset)
+
     # ---- whole answers from deltas --------------------------------------------------------------------
 
     async def collect(self, deltas: AsyncIterator[OutputDelta]) -> dict[str, Any]:
         texts: list[str] = []
         token_ids: list[int] = []
+        records: list[TokenLogprob] | None = None
         last = OutputDelta(finish_reason="length")
         async for delta in deltas:
             texts.append(delta.text)
             token_ids.extend(delta.token_ids)
+            if delta.logprobs is not None:
+                records = [*(records or []), *delta.logprobs]
             if delta.finish_reason:
                 last = delta
-        choice = self.choice("".join(texts), last.finish_reason, last.stop_reason, last.logprobs)
+        choice = self.choice("".join(texts), last.finish_reason, last.stop_reason, self.logprobs(records))
         body = self.response([choice], usage(self.prompt_tokens, len(token_ids))).model_dump(mode="json")
         if self.prompt_token_ids is not None:  # vLLM's extension: exact ids for clients that compare tokens
             body["choices"][0]["token_ids"] = token_ids
@@ -188,13 +203,18 @@ class OpenAIAnswer:
 
     async def sse(self, deltas: AsyncIterator[OutputDelta]) -> AsyncIterator[bytes]:
         completion = 0
+        pending: list[TokenLogprob] | None = None  # of tokens whose text is still held back
+        offset = 0  # completions' text_offset: where the next chunk's text starts
         try:
             if self.kind == "chat":
                 yield self._event(self.role_chunk())
             async for delta in deltas:
                 completion += len(delta.token_ids)
+                if delta.logprobs is not None:
+                    pending = [*(pending or []), *delta.logprobs]
                 if delta.text or delta.finish_reason:
-                    choice = self.delta_choice(delta.text, delta.finish_reason or None, delta.logprobs)
+                    choice = self.delta_choice(delta.text, delta.finish_reason or None, self.logprobs(pending, offset))
+                    pending, offset = None, offset + len(delta.text)
                     yield self._event(self.chunk([choice]))
             if self.include_usage:
                 yield self._event(self.chunk([], usage(self.prompt_tokens, completion)))

@@ -162,6 +162,12 @@ class ChatCompletionRequest(_OpenAISampling):
     def _null_logprobs(cls, value: Any) -> Any:
         return False if value is None else value
 
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:  # vLLM's rule (0 is allowed without)
+            raise ValueError("top_logprobs: when using top_logprobs, logprobs must be set to true")
+        return self
+
     def to_sampling_params(self) -> SamplingParams:
         """The vLLM SamplingParams of this request (max_tokens None = server default)."""
         kwargs = self._sampling_kwargs()

@@ -13,6 +13,7 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, BeforeValidator, Field, field_validator, model_validator
 
 from services.protocol.common import INT32_MAX, INT64_MAX, INT64_MIN, ProtocolModel, TokenId
+from services.protocol.logprobs import MAX_LOGPROBS
 
 
 def _check_n(value: int) -> int:
@@ -26,6 +27,12 @@ def _check_n(value: int) -> int:
 def _check_top_k(value: int) -> int:
     if value < -1:
         raise ValueError("must be -1 or 0 (off) or a positive integer")
+    return value
+
+
+def _check_logprobs(value: int) -> int:
+    if not 0 <= value <= MAX_LOGPROBS:  # vLLM: -1 means the whole vocabulary, which is more than max_logprobs
+        raise ValueError(f"must be between 0 and {MAX_LOGPROBS} (max_logprobs), got {value}")
     return value
 
 
@@ -50,7 +57,7 @@ Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 StopStrings = Annotated[list[str], BeforeValidator(_as_stop_list), AfterValidator(_check_stop)]
 StopTokenIds = list[TokenId]
 MinTokens = Annotated[int, Field(ge=0, le=INT32_MAX)]
-Logprobs = Annotated[int, Field(ge=-1, le=INT32_MAX)]
+Logprobs = Annotated[int, AfterValidator(_check_logprobs)]
 RepetitionPenalty = Annotated[float, Field(gt=0)]
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 NumChoices = Annotated[int, AfterValidator(_check_n)]
@@ -71,7 +78,7 @@ class SamplingParams(ProtocolModel):
     stop_token_ids: StopTokenIds = Field(default_factory=list, description="Token ids that stop generation.")
     ignore_eos: bool = Field(default=False, description="Keep generating past the EOS token.")
     min_tokens: MinTokens = Field(default=0, description="Tokens to generate before EOS or stops may end it.")
-    logprobs: Logprobs | None = Field(default=None, description="Top logprobs per generated token; -1 = all.")
+    logprobs: Logprobs | None = Field(default=None, description="Top logprobs per output token, 0..20.")
     repetition_penalty: RepetitionPenalty = Field(
         default=1.0, description="Penalty (> 0) on repeated tokens.")
     presence_penalty: Penalty = Field(default=0.0, description="-2..2 penalty on tokens already present.")

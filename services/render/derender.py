@@ -31,6 +31,7 @@ from services.protocol.derender_stream import (
 )
 from services.protocol.errors import InvalidRequest
 from services.protocol.generate import RESPONSE_ID_PREFIX, GenerateChoice, GenerateResponse
+from services.protocol.logprobs import from_generate
 from services.protocol.openai import ChatCompletionRequest, CompletionRequest
 from services.protocol.openai_responses import (
     ChatCompletionChunk,
@@ -75,6 +76,13 @@ class Derenderer:
                response: GenerateResponse) -> str:
         return req.model or response.model or self.model_id
 
+    def _logprobs(self, answer: OpenAIAnswer, generated: Any) -> dict[str, Any] | None:
+        """A generate answer's GenerateLogProbs (integer ids) in the OpenAI shape of `answer`, with texts."""
+        records = from_generate(generated)
+        if records is None:
+            return None
+        return answer.logprobs([r.with_text(lambda t: self.tokenizer.decode([t])) for r in records])
+
     # ---- chat ---------------------------------------------------------------------------------------
 
     def chat(self, req: ChatDerenderStreamRequest) -> ChatCompletionResponse:
@@ -85,7 +93,8 @@ class Derenderer:
         prompt = req.num_prompt_tokens or response.usage.prompt_tokens
         answer = OpenAIAnswer("chat", _answer_id("chatcmpl-", response), self._model(req, response),
                               response.created)
-        whole = answer.choice(text, out.finish_reason or choice.finish_reason, out.stop_reason, choice.logprobs)
+        whole = answer.choice(text, out.finish_reason or choice.finish_reason, out.stop_reason,
+                              self._logprobs(answer, choice.logprobs))
         usage = Usage(prompt_tokens=prompt, completion_tokens=len(choice.token_ids))
         return cast(ChatCompletionResponse, answer.response([whole], usage))
 
@@ -104,7 +113,7 @@ class Derenderer:
         else:
             text, finish = self._feed(out, response.choices[0])
             if text or finish:
-                delta = answer.delta_choice(text, finish, response.choices[0].logprobs)
+                delta = answer.delta_choice(text, finish, self._logprobs(answer, response.choices[0].logprobs))
                 chunks.append(cast(ChatCompletionChunk, answer.chunk([delta])))
         state.outputs[0] = OutputState.model_validate(out.state())
         return ChatDerenderStreamResponse(chunks=chunks, stream_state=state)
@@ -122,7 +131,7 @@ class Derenderer:
             text = out.feed(choice.token_ids, choice.finish_reason, choice.stop_reason)
             text = self._echo(req, index) + text
             choices.append(answer.choice(text, out.finish_reason or choice.finish_reason, out.stop_reason,
-                                         choice.logprobs, index))
+                                         self._logprobs(answer, choice.logprobs), index))
             completion += len(choice.token_ids)
         usage = Usage(prompt_tokens=sum(req.num_prompt_tokens), completion_tokens=completion)
         return cast(CompletionResponse, answer.response(choices, usage))
@@ -144,7 +153,8 @@ class Derenderer:
                 if req.stream_state is None:
                     text = self._echo(req, index) + text
                 if text or finish:
-                    choices.append(answer.delta_choice(text, finish, response.choices[0].logprobs, index))
+                    logprobs = self._logprobs(answer, response.choices[0].logprobs)
+                    choices.append(answer.delta_choice(text, finish, logprobs, index))
             state.outputs[index] = OutputState.model_validate(out.state())
         chunks = [cast(CompletionChunk, answer.chunk(choices))] if choices else []
         if all(not r.choices for r in responses) and all(o.finish_reason for o in outs):

@@ -107,3 +107,38 @@ def test_derender_plain_and_streamed_gives_the_same_text(peers, case):
             state = answer["stream_state"]
             streamed += "".join(c["delta"].get("content") or "" for c in answer["chunk"]["choices"])
         assert streamed == texts[0], base
+
+
+def _close_ids(ours: list[dict], theirs: list[dict], key: str) -> None:
+    """Same candidates with the same logprobs (1e-3), ids compared where no near-tie could swap them."""
+    assert [t["logprob"] for t in ours] == pytest.approx([t["logprob"] for t in theirs], abs=1e-3)
+    values = [t["logprob"] for t in theirs]
+    for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        neighbours = [abs(values[i] - v) for j, v in enumerate(values) if j != i]
+        if all(gap > 1e-3 for gap in neighbours) and not str(b[key]).endswith("\ufffd"):
+            assert a[key] == b[key], (i, a, b)
+
+
+@pytest.mark.parametrize("case", ["text", "one_image"])
+def test_logprobs_agree_with_vllm(peers, case):
+    """OpenAI chat logprobs and the native GenerateLogProbs (vLLM's render answer fed to both generates)."""
+    body = _chat(case, logprobs=True, top_logprobs=3, return_token_ids=True)
+    theirs = peers.ok(peers.vllm_serve.url, "/v1/chat/completions", body)["choices"][0]
+    ours = peers.ok(peers.epd.url, "/v1/chat/completions", body)["choices"][0]
+    assert ours["token_ids"] == theirs["token_ids"]
+    pairs = list(zip(ours["logprobs"]["content"], theirs["logprobs"]["content"], strict=True))
+    assert len(pairs) == len(theirs["token_ids"])
+    for mine, vllm in pairs:
+        if not vllm["token"].endswith("\ufffd"):  # vLLM completes split UTF-8 from context; epd does not
+            assert (mine["token"], mine["bytes"]) == (vllm["token"], vllm["bytes"])
+        assert mine["logprob"] == pytest.approx(vllm["logprob"], abs=1e-3)
+        _close_ids(mine["top_logprobs"], vllm["top_logprobs"], "token")
+    rendered, _ = _renders(peers, case)
+    asked = {**rendered, "sampling_params": {**rendered["sampling_params"], "logprobs": 2}}
+    native = [peers.ok(base, "/inference/v1/generate", asked)["choices"][0]
+              for base in (peers.epd.url, peers.vllm_serve.url)]
+    assert native[0]["token_ids"] == native[1]["token_ids"]
+    for mine, vllm in zip(native[0]["logprobs"]["content"], native[1]["logprobs"]["content"], strict=True):
+        assert (mine["token_id"], mine["rank"]) == (vllm["token_id"], vllm["rank"])
+        assert set(mine) == set(vllm) and mine["logprob"] == pytest.approx(vllm["logprob"], abs=1e-3)
+        _close_ids(mine["top_logprobs"], vllm["top_logprobs"], "token_id")

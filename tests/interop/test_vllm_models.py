@@ -18,8 +18,10 @@ from pathlib import Path
 import pytest
 
 from benchmarks.peers.vllm_env import ensure_venv
+from services.protocol.answers import OpenAIAnswer
 from services.protocol.errors import InvalidRequest
 from services.protocol.generate import GenerateRequest, GenerateResponse
+from services.protocol.logprobs import TokenLogprob, chat_logprobs, completion_logprobs, generate_logprobs
 from services.protocol.openai import ChatCompletionRequest
 from services.protocol.parsing import parse_model
 from services.render.serving import RenderService
@@ -75,6 +77,8 @@ EDGE_CASES = {
     "cache_salt_with_slash": {"token_ids": [1], "sampling_params": {}, "cache_salt": "a/b"},
     "content_parts_and_features": {**_mm(), "content_parts": [{"type": "image_url", "url": "http://x/a.png"}]},
     "output_mode_text": {"token_ids": [1], "sampling_params": {}, "output_mode": "text"},
+    "logprobs_minus_one": {"token_ids": [1], "sampling_params": {"logprobs": -1}},
+    "logprobs_20": {"token_ids": [1], "sampling_params": {"logprobs": 20}},
 }
 
 
@@ -119,6 +123,31 @@ def test_vllms_models_validate_epds_json(rendered):
             ("DerenderChatStreamRequest", {"stream": True, "generate_chunk": chunk, "prompt_tokens": 5})]
     results = vllm_judge(jobs)["results"]
     assert [r["error"] for r in results] == [""] * len(jobs)
+
+
+# A sampled token at rank 3 with its top 3 (the sampled one among them), and a greedy one; texts as decode adds.
+LOGPROBS = [TokenLogprob(9707, -2.5, 3, (11, 13, 9707), (-0.5, -1.0, -2.5), "Hello", (",", ".", "Hello")),
+            TokenLogprob(11, -0.25, 1, (11, 13, 0), (-0.25, -2.0, -3.0), ",", (",", ".", "!"))]
+
+
+def test_vllms_models_validate_epds_logprobs():
+    """The three shapes epd answers logprobs in, judged by vLLM's own response models."""
+    choice = {"index": 0, "token_ids": [9707, 11], "finish_reason": "length", "logprobs": generate_logprobs(LOGPROBS)}
+    generate = GenerateResponse(request_id="generate-tokens-x", model="m", choices=[choice],
+                                usage={"prompt_tokens": 3, "completion_tokens": 2}).model_dump(mode="json")
+    chunk = {**generate, "choices": [{**choice, "token_ids": [9707], "logprobs": generate_logprobs(LOGPROBS[:1])}]}
+    chat = OpenAIAnswer("chat", "chatcmpl-x", "m", prompt_tokens=3)
+    chat_body = chat.response([chat.choice("Hello,", "length", logprobs=chat_logprobs(LOGPROBS))],
+                              {"prompt_tokens": 3, "completion_tokens": 2}).model_dump(mode="json")
+    done = OpenAIAnswer("completion", "cmpl-x", "m", prompt_tokens=3)
+    done_body = done.response([done.choice("Hello,", "length", logprobs=completion_logprobs(LOGPROBS))],
+                              {"prompt_tokens": 3, "completion_tokens": 2}).model_dump(mode="json")
+    jobs = [("GenerateTokensResponse", generate), ("GenerateTokensStreamResponse", chunk),
+            ("ChatCompletionResponse", chat_body), ("CompletionResponse", done_body)]
+    results = vllm_judge(jobs)["results"]
+    assert [r["error"] for r in results] == [""] * len(jobs)
+    top = generate["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+    assert [t["token_id"] for t in top] == [9707, 11, 13]  # vLLM's engine order: sampled first, then by rank
 
 
 def test_the_compatibility_table_names_every_vllm_field():

@@ -11,6 +11,7 @@ import sys
 
 from pydantic import TypeAdapter
 from vllm.entrypoints.openai.chat_completion import protocol as chat
+from vllm.entrypoints.openai.completion import protocol as completion
 from vllm.entrypoints.scale_out.token_in_token_out import protocol as p
 from vllm.sampling_params import SamplingParams
 
@@ -22,6 +23,7 @@ MODELS = {
     "DerenderChatStreamResponse": p.DerenderChatStreamResponse,
     "ChatCompletionResponse": chat.ChatCompletionResponse,
     "ChatCompletionStreamResponse": chat.ChatCompletionStreamResponse,
+    "CompletionResponse": completion.CompletionResponse,
 }
 
 

@@ -23,6 +23,11 @@ class Reference:
 
     def greedy(self, text: str, images: list[Image.Image] = (), max_new_tokens: int = 16,
                **generate_kwargs) -> list[int]:
+        return self.greedy_with_logits(text, images, max_new_tokens, **generate_kwargs)[0]
+
+    def greedy_with_logits(self, text: str, images: list[Image.Image] = (), max_new_tokens: int = 16,
+                           **generate_kwargs) -> tuple[list[int], list]:
+        """The greedy ids and, per output token, the model's raw logits [vocab] (float32) that chose it."""
         import torch
 
         content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
@@ -36,8 +41,10 @@ class Reference:
                 _use_vllm_pixels(inputs, self.processor, images, self.model_path)
         inputs = inputs.to(self.device)
         with torch.no_grad():
-            out = self.model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens, **generate_kwargs)
-        return out[0, inputs["input_ids"].shape[1]:].tolist()
+            out = self.model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens, output_logits=True,
+                                      return_dict_in_generate=True, **generate_kwargs)
+        ids = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+        return ids, [step[0].float() for step in out.logits]
 
 
 def _use_vllm_pixels(inputs, processor, images, model_path) -> None:

@@ -182,3 +182,25 @@ def test_completion_stream_derender_in_vllms_shape(client, service):
         state = answer["stream_state"]
         text += answer["chunk"]["choices"][0]["text"]
     assert text == "Once upon a time" and answer["chunk"]["id"] == "cmpl-p0"
+
+
+def test_derender_turns_generate_logprobs_into_openai_logprobs(client, service):
+    """GenerateLogProbs (ids, vLLM's engine order) -> OpenAI chat / completion logprobs with the token texts."""
+    ids = service.tokenizer.encode("Hello world")[:2]
+    generated = {"content": [
+        {"token_id": ids[0], "logprob": -0.5, "rank": 1, "top_logprobs": [
+            {"token_id": ids[0], "logprob": -0.5, "rank": 1}, {"token_id": ids[1], "logprob": -1.5, "rank": 2}]},
+        {"token_id": ids[1], "logprob": -3.0, "rank": 3, "top_logprobs": [
+            {"token_id": ids[1], "logprob": -3.0, "rank": 3}, {"token_id": ids[0], "logprob": -0.1, "rank": 1}]}]}
+    response = {"request_id": "generate-tokens-lp", "choices": [{"token_ids": ids, "finish_reason": "length",
+                                                                 "logprobs": generated}]}
+    texts = [service.tokenizer.decode([t]) for t in ids]
+    chat = client.post("/v1/chat/completions/derender", json={"generate_response": response, "prompt_tokens": 1})
+    content = chat.json()["choices"][0]["logprobs"]["content"]
+    assert [(c["token"], c["logprob"]) for c in content] == [(texts[0], -0.5), (texts[1], -3.0)]
+    assert [[t["token"] for t in c["top_logprobs"]] for c in content] == [texts, [texts[0], texts[1]]]
+    done = client.post("/v1/completions/derender", json={"generate_responses": [response], "prompt_tokens": [1]})
+    logprobs = done.json()["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == texts and logprobs["token_logprobs"] == [-0.5, -3.0]
+    assert logprobs["top_logprobs"][1] == {texts[1]: -3.0, texts[0]: -0.1}
+    assert logprobs["text_offset"] == [0, len(texts[0])]
