@@ -35,6 +35,7 @@ Start-up of `serve` is ~80 s and ~4.5 GB: start it once per session.
 from __future__ import annotations
 
 import argparse
+import atexit
 import fcntl
 import os
 import shutil
@@ -190,6 +191,17 @@ def _run(cmd: list[str], deadline: float, quiet: bool, env: dict[str, str] | Non
 # ---- servers ----------------------------------------------------------------------------------------
 
 
+_LIVE: list[Server] = []  # every server started here: stopped at interpreter exit if still running
+
+
+@atexit.register
+def _stop_leftovers() -> None:
+    """An interrupted run (Ctrl-C, a test timeout in the middle of a start-up) leaves no vLLM behind."""
+    for server in _LIVE:
+        if server.process.poll() is None:
+            server.stop()
+
+
 def _spawn(cmd: list[str], name: str, port: int, timeout_s: float, threads: int) -> Server:
     import tempfile
 
@@ -200,6 +212,7 @@ def _spawn(cmd: list[str], name: str, port: int, timeout_s: float, threads: int)
         process = subprocess.Popen(cmd, cwd=tempfile.gettempdir(), env=env, stdout=log,
                                    stderr=subprocess.STDOUT, start_new_session=True)
     server = Server(name, f"http://127.0.0.1:{port}", process, log_path)
+    _LIVE[:] = [s for s in _LIVE if s.process.poll() is None] + [server]
     wait_http(server, "/health", timeout_s)  # stops the server and raises ServerError on failure
     return server
 

@@ -29,6 +29,9 @@ HTTP_TIMEOUT_S = 120.0  # one call; a vLLM server that dies answers at once (con
 # The first test of a fresh machine installs vLLM (ensure_venv's own deadline: 30 min) and starts both
 # servers (vLLM's start-up deadline: 20 min) inside its setup: pyproject's 300 s per test would cut it.
 TEST_TIMEOUT_S = 3600
+# Eager, as vLLM's own CPU CI runs (VLLM_CPU_CI_ENV): inductor's C++ compile costs minutes per family on a
+# fresh machine (no ~/.cache/vllm) and the suite checks exactness, not speed.
+VLLM_FLAGS = ("--enforce-eager",)
 # The vLLM venv is the user's (~/.cache/epd/peers, shared with the benchmarks), not under the suite's own
 # EPD_CACHE_DIR (the repository's .cache): one install per machine, not per checkout.  CI's HOME is empty.
 os.environ.setdefault("EPD_VLLM_VENV", os.path.join(os.path.expanduser("~"), ".cache", "epd", "peers",
@@ -75,17 +78,22 @@ def _start_both(model_dir: str) -> tuple[Server, RunningCluster]:
 
     def run_vllm() -> None:
         try:
-            started["vllm"] = start_serve(model_dir)
+            started["vllm"] = start_serve(model_dir, *VLLM_FLAGS)
         except BaseException as exc:  # noqa: BLE001 - re-raised below, after the other side stopped
             errors.append(exc)
 
-    thread = threading.Thread(target=run_vllm)
+    thread = threading.Thread(target=run_vllm, daemon=True)  # an interrupted run exits; atexit stops vLLM
     thread.start()
     try:
         started["epd"] = start_cluster("--model", model_dir, "--max-model-len", "4096", timeout=900)
     except BaseException as exc:  # noqa: BLE001
         errors.append(exc)
-    thread.join()
+    try:
+        thread.join()
+    except BaseException:  # interrupted while vLLM starts: stop epd now (atexit stops vLLM)
+        if "epd" in started:
+            started["epd"].stop()  # type: ignore[attr-defined]
+        raise
     if errors:
         for server in started.values():
             server.stop()  # type: ignore[attr-defined]
