@@ -27,8 +27,11 @@ so a second start skips code generation and the C++ compiler.
 
 from __future__ import annotations
 
+import getpass
 import logging
 import os
+import re
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -155,10 +158,33 @@ def pad_inputs(bucket: int, max_rows: int, max_blocks: int, scratch_block: int, 
     return step_inputs(step64, tables, torch.ones(max_rows, dtype=torch.int32), bucket, device)
 
 
-def _configure() -> None:
-    import torch._dynamo
+def _inductor_default_dir() -> str:
+    """Where Inductor caches when TORCHINDUCTOR_CACHE_DIR is unset (as its cache_dir_utils computes it)."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, ModuleNotFoundError, OSError):
+        user = f"uid_{os.getuid()}"
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
 
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir()))
+
+def configure_cache() -> str:
+    """Point Inductor's cache at `cache_dir()` unless the user chose one; returns the folder in use.
+    Inductor writes its default into TORCHINDUCTOR_CACHE_DIR the first time it is imported, so that
+    value counts as unset (it must be replaced before the first compile, not merely set if missing)."""
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or os.path.abspath(current) == _inductor_default_dir():
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir())
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
+def _configure() -> None:
+    configure_cache()
+    import torch._dynamo
+    import torch._inductor.config
+
+    # kernels compile in this process, one after another: no pool of worker processes (each imports torch and
+    # stays alive after the compile) beside a role on a small machine; on 2 cores the pool was no faster
+    torch._inductor.config.compile_threads = 1
     # one cache entry per bucket (and per engine in a process that builds several): never fall back silently
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 1024)

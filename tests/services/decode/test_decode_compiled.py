@@ -193,6 +193,22 @@ def test_a_step_that_would_recompile_turns_compiled_off_and_runs_eager(tiny, eng
     assert engine.stats().compiled_steps == before.compiled_steps
 
 
+def test_compiled_artifacts_cache_under_epd_cache_dir_even_after_inductor_wrote_its_default(tmp_path, monkeypatch):
+    import os
+
+    from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir
+
+    from services.decode.compiled import _inductor_default_dir, configure_cache
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    inductor_cache_dir()            # what importing Inductor does: it writes its default into the environment
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == _inductor_default_dir()
+    monkeypatch.setenv("EPD_CACHE_DIR", str(tmp_path))
+    assert configure_cache() == str(tmp_path / "inductor") == os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "chosen"))     # the user's choice stays
+    assert configure_cache() == str(tmp_path / "chosen")
+
+
 def test_step_modes_match_the_config_flag():
     from services.config import DECODE_STEPS, EpdConfig
 
