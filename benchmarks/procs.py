@@ -125,10 +125,11 @@ def start_epd(model: str, *flags: str, threads: int | None = None, timeout_s: fl
               env: dict[str, str] | None = None) -> Server:
     """`epd serve --model MODEL FLAGS` on a free port; returns once it printed its ready line."""
     port = free_port()
-    # Under load on this CPU a request can take minutes: the default 30 s pipeline deadline would fail
-    # requests, not measure them (flags given later win).
+    # Under load on this CPU a request can take minutes: the default deadlines (30 s in a role, 60 s to the
+    # first token, 30 s between tokens) would fail requests, not measure them (flags given later win).
     cmd = [sys.executable, "-m", "services.cli", "serve", "--model", model, "--port", str(port),
-           "--log-level", "warning", "--request-timeout-s", "1800", *flags]
+           "--log-level", "warning", "--request-timeout-s", "1800", "--ttft-timeout-s", "1800",
+           "--stream-idle-timeout-s", "600", *flags]
     process, log_path = _spawn(cmd, "epd", _env(threads, env))
     server = Server("epd", f"http://127.0.0.1:{port}", process, log_path)
     deadline = time.monotonic() + timeout_s
