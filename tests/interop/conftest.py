@@ -24,9 +24,9 @@ from benchmarks.peers.vllm_env import VLLM_VERSION, ensure_venv, start_serve
 from benchmarks.procs import Server
 from tests.support.cluster import RunningCluster, start_cluster
 
-# CI runs the demo family (qwen2_vl) to keep its time down; EPD_INTEROP_FAMILIES=qwen2_vl,qwen2_5_vl adds the
-# second family (another vLLM start-up and epd cluster, ~10 min on a loaded 2-core machine).
-FAMILIES = tuple(f for f in os.environ.get("EPD_INTEROP_FAMILIES", "qwen2_vl").split(",") if f)
+# The demo family and a second one (~5 min each on a loaded 2-core machine: one vLLM start-up, one epd
+# cluster); EPD_INTEROP_FAMILIES=qwen2_vl runs one (a comma-separated list).
+FAMILIES = tuple(f for f in os.environ.get("EPD_INTEROP_FAMILIES", "qwen2_vl,qwen2_5_vl").split(",") if f)
 HTTP_TIMEOUT_S = 120.0  # one call; a vLLM server that dies answers at once (connection refused)
 # The first test of a fresh machine installs vLLM (ensure_venv's own deadline: 30 min) and starts both
 # servers (vLLM's start-up deadline: 20 min) inside its setup: pyproject's 300 s per test would cut it.
