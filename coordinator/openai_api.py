@@ -8,6 +8,7 @@ are "chatcmpl-<id>" / "cmpl-<id>", <id> being X-Request-Id when given (a label: 
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from starlette.requests import Request
@@ -18,6 +19,7 @@ from services.auth import principal
 from services.config import EpdConfig
 from services.observability import request_id_var
 from services.protocol.answers import OpenAIAnswer
+from services.protocol.request_metrics import RequestTiming
 from services.protocol.streaming import SSE_MEDIA_TYPE
 
 from .cluster import Cluster
@@ -29,11 +31,12 @@ from .pipeline import Pipeline
 from .request_ids import internal_id, label_of
 
 
-def openai_answer(ctx: RequestContext) -> OpenAIAnswer:
+def openai_answer(ctx: RequestContext, timing: RequestTiming | None = None) -> OpenAIAnswer:
     assert ctx.rendered is not None and ctx.kind != "generate"
     prefix = "chatcmpl-" if ctx.kind == "chat" else "cmpl-"
     return OpenAIAnswer(ctx.kind, prefix + ctx.label, ctx.rendered.model, ctx.created, ctx.prompt_tokens(),
-                        ctx.include_usage, list(ctx.rendered.token_ids) if ctx.return_token_ids else None)
+                        ctx.include_usage, list(ctx.rendered.token_ids) if ctx.return_token_ids else None,
+                        timing)
 
 
 class OpenAIApi:
@@ -51,11 +54,13 @@ class OpenAIApi:
                               max_retries=self.config.max_retries)
 
     async def _run(self, request: Request, kind: Kind) -> Response:
+        arrived = time.monotonic()
         raw, body = await read_json(request, BodyLimits.of(self.config))
         ctx = self.context(request, kind, raw, body)
         request_id_var.set(ctx.request_id)
+        timing = RequestTiming(arrived, time.monotonic()) if self.config.enable_per_request_metrics else None
         await self.pipeline.prepare(ctx)
-        built, deltas = openai_answer(ctx), self.pipeline.stream(ctx)
+        built, deltas = openai_answer(ctx, timing), self.pipeline.stream(ctx)
         headers = {"X-Request-Id": ctx.label}
         if ctx.stream:
             return StreamingResponse(built.sse(deltas), media_type=SSE_MEDIA_TYPE, headers=headers)

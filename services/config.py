@@ -182,6 +182,10 @@ class EpdConfig:
                                 "answered 413 at once, unread", roles="coordinator")
     body_read_timeout_s: float = _f(30.0, "a request body must arrive within this; a client trickling it gets 408 "
                                     "and is dropped", roles="coordinator")
+    enable_per_request_metrics: bool = _f(False, "add vLLM's per-request `metrics` (time to first token, queue, "
+                                          "generation time, mean inter-token latency, tokens/s) to chat and "
+                                          "completion answers; streamed, on the include_usage chunk",
+                                          roles="coordinator")
     max_retries: int = _f(2, "retries one request gets after transport failures, all stages and instances "
                           "together; only the first failing instance is taken out (a request that crashes "
                           "instances must not take down the cluster)", roles="coordinator")

@@ -49,6 +49,7 @@ from services.protocol.openai_responses import (
     CompletionResponse,
     DeltaMessage,
 )
+from services.protocol.request_metrics import RequestTiming
 from services.protocol.streaming import SSE_DONE, sse_error, sse_event
 
 Kind = Literal["chat", "completion"]
@@ -130,11 +131,12 @@ class OpenAIAnswer:
 
     def __init__(self, kind: Kind, response_id: str, model: str, created: int | None = None,
                  prompt_tokens: int = 0, include_usage: bool = False,
-                 prompt_token_ids: Sequence[int] | None = None) -> None:
+                 prompt_token_ids: Sequence[int] | None = None, timing: RequestTiming | None = None) -> None:
         self.kind, self.response_id, self.model = kind, response_id, model
         self.created = created if created is not None else now_s()
         self.prompt_tokens, self.include_usage = prompt_tokens, include_usage
         self.prompt_token_ids = prompt_token_ids  # given: vLLM's return_token_ids (ids in the answer)
+        self.timing = timing  # given: vLLM's per-request metrics in the answer (request_metrics.py)
 
     # ---- pieces (derender builds its answers from these) ----------------------------------------------
 
@@ -190,6 +192,8 @@ class OpenAIAnswer:
         async for delta in deltas:
             texts.append(delta.text)
             token_ids.extend(delta.token_ids)
+            if self.timing is not None:
+                self.timing.saw(len(delta.token_ids))
             if delta.logprobs is not None:
                 records = [*(records or []), *delta.logprobs]
             if delta.finish_reason:
@@ -199,6 +203,8 @@ class OpenAIAnswer:
         if self.prompt_token_ids is not None:  # vLLM's extension: exact ids for clients that compare tokens
             body["choices"][0]["token_ids"] = token_ids
             body["prompt_token_ids"] = list(self.prompt_token_ids)
+        if self.timing is not None:
+            body["metrics"] = self.timing.metrics()
         return body
 
     async def sse(self, deltas: AsyncIterator[OutputDelta]) -> AsyncIterator[bytes]:
@@ -210,14 +216,19 @@ class OpenAIAnswer:
                 yield self._event(self.role_chunk())
             async for delta in deltas:
                 completion += len(delta.token_ids)
+                if self.timing is not None:
+                    self.timing.saw(len(delta.token_ids))
                 if delta.logprobs is not None:
                     pending = [*(pending or []), *delta.logprobs]
                 if delta.text or delta.finish_reason:
                     choice = self.delta_choice(delta.text, delta.finish_reason or None, self.logprobs(pending, offset))
                     pending, offset = None, offset + len(delta.text)
                     yield self._event(self.chunk([choice]))
-            if self.include_usage:
-                yield self._event(self.chunk([], usage(self.prompt_tokens, completion)))
+            if self.include_usage:  # vLLM: per-request metrics ride on this final usage chunk only
+                last = self.chunk([], usage(self.prompt_tokens, completion)).model_dump(mode="json")
+                if self.timing is not None:
+                    last["metrics"] = self.timing.metrics()
+                yield sse_event(last)
         except Exception as exc:  # noqa: BLE001 - every failure after the first byte becomes an in-stream error
             yield sse_error(as_epd_error(exc))
         yield SSE_DONE

@@ -88,13 +88,13 @@ def secure_tls(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def secure_cluster(demo_model_path, tmp_path_factory, secure_tls):
-    """Keys, admin token, and mutual TLS on every internal gRPC hop."""
+    """Keys, admin token, and mutual TLS on every internal gRPC hop; vLLM's per-request metrics on answers."""
     keyfile = tmp_path_factory.mktemp("secrets") / "api-keys"
     keyfile.write_text("# one key per tenant\n" + "\n".join(PUBLIC_KEYS) + "\n")
     tls = ("--grpc-tls-cert", str(secure_tls["cert"]), "--grpc-tls-key", str(secure_tls["key"]),
            "--grpc-tls-ca", str(secure_tls["ca"]))
     cluster = start_cluster("--api-key", f"@{keyfile}", "--role-api-key", ROLE_KEY, "--admin-token", ADMIN_TOKEN,
                             *tls, "--max-request-bytes", str(BODY_LIMIT), "--body-read-timeout-s", str(BODY_READ_S),
-                            "--ec-capacity-mb", "32", "--kv-capacity-mb", "32")
+                            "--ec-capacity-mb", "32", "--kv-capacity-mb", "32", "--enable-per-request-metrics")
     yield cluster
     cluster.stop()
