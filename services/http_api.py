@@ -21,7 +21,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from services.observability import request_id_var
-from services.protocol.errors import EpdError, NotFound, PayloadTooLarge, as_epd_error
+from services.protocol.errors import EpdError, InvalidRequest, NotFound, PayloadTooLarge, as_epd_error
 from services.protocol.parsing import parse_model
 from services.protocol.streaming import SSE_MEDIA_TYPE
 
@@ -77,6 +77,13 @@ def check_model(model: str | None, served: str) -> None:
     """None passes; otherwise it must be the served model id (same message as render's check)."""
     if model is not None and model != served:
         raise NotFound(f"The model `{model}` does not exist (served: {served})", code="model_not_found")
+
+
+def check_tokens_mode(output_mode: str, role: str) -> None:
+    """Encode and prefill answer transfer handles, not text: output_mode 'text' is decode's and the coordinator's."""
+    if output_mode != "tokens":
+        raise InvalidRequest(f"{role} answers output_mode 'tokens' only; output_mode {output_mode!r} is served "
+                             "by decode and the coordinator", code="unsupported_output_mode")
 
 
 def endpoint(handler: Handler) -> Handler:

@@ -69,7 +69,7 @@ async def output_deltas(first: DecodeEvent, events: AsyncIterator[DecodeEvent]) 
 def decode_answer(body: GenerateRequest, rsp_id: str, model: str) -> GenerateAnswer:
     kv = body.kv_transfer_params or {}
     return GenerateAnswer(rsp_id, model, int(kv.get("num_prompt_tokens") or len(body.token_ids)),
-                          body.stream_options)
+                          body.stream_options, output_mode=body.output_mode)
 
 
 class DecodeApi:

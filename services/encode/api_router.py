@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from services.http_api import check_model, endpoint, header_request_id, model_response, parse_body
+from services.http_api import check_model, check_tokens_mode, endpoint, header_request_id, model_response, parse_body
 from services.openai_calls import RenderClient, openai_call
 from services.protocol.common import Usage
 from services.protocol.errors import InvalidRequest
@@ -65,7 +65,9 @@ class EncodeApi:
 
     @endpoint
     async def generate(self, request: Request) -> Response:
-        return model_response(await self._encode(await parse_body(request, GenerateRequest), request))
+        body = await parse_body(request, GenerateRequest)
+        check_tokens_mode(body.output_mode, "encode")
+        return model_response(await self._encode(body, request))
 
     @endpoint
     async def chat(self, request: Request) -> Response:

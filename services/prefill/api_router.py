@@ -25,7 +25,7 @@ from starlette.routing import Route
 
 from services.decode.params_from import decode_params
 from services.decode.stop import StopChecker
-from services.http_api import check_model, endpoint, header_request_id, model_response, parse_body
+from services.http_api import check_model, check_tokens_mode, endpoint, header_request_id, model_response, parse_body
 from services.openai_calls import RenderClient, openai_call
 from services.protocol.common import Usage
 from services.protocol.errors import InvalidRequest
@@ -107,7 +107,9 @@ class PrefillApi:
 
     @endpoint
     async def generate(self, request: Request) -> Response:
-        answer, cached = await self._prefill(await parse_body(request, GenerateRequest), request)
+        body = await parse_body(request, GenerateRequest)
+        check_tokens_mode(body.output_mode, "prefill")
+        answer, cached = await self._prefill(body, request)
         return model_response(answer, headers={"X-Cached-Tokens": str(cached)})
 
     @endpoint

@@ -10,6 +10,8 @@ request answers it the same way:
   ended without one), usage.  Streamed: one event per delta with ids or a
   finish, usage on every event with continuous_usage_stats, a last
   empty-choices usage event with include_usage, errors in-stream, [DONE].
+  `output_mode: "text"` (vLLM's GenerateText* shapes) adds each choice's text (streamed: the delta;
+  a chunk also goes out for text alone) and answers logprobs with token strings.
 - `OpenAIAnswer`: /v1/chat/completions and /v1/completions (the coordinator)
   and the chunk/response constructors derender uses.  Streamed chat starts
   with a role chunk; content chunks carry `usage: null` only when
@@ -35,9 +37,19 @@ from services.protocol.generate import (
     GenerateChoice,
     GenerateResponse,
     GenerateStreamChunk,
+    GenerateTextChoice,
+    GenerateTextResponse,
+    GenerateTextStreamChunk,
+    OutputMode,
     StreamOptions,
 )
-from services.protocol.logprobs import TokenLogprob, chat_logprobs, completion_logprobs, generate_logprobs
+from services.protocol.logprobs import (
+    TokenLogprob,
+    chat_logprobs,
+    completion_logprobs,
+    generate_logprobs,
+    text_logprobs,
+)
 from services.protocol.openai_responses import (
     ChatChunkChoice,
     ChatCompletionChoice,
@@ -81,30 +93,38 @@ class GenerateAnswer:
     """The answer of one /inference/v1/generate call."""
 
     def __init__(self, response_id: str, model: str | None, prompt_tokens: int,
-                 options: StreamOptions | None = None, created: int | None = None) -> None:
+                 options: StreamOptions | None = None, created: int | None = None,
+                 output_mode: OutputMode = "tokens") -> None:
         self.response_id, self.model, self.prompt_tokens = response_id, model, prompt_tokens
         self.options, self.created = options, created if created is not None else now_s()
+        self.text_mode = output_mode == "text"
 
-    def _choice(self, delta: OutputDelta, token_ids: list[int],
-                records: Sequence[TokenLogprob] | None) -> GenerateChoice:
-        return GenerateChoice(token_ids=token_ids, finish_reason=protocol_finish_reason(delta.finish_reason),
-                              stop_reason=delta.stop_reason,
-                              logprobs=None if records is None else generate_logprobs(records))
+    def _choice(self, delta: OutputDelta, token_ids: list[int], records: Sequence[TokenLogprob] | None,
+                text: str) -> GenerateChoice:
+        fields: dict[str, Any] = {"token_ids": token_ids, "stop_reason": delta.stop_reason,
+                                  "finish_reason": protocol_finish_reason(delta.finish_reason)}
+        if self.text_mode:
+            return GenerateTextChoice(**fields, text=text,
+                                      logprobs=None if records is None else text_logprobs(records))
+        return GenerateChoice(**fields, logprobs=None if records is None else generate_logprobs(records))
 
     async def collect(self, deltas: AsyncIterator[OutputDelta]) -> GenerateResponse:
         tokens: list[int] = []
+        texts: list[str] = []
         records: list[TokenLogprob] | None = None
         last = OutputDelta()
         async for delta in deltas:
             tokens.extend(delta.token_ids)
+            texts.append(delta.text)
             if delta.logprobs is not None:
                 records = [*(records or []), *delta.logprobs]
             if delta.finish_reason:
                 last = delta
-        choice = self._choice(last, tokens, records)
+        choice = self._choice(last, tokens, records, "".join(texts))
         choice.finish_reason = choice.finish_reason or "abort"  # the stream ended without saying why
-        return GenerateResponse(request_id=self.response_id, model=self.model, created=self.created,
-                                choices=[choice], usage=usage(self.prompt_tokens, len(tokens)))
+        shape: type[GenerateResponse] = GenerateTextResponse if self.text_mode else GenerateResponse
+        return shape(request_id=self.response_id, model=self.model, created=self.created,
+                     choices=[choice], usage=usage(self.prompt_tokens, len(tokens)))
 
     async def sse(self, deltas: AsyncIterator[OutputDelta]) -> AsyncIterator[bytes]:
         continuous = bool(self.options and self.options.continuous_usage_stats)
@@ -112,9 +132,10 @@ class GenerateAnswer:
         try:
             async for delta in deltas:
                 count += len(delta.token_ids)
-                if delta.token_ids or delta.finish_reason:
-                    yield sse_event(self._chunk([self._choice(delta, list(delta.token_ids), delta.logprobs)],
-                                                usage(self.prompt_tokens, count) if continuous else None))
+                # vLLM: text mode also sends text held back for stop strings, which may come without ids
+                if delta.token_ids or delta.finish_reason or (self.text_mode and delta.text):
+                    choice = self._choice(delta, list(delta.token_ids), delta.logprobs, delta.text)
+                    yield sse_event(self._chunk([choice], usage(self.prompt_tokens, count) if continuous else None))
             if self.options is not None and self.options.include_usage:
                 yield sse_event(self._chunk([], usage(self.prompt_tokens, count)))
         except Exception as exc:  # noqa: BLE001 - after the first byte, errors travel in-stream
@@ -122,8 +143,9 @@ class GenerateAnswer:
         yield SSE_DONE
 
     def _chunk(self, choices: list[GenerateChoice], use: Usage | None) -> GenerateStreamChunk:
-        return GenerateStreamChunk(request_id=self.response_id, model=self.model, created=self.created,
-                                   choices=choices, usage=use)
+        shape: type[GenerateStreamChunk] = GenerateTextStreamChunk if self.text_mode else GenerateStreamChunk
+        return shape(request_id=self.response_id, model=self.model, created=self.created,
+                     choices=choices, usage=use)
 
 
 class OpenAIAnswer:

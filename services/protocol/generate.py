@@ -69,8 +69,9 @@ class GenerateRequest(ProtocolModel):
                                                       "embeddings (prefill input, encode output).")
     return_token_ids: bool | None = Field(default=None, description="Answer with prompt_token_ids and "
                                           "mm_placeholders (streaming: on the first chunk).")
-    output_mode: OutputMode = Field(default="tokens", description="'tokens': ids only; 'text': also the text "
-                                    "(needs sampling_params.detokenize).")
+    output_mode: OutputMode = Field(default="tokens", description="'tokens': ids only; 'text': also the "
+                                    "detokenized text and logprobs with token strings (needs "
+                                    "sampling_params.detokenize).")
     token_offsets: list[tuple[int, int]] | None = Field(default=None, description="vLLM: char offsets per token "
                                                         "(render of plain text); carried, not used.")
     reasoning_ended: bool | None = Field(default=None, description="vLLM render's reasoning state; carried.")
@@ -104,9 +105,8 @@ class GenerateRequest(ProtocolModel):
         self.sampling_params = self.sampling_params.model_copy(update={"extra_args": rest or None})
 
     def _check_multimodal(self) -> None:
-        if self.output_mode != "tokens":
-            raise ValueError("output_mode 'text' is not supported: epd's generate answers token ids "
-                             "(derender turns them into text)")
+        if self.output_mode != "tokens" and not self.sampling_params.detokenize:  # vLLM's check and message
+            raise ValueError(f"output_mode={self.output_mode!r} requires sampling_params.detokenize to be true")
         if self.content_parts and self.features is not None:
             raise ValueError("content_parts and features are mutually exclusive")
         for item in self.items():
@@ -151,7 +151,7 @@ class GenerateResponse(ProtocolModel):
         default=None, description="From prefill: what decode carries.")
     ec_transfer_params: TransferParams | None = Field(
         default=None, description="From encode: {mm_hash: handle}.")
-    output_mode: OutputMode = Field(default="tokens", description="vLLM's discriminator; always 'tokens'.")
+    output_mode: OutputMode = Field(default="tokens", description="vLLM's discriminator: 'tokens' here.")
     prompt_token_ids: list[int] | None = Field(default=None, description="With return_token_ids (vLLM).")
     mm_placeholders: dict[str, Any] | None = Field(default=None, description="With return_token_ids (vLLM).")
     metrics: dict[str, Any] | None = Field(default=None, description="Per-request metrics, when asked (vLLM).")
@@ -167,7 +167,33 @@ class GenerateStreamChunk(ProtocolModel):
                                           "final usage-only event.")
     usage: Usage | None = Field(default=None, description="Set on the usage event (or every event when "
                                 "continuous_usage_stats).")
-    output_mode: OutputMode = Field(default="tokens", description="vLLM's discriminator; always 'tokens'.")
+    output_mode: OutputMode = Field(default="tokens", description="vLLM's discriminator: 'tokens' here.")
+
+
+class GenerateTextChoice(GenerateChoice):
+    """output_mode 'text' (vLLM's GenerateTextChoice): the ids plus their text; logprobs in OpenAI's chat shape."""
+
+    text: str = Field(description="Detokenized output (a stream chunk: the delta since the last event); a "
+                      "matched stop string excluded unless include_stop_str_in_output; token_ids keep every "
+                      "generated token.")
+
+
+class GenerateTextResponse(GenerateResponse):
+    """The non-streamed answer of an output_mode 'text' generate (vLLM's GenerateTextResponse)."""
+
+    choices: list[GenerateTextChoice] = Field(  # type: ignore[assignment]
+        default_factory=list, description="One choice.")
+    output_mode: Literal["text"] = Field(  # type: ignore[assignment]
+        default="text", description="vLLM's discriminator.")
+
+
+class GenerateTextStreamChunk(GenerateStreamChunk):
+    """One SSE event of an output_mode 'text' generate (vLLM's GenerateTextStreamResponse)."""
+
+    choices: list[GenerateTextChoice] = Field(  # type: ignore[assignment]
+        default_factory=list, description="Deltas; empty in the final usage-only event.")
+    output_mode: Literal["text"] = Field(  # type: ignore[assignment]
+        default="text", description="vLLM's discriminator.")
 
 
 class AbortRequest(ProtocolModel):

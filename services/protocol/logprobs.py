@@ -12,6 +12,8 @@ for the first token, the gRPC chunk for the rest) and is answered as:
   `{"content": [{"token_id", "logprob", "rank", "top_logprobs": [{"token_id", "logprob", "rank"}]}]}`,
   `top_logprobs` in vLLM's engine order (the sampled token first, then the others by rank),
   max(n, 1) entries;
+- `text_logprobs`: the same in OpenAI's chat shape (token strings and bytes), for generate's
+  `output_mode: "text"`;
 - `chat_logprobs`: OpenAI's chat shape, `top_logprobs` the n most likely, sorted;
 - `completion_logprobs`: OpenAI's legacy shape (`tokens`, `token_logprobs`, `top_logprobs`
   dicts of the sampled token plus the n most likely, `text_offset`).
@@ -85,16 +87,26 @@ def _top_text(entry: TokenLogprob, i: int) -> str:
     return entry.top_tokens[i] if entry.top_tokens is not None else f"token_id:{entry.top_ids[i]}"
 
 
+def _engine_order(e: TokenLogprob) -> list[tuple[int, float, int, str]]:
+    """(id, logprob, rank, text) of the sampled candidate first, then the rest by rank: max(n, 1) of them."""
+    top = [(e.token_id, e.logprob, e.rank, _text(e))]
+    top += [(t, v, r, _top_text(e, r - 1))
+            for r, (t, v) in enumerate(zip(e.top_ids, e.top_logprobs, strict=True), 1) if t != e.token_id]
+    return top[:max(len(e.top_ids), 1)]
+
+
 def generate_logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
     """vLLM's GenerateLogProbs: per token the sampled candidate first, then the rest by rank."""
-    content = []
-    for e in entries:
-        top = [{"token_id": e.token_id, "logprob": floor(e.logprob), "rank": e.rank}]
-        top += [{"token_id": t, "logprob": floor(v), "rank": r}
-                for r, (t, v) in enumerate(zip(e.top_ids, e.top_logprobs, strict=True), 1) if t != e.token_id]
-        content.append({"token_id": e.token_id, "logprob": floor(e.logprob), "rank": e.rank,
-                        "top_logprobs": top[:max(len(e.top_ids), 1)]})
-    return {"content": content}
+    return {"content": [{"token_id": e.token_id, "logprob": floor(e.logprob), "rank": e.rank,
+                         "top_logprobs": [{"token_id": t, "logprob": floor(v), "rank": r}
+                                          for t, v, r, _ in _engine_order(e)]} for e in entries]}
+
+
+def text_logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+    """Generate's output_mode 'text' (vLLM's _create_text_logprobs): OpenAI's chat shape (token strings, bytes),
+    `top_logprobs` in generate's engine order (the sampled candidate first, max(n, 1) entries)."""
+    return {"content": [{**_candidate(_text(e), e.logprob),
+                         "top_logprobs": [_candidate(s, v) for _, v, _, s in _engine_order(e)]} for e in entries]}
 
 
 def from_generate(body: Any) -> list[TokenLogprob] | None:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.peers.vllm_env import ensure_venv
-from services.protocol.answers import OpenAIAnswer
+from services.protocol.answers import GenerateAnswer, OpenAIAnswer, OutputDelta
 from services.protocol.errors import InvalidRequest
 from services.protocol.generate import GenerateRequest, GenerateResponse
 from services.protocol.logprobs import TokenLogprob, chat_logprobs, completion_logprobs, generate_logprobs
@@ -77,6 +77,8 @@ EDGE_CASES = {
     "cache_salt_with_slash": {"token_ids": [1], "sampling_params": {}, "cache_salt": "a/b"},
     "content_parts_and_features": {**_mm(), "content_parts": [{"type": "image_url", "url": "http://x/a.png"}]},
     "output_mode_text": {"token_ids": [1], "sampling_params": {}, "output_mode": "text"},
+    "output_mode_text_without_detokenize": {"token_ids": [1], "sampling_params": {"detokenize": False},
+                                            "output_mode": "text"},
     "logprobs_minus_one": {"token_ids": [1], "sampling_params": {"logprobs": -1}},
     "logprobs_20": {"token_ids": [1], "sampling_params": {"logprobs": 20}},
 }
@@ -148,6 +150,27 @@ def test_vllms_models_validate_epds_logprobs():
     assert [r["error"] for r in results] == [""] * len(jobs)
     top = generate["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
     assert [t["token_id"] for t in top] == [9707, 11, 13]  # vLLM's engine order: sampled first, then by rank
+
+
+def test_vllms_models_validate_epds_text_mode_answers():
+    """output_mode "text", whole and streamed, with logprobs, as GenerateAnswer builds it: vLLM's GenerateText*."""
+    deltas = [OutputDelta([9707], "Hello", logprobs=LOGPROBS[:1]),
+              OutputDelta([11], "", "stop", ",", logprobs=LOGPROBS[1:])]
+
+    async def source():
+        for delta in deltas:
+            yield delta
+
+    async def build():
+        whole = await GenerateAnswer("generate-tokens-x", "m", 3, output_mode="text").collect(source())
+        events = [e async for e in GenerateAnswer("generate-tokens-x", "m", 3, output_mode="text").sse(source())]
+        return whole.model_dump(mode="json"), [json.loads(e[len(b"data: "):]) for e in events[:-1]]
+
+    whole, chunks = asyncio.run(build())
+    assert whole["choices"][0]["text"] == "Hello" and [c["choices"][0]["text"] for c in chunks] == ["Hello", ""]
+    jobs = [("GenerateTextResponse", whole), *(("GenerateTextStreamResponse", c) for c in chunks)]
+    results = vllm_judge(jobs)["results"]
+    assert [r["error"] for r in results] == [""] * len(jobs)
 
 
 def test_the_compatibility_table_names_every_vllm_field():

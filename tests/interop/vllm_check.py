@@ -18,6 +18,7 @@ from vllm.sampling_params import SamplingParams
 MODELS = {
     "GenerateRequest": p.GenerateRequest, "MultiModalFeatures": p.MultiModalFeatures,
     "GenerateTokensResponse": p.GenerateTokensResponse, "GenerateTokensStreamResponse": p.GenerateTokensStreamResponse,
+    "GenerateTextResponse": p.GenerateTextResponse, "GenerateTextStreamResponse": p.GenerateTextStreamResponse,
     "DerenderChatRequest": p.DerenderChatRequest, "DerenderChatStreamRequest": p.DerenderChatStreamRequest,
     "DerenderCompletionRequest": p.DerenderCompletionRequest,
     "DerenderChatStreamResponse": p.DerenderChatStreamResponse,

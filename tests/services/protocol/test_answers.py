@@ -8,6 +8,7 @@ import json
 from services.protocol.answers import GenerateAnswer, OpenAIAnswer, OutputDelta
 from services.protocol.errors import Unavailable
 from services.protocol.generate import StreamOptions
+from services.protocol.logprobs import TokenLogprob
 from services.protocol.streaming import parse_sse_data
 
 DELTAS = [OutputDelta([5], "Hel"), OutputDelta([6, 7], "lo"), OutputDelta([8], "!", "stop", 8)]
@@ -81,3 +82,54 @@ def test_generate_collect_and_stream():
 def test_generate_without_a_finish_is_an_abort():
     whole = asyncio.run(GenerateAnswer("g", "m", 1).collect(_source(DELTAS[:1])))
     assert whole.choices[0].finish_reason == "abort" and whole.usage.completion_tokens == 1
+
+
+# Text held back (a possible stop-string prefix) comes out later without ids; a logprob record per id.
+TEXT_DELTAS = [OutputDelta([5], "Hel", logprobs=[TokenLogprob(5, -0.5, 1, (5, 9), (-0.5, -1.5), "Hel", ("Hel", "x"))]),
+               OutputDelta([6], "", logprobs=[TokenLogprob(6, -2.0, 2, (7, 6), (-1.0, -2.0), "l", ("lo", "l"))]),
+               OutputDelta([], "lo", "stop", "!")]
+
+
+def test_generate_text_mode_whole_has_text_and_chat_shaped_logprobs():
+    builder = GenerateAnswer("generate-tokens-x", "m", 3, created=7, output_mode="text")
+    body = json.loads(asyncio.run(builder.collect(_source(TEXT_DELTAS))).model_dump_json())
+    assert body["output_mode"] == "text" and body["usage"]["completion_tokens"] == 2
+    [choice] = body["choices"]
+    assert {k: v for k, v in choice.items() if k != "logprobs"} == {
+        "index": 0, "token_ids": [5, 6], "finish_reason": "stop", "stop_reason": "!", "text": "Hello"}
+    assert choice["logprobs"] == {"content": [
+        {"token": "Hel", "logprob": -0.5, "bytes": [72, 101, 108],
+         "top_logprobs": [{"token": "Hel", "logprob": -0.5, "bytes": [72, 101, 108]},
+                          {"token": "x", "logprob": -1.5, "bytes": [120]}]},
+        # vLLM's engine order: the sampled token first, then the rest by rank, n in all
+        {"token": "l", "logprob": -2.0, "bytes": [108],
+         "top_logprobs": [{"token": "l", "logprob": -2.0, "bytes": [108]},
+                          {"token": "lo", "logprob": -1.0, "bytes": [108, 111]}]}]}
+
+
+def test_generate_text_mode_streams_text_deltas_even_without_ids():
+    events = _frames(GenerateAnswer("generate-tokens-x", "m", 3, StreamOptions(), created=7, output_mode="text"),
+                     TEXT_DELTAS)
+    chunks = events[:3]
+    assert [c["choices"][0]["text"] for c in chunks] == ["Hel", "", "lo"]
+    assert [c["choices"][0]["token_ids"] for c in chunks] == [[5], [6], []]
+    assert [c["output_mode"] for c in events[:4]] == ["text"] * 4
+    assert chunks[2]["choices"][0]["finish_reason"] == "stop" and chunks[2]["choices"][0]["logprobs"] is None
+    assert events[3]["choices"] == [] and events[3]["usage"]["completion_tokens"] == 2
+    assert events[4] == b"data: [DONE]\n\n"
+    # tokens mode: the same deltas, no text key, and no event for text alone (held-back text has no ids)
+    plain = _frames(GenerateAnswer("generate-tokens-x", "m", 3, StreamOptions(), created=7),
+                    [OutputDelta([5], "Hel"), OutputDelta([], "lo"), OutputDelta([], "", "stop")])
+    assert [c["choices"][0] for c in plain[:2]] == [
+        {"index": 0, "token_ids": [5], "finish_reason": None, "logprobs": None, "stop_reason": None},
+        {"index": 0, "token_ids": [], "finish_reason": "stop", "logprobs": None, "stop_reason": None}]
+    assert plain[0]["output_mode"] == "tokens" and len(plain) == 4
+
+
+def test_generate_tokens_mode_bytes_are_unchanged():
+    whole = asyncio.run(GenerateAnswer("generate-tokens-x", "m", 3, created=7).collect(_source(DELTAS)))
+    assert whole.model_dump_json() == (
+        '{"request_id":"generate-tokens-x","model":"m","created":7,"choices":[{"index":0,"token_ids":[5,6,7,8],'
+        '"finish_reason":"stop","logprobs":null,"stop_reason":8}],"usage":{"prompt_tokens":3,'
+        '"completion_tokens":4,"total_tokens":7},"kv_transfer_params":null,"ec_transfer_params":null,'
+        '"output_mode":"tokens","prompt_token_ids":null,"mm_placeholders":null,"metrics":null}')

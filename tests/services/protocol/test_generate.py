@@ -174,3 +174,11 @@ def test_abort_request():
     assert parse_model(AbortRequest, {"request_ids": ["a", "b"]}).request_ids == ["a", "b"]
     with pytest.raises(InvalidRequest, match="request_ids: field required"):
         parse_model(AbortRequest, {})
+
+
+def test_output_mode_text_needs_detokenize_as_in_vllm():
+    assert parse_model(GenerateRequest, _request(output_mode="text")).output_mode == "text"
+    message = _error(_request(output_mode="text", sampling_params={"detokenize": False}))
+    assert "output_mode='text' requires sampling_params.detokenize to be true" in message
+    assert parse_model(GenerateRequest, _request(sampling_params={"detokenize": False})).output_mode == "tokens"
+    assert "output_mode" in _error(_request(output_mode="words"))
