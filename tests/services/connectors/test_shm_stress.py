@@ -42,5 +42,8 @@ def test_no_torn_read_across_processes(instance, capsys):
     assert control["torn"] >= 1, control  # the harness does catch a read that skips the protocol
     for phase in checked:
         assert phase["torn"] == 0, phase
-        assert phase["reads"] >= 20_000 and phase["ok"] >= 1_000 and phase["retry"] >= 100, phase
+        # Some reads must succeed, some must see the entry change.  A whole consumer-path read (`view`) lasts
+        # many of the writer's put cycles, so only ~0.5-3% of them succeed (501 of 100,000 on a fresh CI box).
+        least_ok = 100 if phase["mode"] == "view" else 1_000
+        assert phase["reads"] >= 20_000 and phase["ok"] >= least_ok and phase["retry"] >= 100, phase
     assert sum(p["reads"] for p in checked) >= 100_000
