@@ -247,10 +247,11 @@ class OpenAIAnswer:
                     pending, offset = None, offset + len(delta.text)
                     yield self._event(self.chunk([choice]))
             if self.include_usage:  # vLLM: per-request metrics ride on this final usage chunk only
-                last = self.chunk([], usage(self.prompt_tokens, completion)).model_dump(mode="json")
-                if self.timing is not None:
-                    last["metrics"] = self.timing.metrics()
-                yield sse_event(last)
+                last = self.chunk([], usage(self.prompt_tokens, completion))
+                if self.timing is None:
+                    yield self._event(last)
+                else:
+                    yield sse_event({**last.model_dump(mode="json"), "metrics": self.timing.metrics()})
         except Exception as exc:  # noqa: BLE001 - every failure after the first byte becomes an in-stream error
             yield sse_error(as_epd_error(exc))
         yield SSE_DONE

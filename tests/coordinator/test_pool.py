@@ -22,13 +22,18 @@ _METRICS = CoordinatorMetrics(CollectorRegistry())
 
 
 async def _health_server(port: int) -> grpc.aio.Server:
+    return (await _health_servicer(port))[0]
+
+
+async def _health_servicer(port: int, status: int = health_pb2.HealthCheckResponse.SERVING
+                           ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     server = grpc.aio.server()
     servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
-    await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    return server
+    await servicer.set("", status)
+    return server, servicer
 
 
 async def _until(predicate, timeout: float) -> float:
@@ -64,12 +69,7 @@ def test_a_probe_made_now_counts_for_routing():
     what answered NOT_SERVING is not, without waiting for the background probe (not started here)."""
     async def run():
         port = free_port()
-        server = grpc.aio.server()
-        servicer = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-        server.add_insecure_port(f"127.0.0.1:{port}")
-        await server.start()
-        await servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        server, servicer = await _health_servicer(port, health_pb2.HealthCheckResponse.NOT_SERVING)
         pool = InstancePool("decode", [], rpc.DecodeServiceStub, metrics=_METRICS)
         instance = pool.add(f"127.0.0.1:{port}")
         assert await pool.check_all() == {instance.address: False}
