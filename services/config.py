@@ -24,7 +24,7 @@ DEVICES_PREFIXES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
 DEMO_ALIASES = {"demo": "epd-demo-qwen2-vl", "epd-demo-qwen2-vl": "epd-demo-qwen2-vl",
                 "demo-medium": "epd-demo-qwen2-vl-medium"}
-LINEAR_KERNELS = ("auto", "prepacked", "default")   # services.models.prepack.MODES (checked by a test)
+LINEAR_KERNELS = ("auto", "panel", "prepacked", "default")   # services.models.prepack.MODES (checked by a test)
 ATTENTION_KERNELS = ("auto", "c", "torch")          # services.decode.attention.KERNELS (checked by a test)
 DECODE_STEPS = ("auto", "eager", "compiled")        # services.decode.compiled.STEP_MODES (checked by a test)
 ROLES = ("coordinator", "render", "encode", "prefill", "decode")
@@ -92,8 +92,9 @@ class EpdConfig:
                                roles="coordinator")
     device: str = _f("cpu", "torch device of model roles: cpu, cuda, cuda:N")
     dtype: str = _f("float32", "model dtype: float32 | bfloat16 | float16")
-    linear_kernel: str = _f("auto", "matmuls of model roles: auto (time F.linear against oneDNN prepacked "
-                            "weights at start-up, keep the faster) | prepacked | default")
+    linear_kernel: str = _f("auto", "matmuls of model roles: auto (time F.linear, the panel C kernel and oneDNN "
+                            "prepacked weights at start-up on the role's batch sizes, keep the fastest) | panel | "
+                            "prepacked | default")
     max_model_len: int = _f(8192, "context length (prompt + output tokens)")
     decode_slots: int = _f(16, "concurrent sequences one decode instance runs (continuous batching)")
     decode_queue: int = _f(64, "requests waiting for a decode slot before new ones are refused")

@@ -26,7 +26,8 @@ async def build(config: EpdConfig) -> RoleServer:
 
     path = resolve_model(config.model)
     lm = adapter_for(path).load_language(path, config.device, config.dtype, config.max_model_len)
-    export(prepack_language(lm, config.linear_kernel), "language")
+    steps = (1, config.decode_slots) if config.decode_slots > 1 else (1,)   # the rows a decode step multiplies
+    export(prepack_language(lm, config.linear_kernel, rows=steps, head_rows=steps), "language")
     engine = DecodeEngine(lm, load_tokenizer(path), config.decode_slots, config.max_model_len,
                           max_queued=config.decode_queue, stream_timeout=config.request_timeout_s,
                           kv_cache_bytes=config.kv_cache_mb << 20, block_size=config.kv_block_size,

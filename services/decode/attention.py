@@ -18,28 +18,20 @@ benchmarks/paged_attention.py (docs/benchmarks.md):
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import subprocess
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from services.native import BASE_FLAGS, build_library
+
 logger = logging.getLogger(__name__)
 
 KERNELS = ("auto", "c", "torch")
 _SOURCE = Path(__file__).with_name("paged_kernel.c")
-_CFLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-pthread", "-fassociative-math", "-fno-signed-zeros",
-           "-fno-trapping-math")
+_CFLAGS = (*BASE_FLAGS, "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math")
 _LIB: Any = None
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("EPD_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "epd")
-    return Path(root) / "kernels"
 
 
 def build_kernel() -> Any:
@@ -47,21 +39,7 @@ def build_kernel() -> Any:
     global _LIB
     if _LIB is not None:
         return _LIB
-    source = _SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join(_CFLAGS).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"paged_attention_{digest}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
-            partial = Path(tmp.name)
-        try:
-            subprocess.run(["gcc", *_CFLAGS, "-o", str(partial), str(_SOURCE), "-lm"], check=True,
-                           capture_output=True, timeout=120)
-            partial.replace(target)  # atomic: concurrent builders never load half a file
-        except (subprocess.SubprocessError, FileNotFoundError) as exc:
-            partial.unlink(missing_ok=True)
-            raise OSError(f"building the paged attention kernel failed: {exc}") from exc
-    lib = ctypes.CDLL(str(target))
+    lib = build_library(_SOURCE, "paged_attention", _CFLAGS)
     fn = lib.epd_paged_attention
     ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i32, i32, i32, i32, i32, f32, ptr, i32]

@@ -24,3 +24,14 @@ def test_paged_attention_quick_candidates_agree_with_the_reference():
     assert {"c", "torch"} <= names
     for f in figures:
         assert math.isfinite(f.value) and f.detail["max_abs_diff"] < 1e-4, f.name
+
+
+def test_linear_kernels_quick_times_every_kernel_and_they_agree():
+    from benchmarks import linear_kernels
+
+    figures = linear_kernels.run(quick=True)
+    assert len(figures) == 4        # tiny model, batches 1 and 4, the step and the linears alone
+    for f in figures:
+        assert math.isfinite(f.value) and f.value > 0, f.name
+        assert f.detail["same_tokens"], f.name
+        assert set(f.detail["median_ms"]) == {"default", "prepacked", "panel"}

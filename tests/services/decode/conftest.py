@@ -1,7 +1,7 @@
 """Fixtures for the decode engine tests: the tiny demo model, split the way the roles split it.
 
 `tiny.lm` is the LanguageModel decode holds, loaded LM-only through the model
-registry's Qwen2-VL adapter with its linears prepacked, as the decode role loads it.  Prefill is done
+registry's Qwen2-VL adapter with its linears on the panel kernel, as the decode role loads it.  Prefill is done
 in-test with the plain HF model and a DynamicCache, and references come from
 `model.generate` on that full model, so the engine is checked against Hugging
 Face itself.
@@ -28,7 +28,7 @@ def _language_model(path: Any) -> LanguageModel:
     from services.models.registry import adapter_for
 
     lm = adapter_for(path).load_language(path, "cpu", "float32", MAX_MODEL_LEN)
-    prepack_language(lm, "prepacked")   # as the decode role runs it; references stay plain HF `generate`
+    prepack_language(lm, "panel")   # as the decode role runs it here (auto picks panel); references: plain HF
     return lm
 
 

@@ -1,4 +1,5 @@
-"""Prepacked linears: same tokens as the plain model, logits within 1e-4, one copy of each weight."""
+"""Swapped linears (oneDNN prepacked, panel): same tokens as the plain model, logits within 1e-4, one copy of
+each weight."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from services.models.panel_linear import PanelLinear
 from services.models.prepack import MODES, PackedLinear, prepack_language, prepack_vision
 
 
@@ -37,15 +39,16 @@ def _greedy(lm, ids: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
     return tokens, first
 
 
-def test_prepacked_gives_the_same_tokens_and_frees_the_plain_weights(demo_model_path):
+@pytest.mark.parametrize("kernel, cls", [("prepacked", PackedLinear), ("panel", PanelLinear)])
+def test_swapped_gives_the_same_tokens_and_frees_the_plain_weights(demo_model_path, kernel, cls):
     plain, packed = _load(demo_model_path), _load(demo_model_path)
     head_weight = weakref.ref(packed.lm_head.weight)
     layer_weight = weakref.ref(packed.model.layers[0].mlp.down_proj.weight)
-    report = prepack_language(packed, "prepacked")
+    report = prepack_language(packed, kernel)
     gc.collect()
-    assert head_weight() is None and layer_weight() is None      # one copy of each weight: the packed one
-    assert isinstance(packed.lm_head, PackedLinear) and isinstance(packed.model.layers[0].mlp.down_proj, PackedLinear)
-    assert report.kernel == "prepacked" and report.extra_bytes == 0
+    assert head_weight() is None and layer_weight() is None      # one copy of each weight: the swapped one
+    assert isinstance(packed.lm_head, cls) and isinstance(packed.model.layers[0].mlp.down_proj, cls)
+    assert report.kernel == kernel and report.extra_bytes == 0
     assert report.num_swapped == 1 + 7 * len(packed.model.layers)  # q k v o gate up down per layer, + head
     ids = list(range(1000, 1040))
     want, want_logits = _greedy(plain, ids, 12)
@@ -80,10 +83,15 @@ def test_a_tied_head_keeps_the_embedding_and_counts_the_packed_copy():
 def test_auto_times_both_kernels_on_the_model_weights(demo_model_path):
     lm = _load(demo_model_path)
     report = prepack_language(lm, "auto")
-    assert report.kernel in ("prepacked", "default") and report.speedup is not None and report.speedup > 0
+    assert report.kernel in ("panel", "prepacked", "default") and report.speedup is not None and report.speedup > 0
     assert "lm_head@1" in report.timings_ms and "lm_head@16" in report.timings_ms
-    assert report.max_rel_diff is not None and report.max_rel_diff <= 1e-4
+    assert set(report.timings_ms["lm_head@1"]) == {"default_ms", "prepacked_ms", "panel_ms"}   # all three timed
+    assert set(report.speedups) == {"prepacked", "panel"}
+    if report.kernel != "default":
+        assert report.speedup == max(report.speedups.values()) >= 1.05
+        assert report.max_rel_diff is not None and report.max_rel_diff <= 1e-4
     assert isinstance(lm.lm_head, PackedLinear) == (report.kernel == "prepacked")
+    assert isinstance(lm.lm_head, PanelLinear) == (report.kernel == "panel")
     assert "linear kernel" in report.line()
 
 
@@ -91,7 +99,7 @@ def test_default_leaves_the_model_alone_and_unknown_modes_are_refused(demo_model
     lm = _load(demo_model_path)
     head = lm.lm_head
     assert prepack_language(lm, "default").kernel == "default" and lm.lm_head is head
-    with pytest.raises(ValueError, match="supported: auto, prepacked, default"):
+    with pytest.raises(ValueError, match="supported: auto, panel, prepacked, default"):
         prepack_language(lm, "fastest")
     from services.config import LINEAR_KERNELS
 

@@ -1,0 +1,79 @@
+"""The panel kernel (services/models/panel_linear.py): F.linear's outputs for every shape and batch a model
+gives, on torch's own OpenMP runtime, refusing what it cannot take."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from services.models import panel_linear
+from services.models.panel_linear import PanelLinear, panelize
+
+
+def test_the_kernel_builds_on_this_machine():
+    assert panel_linear.available(), panel_linear.unavailable_reason()
+
+
+@pytest.mark.parametrize("out_features, in_features, bias", [
+    (49152, 576, False),     # SmolLM2's LM head
+    (192, 576, False),       # a k projection (12 panels: fewer than 4 per thread)
+    (17, 13, True),          # neither a whole panel nor a whole vector
+    (1, 8, True),            # one output
+    (33, 1030, True),        # K past two 512-float strides, odd tail
+])
+@torch.inference_mode()
+def test_outputs_match_f_linear_for_every_batch_size(out_features, in_features, bias):
+    torch.manual_seed(out_features)
+    linear = nn.Linear(in_features, out_features, bias=bias)
+    panel = PanelLinear(linear)
+    for rows in (1, 2, 3, 4, 5, 6, 7, 12, 13, 16, 40):
+        x = torch.randn(rows, in_features)
+        want, got = linear(x), panel(x)
+        assert got.shape == want.shape
+        assert float((got - want).abs().max() / want.abs().max()) <= 1e-5, rows
+
+
+@torch.inference_mode()
+def test_leading_dimensions_strides_and_empty_batches():
+    linear = nn.Linear(64, 40)
+    panel = PanelLinear(linear)
+    x = torch.randn(2, 3, 64)
+    assert torch.allclose(panel(x), linear(x), rtol=1e-5, atol=1e-5)
+    wide = torch.randn(5, 128)[:, ::2]                       # a non-unit column stride
+    assert torch.allclose(panel(wide), linear(wide), rtol=1e-5, atol=1e-5)
+    rows = torch.randn(8, 96)[:, :64]                        # a row stride wider than K
+    assert torch.allclose(panel(rows), linear(rows), rtol=1e-5, atol=1e-5)
+    assert panel(torch.randn(0, 64)).shape == (0, 40)
+
+
+def test_panels_hold_the_weight_interleaved_and_zero_padded():
+    weight = torch.arange(20 * 3, dtype=torch.float32).view(20, 3)
+    panels = panelize(weight)
+    assert panels.shape == (2, 3, 16)
+    assert torch.equal(panels[0, 2, :], weight[:16, 2]) and torch.equal(panels[1, 1, :4], weight[16:, 1])
+    assert torch.count_nonzero(panels[1, :, 4:]) == 0
+
+
+def test_other_dtypes_are_refused_clearly():
+    panel = PanelLinear(nn.Linear(8, 8))
+    with pytest.raises(TypeError, match="PanelLinear takes float32 CPU input, got torch.float64"):
+        panel(torch.randn(2, 8, dtype=torch.float64))
+
+
+def test_it_shares_torchs_openmp_runtime_and_threads():
+    PanelLinear(nn.Linear(8, 8))(torch.randn(1, 8))
+    with open("/proc/self/maps") as maps:
+        gomps = {line.split()[-1] for line in maps if "libgomp" in line}
+    assert len(gomps) == 1 and "torch" in next(iter(gomps))     # one thread pool, torch's
+    linear = nn.Linear(576, 4096)
+    panel = PanelLinear(linear)
+    x = torch.randn(3, 576)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)                                 # the kernel follows torch's thread count
+        one = panel(x)
+    finally:
+        torch.set_num_threads(before)
+    with torch.inference_mode():
+        assert torch.equal(one, panel(x))                        # each output's sum runs in one order
