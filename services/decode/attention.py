@@ -8,7 +8,8 @@ benchmarks/paged_attention.py (docs/benchmarks.md):
 
 - "c": services/decode/paged_kernel.c, compiled at first use with the machine's gcc into the
   cache folder (keyed by the source hash) and called through ctypes on the tensors' data
-  pointers; float32 on CPU only; rows x kv-heads split over the torch thread count.
+  pointers; float32 on CPU only; rows x kv-heads split over the torch thread count, on torch's
+  OpenMP pool.
 - "torch": rows grouped by block count; per group the blocks are gathered and one SDPA runs with
   a mask hiding the tail of the last block.  Any dtype and device (the CUDA path).
 
@@ -30,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 KERNELS = ("auto", "c", "torch")
 _SOURCE = Path(__file__).with_name("paged_kernel.c")
-_CFLAGS = (*BASE_FLAGS, "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math")
+_CFLAGS = (*BASE_FLAGS, "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math")
 _LIB: Any = None
 
 

@@ -8,10 +8,9 @@
  *
  * Cost is proportional to the sum of lens (no padding to the longest row).  Softmax is computed
  * online, one rescale per block (running max and sum), accumulating in float32, so no scratch of
- * the row's length is needed.  Rows x kv-heads are split over `num_threads` pthreads.
+ * the row's length is needed.  Rows x kv-heads are split over `num_threads` OpenMP threads.
  */
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -102,7 +101,6 @@ int epd_paged_attention(const float *q, const float *k, const float *v, const in
     int64_t total = 0;
     for (int b = 0; b < B; b++) total += (int64_t)j_len_guard(lens[b]) * Hkv;
     job_t jobs[MAX_THREADS];
-    pthread_t ids[MAX_THREADS];
     int64_t done = 0;
     int item = 0;
     for (int t = 0; t < threads; t++) {
@@ -115,8 +113,9 @@ int epd_paged_attention(const float *q, const float *k, const float *v, const in
         j.last = item;
         jobs[t] = j;
     }
-    for (int t = 1; t < threads; t++) pthread_create(&ids[t], NULL, run_job, &jobs[t]);
-    run_job(&jobs[0]);
-    for (int t = 1; t < threads; t++) pthread_join(ids[t], NULL);
+    /* On torch's OpenMP pool (the library links the libgomp torch loaded): no thread is created per
+     * call, and no second set of threads competes with torch's spinning workers for the cores. */
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+    for (int t = 0; t < threads; t++) run_job(&jobs[t]);
     return 0;
 }

@@ -137,7 +137,7 @@ int epd_panel_linear(const float *x, int64_t ldx, int M, const float *panels, in
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         int per = (Q + nt - 1) / nt;
-        per = (per + 3) / 4 * 4;   /* whole 4-panel groups per thread (the one-row path takes 4 at once) */
+        if (M == 1) per = (per + 3) / 4 * 4;   /* whole 4-panel groups: the one-row path takes 4 at once */
         const int q0 = t * per, q1 = q0 + per > Q ? Q : q0 + per;
         if (q0 < q1) panel_range(x, ldx, M, panels, K, y, ldy, bias, N, q0, q1);
     }
