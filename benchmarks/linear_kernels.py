@@ -5,8 +5,10 @@ oneDNN "prepacked", the C "panel" kernel), each with its own block pool and the 
 and one `DecodeRunner.step` of B rows at context C runs on each in turn, every round (greedy
 sampling included), so machine noise falls on all of them.  The figures are prepacked / panel of
 the median step times (above 1: panel is faster); the note has each kernel's median and the
-median of the per-round ratios.  Then the same for the linears alone: every weight of the model
-once, in model order, at B rows (what a step reads, without attention or elementwise work).
+median of the per-round ratios, and whether the three gave the same greedy tokens.  Then the same
+for the linears alone: every weight of the model once, in model order, at B rows (what a step
+reads, without attention or elementwise work), and a plain sum over the same weights (the rate
+memory streams them at: the ceiling of a one-row step).
 
     python -m benchmarks.linear_kernels [--quick] [--models smollm2,medium] [--batches 1,4,16]
                                         [--rounds N] [--threads T] [--context C]
@@ -98,6 +100,17 @@ def measure(model: str, batches: list[int], rounds: int, context: int) -> dict[s
             linear(x)
         return (time.perf_counter() - began) * 1e3
 
+    weights = [linear.weight for linear in _linears(loaded["default"][2])]
+    weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+    read_ms: list[float] = []
+
+    @torch.inference_mode()
+    def read_all() -> float:     # the streaming ceiling: one sum over the same bytes
+        began = time.perf_counter()
+        for weight in weights:
+            weight.sum()
+        return (time.perf_counter() - began) * 1e3
+
     for round_ in range(rounds + 1):        # round 0 warms up
         for batch in batches:
             for kind in KINDS:
@@ -105,6 +118,9 @@ def measure(model: str, batches: list[int], rounds: int, context: int) -> dict[s
                 if round_:
                     step_ms[(batch, kind)].append(took)
                     gemm_ms[(batch, kind)].append(gemm)
+        read = read_all()
+        if round_:
+            read_ms.append(read)
     results = {}
     for batch in batches:
         per = {}
@@ -115,7 +131,8 @@ def measure(model: str, batches: list[int], rounds: int, context: int) -> dict[s
                          "median_round_ratio": median([a / b for a, b in zip(packed, panel, strict=True)])}
         per["same_tokens"] = all(tokens[(batch, k)] == tokens[(batch, "default")] for k in KINDS)
         results[batch] = per
-    return {"model": model, "context": context, "rounds": rounds, "batches": results}
+    return {"model": model, "context": context, "rounds": rounds, "batches": results, "weight_bytes": weight_bytes,
+            "read_ms": median(read_ms)}
 
 
 def run(quick: bool = False, models: list[str] | None = None, batches: list[int] | None = None,
@@ -136,8 +153,11 @@ def run(quick: bool = False, models: list[str] | None = None, batches: list[int]
             for name in ("step", "linears"):
                 r = per[name]
                 ms = r["median_ms"]
+                rate = "" if name == "step" or batch != 1 else (
+                    "; weights read at " + ", ".join(f"{k} {result['weight_bytes'] / ms[k] / 1e6:.1f}" for k in KINDS)
+                    + f" GB/s (a plain sum over them: {result['weight_bytes'] / result['read_ms'] / 1e6:.1f} GB/s)")
                 note = (f"median {name} ms: F.linear {ms['default']:.1f}, oneDNN prepacked {ms['prepacked']:.1f}, "
-                        f"panel {ms['panel']:.1f}; median per-round ratio {r['median_round_ratio']:.2f}"
+                        f"panel {ms['panel']:.1f}; median per-round ratio {r['median_round_ratio']:.2f}" + rate
                         + ("" if per["same_tokens"] else "; GREEDY TOKENS DIFFER between kernels"))
                 what = "decode step" if name == "step" else "all linears once"
                 figures.append(Figure(f"{what}, prepacked / panel, {model}, batch {batch}, context {context}",

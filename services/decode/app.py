@@ -33,7 +33,8 @@ async def build(config: EpdConfig) -> RoleServer:
                           kv_cache_bytes=config.kv_cache_mb << 20, block_size=config.kv_block_size,
                           attention=config.decode_attention, step=config.decode_step,
                           compile_budget_s=config.decode_compile_budget_s,
-                          step_buckets=int_list(config.decode_step_buckets) or None)
+                          step_buckets=int_list(config.decode_step_buckets) or None,
+                          serial_rows=config.decode_serial_rows)
     logger.info("decode engine: %s", engine.describe())
     kv_store = open_store(config, "kv", producer=False)
     service = DecodeService(engine, kv_store, kv_wait_s=config.decode_kv_wait_s)

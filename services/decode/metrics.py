@@ -33,6 +33,8 @@ ENGINE_GAUGES: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
                                   lambda s: (s.kv.used_blocks + s.kv.reserved_blocks) / s.kv.num_blocks),
     "epd_decode_compiled_steps": ("Decode steps that ran a compiled graph (services/decode/compiled.py); the "
                                   "other steps ran eager", lambda s: s.compiled_steps),
+    "epd_decode_serial_steps": ("Decode steps of at most --decode-serial-rows rows, run on one thread",
+                                lambda s: s.serial_steps),
     "epd_decode_kv_copied_bytes_total": ("Prompt KV bytes copied into the pool (one copy per request)",
                                    lambda s: s.kv_bytes_copied),
 }

@@ -10,6 +10,13 @@ The forward runs eagerly or compiled (services/decode/compiled.py, chosen at con
 `step`): compiled, a step of `count` rows runs the graph of the smallest compiled bucket >= count,
 rows count..bucket-1 padded (token 0 at position 0, K/V written to and read from the pool's scratch
 block only) and their logits dropped.
+
+Threads: a step of at most `serial_rows` rows runs on one thread, larger ones on torch's thread
+count (as found when the runner is built).  On a small box where the coordinator, the client and
+this process's own event loop wake for every token, a step split over every core waits at each
+OpenMP barrier for whichever thread the scheduler preempted; a lone row, whose matmuls only stream
+the weights, loses less by giving up the second core than it loses to those waits
+(docs/benchmarks.md, "Decode threads").
 """
 
 from __future__ import annotations
@@ -41,8 +48,10 @@ from services.models.base import LanguageModel
 class DecodeRunner:
     def __init__(self, lm: LanguageModel, pool: BlockPool, max_rows: int, max_model_len: int, sampler: Sampler,
                  attention: str = "auto", step: str = "eager", compile_budget_s: float = 120.0,
-                 buckets: Sequence[int] | None = None) -> None:
+                 buckets: Sequence[int] | None = None, serial_rows: int = 0) -> None:
         self.lm, self.pool, self.sampler = lm, pool, sampler
+        self.threads, self.serial_rows = torch.get_num_threads(), serial_rows
+        self.serial_steps = 0       # steps that ran on one thread (engine stats, /metrics)
         self.device = pool.kv.device
         layout = lm.layout
         first = lm.model.layers[0].self_attn
@@ -101,6 +110,10 @@ class DecodeRunner:
     def _step(self, last_tokens: Sequence[int], rope_deltas: Sequence[int], blocks: Sequence[RequestBlocks],
               rows: Sequence[RowSampling]) -> list[int]:
         count = len(last_tokens)
+        threads = 1 if count <= self.serial_rows else self.threads
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        self.serial_steps += threads == 1 < self.threads
         buf, lens = self._step64_np, self._lens_np
         num_blocks: list[int] = []
         for row, (token, delta, seq) in enumerate(zip(last_tokens, rope_deltas, blocks, strict=True)):

@@ -152,3 +152,27 @@ def test_unknown_kernel_and_c_on_bfloat16_are_refused():
     from services.decode.attention import KERNELS
 
     assert ATTENTION_KERNELS == KERNELS
+
+
+def test_steps_of_serial_rows_run_on_one_thread_and_the_rest_on_all(tiny, make_engine, prefilled, submit):
+    if torch.get_num_threads() < 2:
+        torch.set_num_threads(2)       # the policy needs a second thread to give up
+    seen: list[tuple[int, int]] = []   # (rows in the step, torch threads while its LM head ran)
+    hook = tiny.lm.lm_head.register_forward_hook(
+        lambda module, args, out: seen.append((args[0].shape[0], torch.get_num_threads())))
+    try:
+        engine = make_engine(num_slots=4, serial_rows=1)
+        alone = submit(engine, "alone", prefilled[1], max_tokens=6, ignore_eos=True, **GREEDY).wait_done()
+        both = [submit(engine, f"pair{i}", prefilled[i], max_tokens=12, ignore_eos=True, **GREEDY) for i in (0, 2)]
+        for sink in both:
+            sink.wait_done()
+    finally:
+        hook.remove()
+    assert alone.completion_tokens == 6
+    one_row = [threads for rows, threads in seen if rows == 1]
+    more = [threads for rows, threads in seen if rows > 1]
+    assert one_row and set(one_row) == {1}
+    assert more and set(more) == {engine._runner.threads} and engine._runner.threads >= 2
+    stats = engine.stats()
+    assert stats.serial_steps == len(one_row) and stats.steps == len(seen)
+    assert "steps of <= 1 rows on 1" in engine.describe()
