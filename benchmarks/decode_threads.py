@@ -1,0 +1,77 @@
+"""Decode threads: `--decode-serial-rows 1` (the default) against 0, two epd clusters side by side.
+
+A = `epd serve --model smollm2 --decode-serial-rows 1` (a one-row step runs on one thread), B = the
+same with `--decode-serial-rows 0` (every step on torch's thread count); SmolLM2 text, 64 words in,
+64 tokens out (greedy, ignore_eos), requests alternating between the two in rounds at c = 1, 2 and
+4.  The figure is TPOT p50 A / B (below 1: the serial policy is faster).  Both clusters are up for
+the whole run, so each sees the other's idle cost.
+
+    python -m benchmarks.decode_threads [--quick] [--no-docs]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from benchmarks.common import Figure, machine, print_figures, ratio, results_dir, write_doc_block, write_json
+from benchmarks.procs import running, start_epd
+from benchmarks.side_by_side import side_figures
+
+LEVELS = ((1, 8), (2, 8), (4, 8))          # (concurrency, requests per side)
+QUICK_LEVELS = ((1, 2), (2, 2))
+
+
+def run(quick: bool = False) -> tuple[list[Figure], dict[str, Any]]:
+    from services.bench import BenchConfig, Endpoint, LoadConfig, WorkloadConfig, run_bench
+    from services.bench.report import to_json
+    from services.models.gguf import smollm2_path
+
+    where = machine()
+    smollm2_path()
+    input_len, output_len = (16, 8) if quick else (64, 64)
+    levels = []
+    with running(start_epd("smollm2", "--decode-slots", "16", "--decode-serial-rows", "1", timeout_s=900),
+                 start_epd("smollm2", "--decode-slots", "16", "--decode-serial-rows", "0", timeout_s=900)) as (a, b):
+        for concurrency, requests in QUICK_LEVELS if quick else LEVELS:
+            config = BenchConfig(
+                endpoints=(Endpoint(a.url, model="smollm2", label="A", extra_body={"temperature": 0.0}),
+                           Endpoint(b.url, model="smollm2", label="B", extra_body={"temperature": 0.0})),
+                workload=WorkloadConfig(kind="text", input_len=input_len, output_len=output_len, seed=concurrency),
+                load=LoadConfig(concurrency=concurrency, num_requests=requests, warmup=1, timeout_s=1800),
+                round_size=concurrency, show_progress=False)
+            levels.extend(to_json(run_bench(config))["levels"])
+    figures = []
+    for level in levels:
+        sides = side_figures(level, output_len)
+        tpot_a, tpot_b = sides["A"]["tpot_p50_ms"], sides["B"]["tpot_p50_ms"]
+        figures.append(Figure(f"TPOT p50, SmolLM2 c={level['concurrency']}, serial rows 1 / 0", ratio(tpot_a, tpot_b),
+                              None, "le", detail=sides,
+                              note=f"{_f(tpot_a)} vs {_f(tpot_b)} ms; tok/s {_f(sides['A']['output_tok_s'])} vs "
+                                   f"{_f(sides['B']['output_tok_s'])}; failed {sides['A']['failed']}/"
+                                   f"{sides['B']['failed']}"))
+    return figures, {"machine": where, "levels": levels}
+
+
+def _f(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--no-docs", action="store_true", help="do not rewrite docs/benchmarks.md")
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(argv)
+    figures, doc = run(args.quick)
+    print_figures(figures, "decode threads: serial rows 1 vs 0")
+    write_json({"figures": figures, "bench": doc},
+               results_dir(args.quick) / f"decode_threads{'_quick' if args.quick else ''}.json")
+    if not args.quick and not args.no_docs:
+        write_doc_block("decode-threads", ("python -m benchmarks.decode_threads " + " ".join(argv)).strip(), figures)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
