@@ -97,9 +97,10 @@ class EpdConfig:
                             "prepacked | default")
     max_model_len: int = _f(8192, "context length (prompt + output tokens)")
     decode_slots: int = _f(16, "concurrent sequences one decode instance runs (continuous batching)")
-    decode_serial_rows: int = _f(1, "decode steps of at most this many rows run on one thread (on a small box, where "
-                                 "other processes wake for every token, a lone row loses more to preempted OpenMP "
-                                 "threads than a second core gains it); 0: every step on torch's thread count")
+    decode_serial_rows: int = _f(-1, "decode steps of at most this many rows run on one thread, larger ones on torch's "
+                                  "thread count; -1 (auto): every step when the decode process may use at most 2 "
+                                  "cores (measured there: one thread wins at every batch size, since the rest of the "
+                                  "pipeline needs the other core for every token), else steps of 1 row; 0: never")
     decode_queue: int = _f(64, "requests waiting for a decode slot before new ones are refused")
     kv_cache_mb: int = _f(1024, "bytes (MiB) of one decode instance's KV block pool; running and waiting "
                           "requests share it (each reserves prompt + max_tokens at admission)")
@@ -212,7 +213,7 @@ class EpdConfig:
                f"decode_attention must be one of {', '.join(ATTENTION_KERNELS)}")
         _check(self.decode_step in DECODE_STEPS, f"decode_step must be one of {', '.join(DECODE_STEPS)}")
         _check(self.decode_compile_budget_s >= 0, "decode_compile_budget_s must be >= 0")
-        _check(self.decode_serial_rows >= 0, "decode_serial_rows must be >= 0")
+        _check(self.decode_serial_rows >= -1, "decode_serial_rows must be -1 (auto), 0 or more")
         _check(_int_list_ok(self.decode_step_buckets, 1, self.decode_slots),
                f"decode_step_buckets must be comma-separated integers in 1..decode_slots ({self.decode_slots})")
         _check(1 <= self.kv_block_size <= 256, "kv_block_size must be in 1..256")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import grpc
 
@@ -10,6 +11,13 @@ from services.config import EpdConfig
 from services.server import RoleServer
 
 logger = logging.getLogger(__name__)
+
+
+def serial_rows(configured: int, slots: int) -> int:
+    """--decode-serial-rows with auto (-1) resolved: every step on a box of at most 2 usable cores, else 1 row."""
+    if configured >= 0:
+        return configured
+    return slots if len(os.sched_getaffinity(0)) <= 2 else 1
 
 
 async def build(config: EpdConfig) -> RoleServer:
@@ -34,7 +42,7 @@ async def build(config: EpdConfig) -> RoleServer:
                           attention=config.decode_attention, step=config.decode_step,
                           compile_budget_s=config.decode_compile_budget_s,
                           step_buckets=int_list(config.decode_step_buckets) or None,
-                          serial_rows=config.decode_serial_rows)
+                          serial_rows=serial_rows(config.decode_serial_rows, config.decode_slots))
     logger.info("decode engine: %s", engine.describe())
     kv_store = open_store(config, "kv", producer=False)
     service = DecodeService(engine, kv_store, kv_wait_s=config.decode_kv_wait_s)

@@ -12,11 +12,12 @@ rows count..bucket-1 padded (token 0 at position 0, K/V written to and read from
 block only) and their logits dropped.
 
 Threads: a step of at most `serial_rows` rows runs on one thread, larger ones on torch's thread
-count (as found when the runner is built).  On a small box where the coordinator, the client and
-this process's own event loop wake for every token, a step split over every core waits at each
-OpenMP barrier for whichever thread the scheduler preempted; a lone row, whose matmuls only stream
-the weights, loses less by giving up the second core than it loses to those waits
-(docs/benchmarks.md, "Decode threads").
+count (as found when the runner is built).  On a small box the coordinator, the client and this
+process's own event loop wake for every token; a step spread over every core then waits at each
+OpenMP barrier for whichever thread the scheduler preempted for them.  Measured on 2 cores
+(benchmarks/decode_threads.py), one thread wins at every batch size, so the decode role's auto
+setting runs every step on one thread there and only one-row steps elsewhere
+(services/decode/app.py; docs/benchmarks.md, "Decode threads").
 """
 
 from __future__ import annotations
