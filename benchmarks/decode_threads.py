@@ -1,14 +1,14 @@
 """Decode threads: `--decode-serial-rows -1` (the default, auto) against 0, two epd clusters side by side.
 
-A = `epd serve --model smollm2 --decode-serial-rows -1` (auto: on a box of at most 2 cores every
-step runs on one thread), B = the same with `--decode-serial-rows 0` (every step on torch's thread
+A = `epd serve --model smollm2 --decode-serial-rows -1` (auto: on a box of at most 2 cores steps of
+up to 4 rows run on one thread), B = the same with `--decode-serial-rows 0` (every step on torch's thread
 count); SmolLM2 text, 64 words in, 64 tokens out (greedy, ignore_eos), requests alternating
-between the two in rounds at c = 1, 4 and 16.  The figure is TPOT p50 A / B (below 1: A is
+between the two in rounds at c = 1, 2, 4 and 16.  The figure is TPOT p50 A / B (below 1: A is
 faster).  Both clusters are up for the whole run, so each sees the other's idle cost.
 `--serial A,B` compares other values (say 2,1); `--levels` other concurrencies.  Only the default
 run rewrites docs/benchmarks.md and benchmarks/results/decode_threads.json.
 
-    python -m benchmarks.decode_threads [--quick] [--no-docs] [--serial -1,0] [--levels 1,4,16]
+    python -m benchmarks.decode_threads [--quick] [--no-docs] [--serial -1,0] [--levels 1,2,4,16]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from benchmarks.common import Figure, machine, print_figures, ratio, results_dir
 from benchmarks.procs import running, start_epd
 from benchmarks.side_by_side import side_figures
 
-LEVELS = ((1, 8), (4, 8), (16, 32))        # (concurrency, requests per side)
+LEVELS = ((1, 8), (2, 8), (4, 8), (16, 32))   # (concurrency, requests per side)
 QUICK_LEVELS = ((1, 2), (2, 2))
 
 
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--no-docs", action="store_true", help="do not rewrite docs/benchmarks.md")
     parser.add_argument("--serial", default="-1,0", help="the two --decode-serial-rows values, A,B")
-    parser.add_argument("--levels", default="", help="concurrencies (default 1,4,16)")
+    parser.add_argument("--levels", default="", help="concurrencies (default 1,2,4,16)")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     serial = tuple(int(v) for v in args.serial.split(","))

@@ -98,9 +98,9 @@ class EpdConfig:
     max_model_len: int = _f(8192, "context length (prompt + output tokens)")
     decode_slots: int = _f(16, "concurrent sequences one decode instance runs (continuous batching)")
     decode_serial_rows: int = _f(-1, "decode steps of at most this many rows run on one thread, larger ones on torch's "
-                                  "thread count; -1 (auto): every step when the decode process may use at most 2 "
-                                  "cores (measured there: one thread wins at every batch size, since the rest of the "
-                                  "pipeline needs the other core for every token), else steps of 1 row; 0: never")
+                                  "thread count; -1 (auto): steps of up to 4 rows when the decode process may use "
+                                  "at most 2 cores (measured there: one thread wins for small batches, since the "
+                                  "rest of the pipeline needs the other core for every token), else 1 row; 0: never")
     decode_queue: int = _f(64, "requests waiting for a decode slot before new ones are refused")
     kv_cache_mb: int = _f(1024, "bytes (MiB) of one decode instance's KV block pool; running and waiting "
                           "requests share it (each reserves prompt + max_tokens at admission)")

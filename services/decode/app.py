@@ -13,11 +13,15 @@ from services.server import RoleServer
 logger = logging.getLogger(__name__)
 
 
+SMALL_BOX_SERIAL_ROWS = 4     # measured on 2 cores (docs/benchmarks.md, "Decode threads")
+
+
 def serial_rows(configured: int, slots: int) -> int:
-    """--decode-serial-rows with auto (-1) resolved: every step on a box of at most 2 usable cores, else 1 row."""
+    """--decode-serial-rows with auto (-1) resolved: steps of up to 4 rows on a box of at most 2 usable cores,
+    else one-row steps."""
     if configured >= 0:
         return configured
-    return slots if len(os.sched_getaffinity(0)) <= 2 else 1
+    return min(SMALL_BOX_SERIAL_ROWS, slots) if len(os.sched_getaffinity(0)) <= 2 else 1
 
 
 async def build(config: EpdConfig) -> RoleServer:

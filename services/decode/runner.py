@@ -15,8 +15,9 @@ Threads: a step of at most `serial_rows` rows runs on one thread, larger ones on
 count (as found when the runner is built).  On a small box the coordinator, the client and this
 process's own event loop wake for every token; a step spread over every core then waits at each
 OpenMP barrier for whichever thread the scheduler preempted for them.  Measured on 2 cores
-(benchmarks/decode_threads.py), one thread wins at every batch size, so the decode role's auto
-setting runs every step on one thread there and only one-row steps elsewhere
+(benchmarks/decode_threads.py), one thread wins clearly up to 4 rows and is a wash beyond, so the
+decode role's auto setting runs steps of up to 4 rows on one thread there and only one-row steps
+elsewhere
 (services/decode/app.py; docs/benchmarks.md, "Decode threads").
 """
 

@@ -178,13 +178,13 @@ def test_steps_of_serial_rows_run_on_one_thread_and_the_rest_on_all(tiny, make_e
     assert "steps of <= 1 rows on 1" in engine.describe()
 
 
-def test_auto_serial_rows_is_every_step_on_two_cores_and_one_row_beyond(monkeypatch):
+def test_auto_serial_rows_is_four_rows_on_two_cores_and_one_row_beyond(monkeypatch):
     import os
 
     from services.decode.app import serial_rows
 
     assert serial_rows(0, 16) == 0 and serial_rows(3, 16) == 3        # set values are kept
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})  # what this project's CI machine has
-    assert serial_rows(-1, 16) == 16
+    assert serial_rows(-1, 16) == 4 and serial_rows(-1, 2) == 2
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
     assert serial_rows(-1, 16) == 1
