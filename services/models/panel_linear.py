@@ -4,8 +4,9 @@ A decode step multiplies a handful of rows by every weight of the model once, so
 bound by how fast the weights stream from memory.  `PanelLinear` keeps the weight in panels of 16
 output rows interleaved by input column (`panelize`: [ceil(N/16), K, 16], zero rows past N), and
 services/models/panel_kernel.c reads each panel once per tile of up to 6 rows with AVX2 FMAs.
-On this project's 2-core machine it reads SmolLM2's 538 MB of fp32 weights 1.6x faster than
-oneDNN's prepacked GEMM at 1 row and 1.2x at 16 (benchmarks/panel_linear.py measures it).
+On this project's 2-core machine it runs SmolLM2's linears (538 MB of fp32 weights) 1.9x faster
+than oneDNN's prepacked GEMM at 1 row and 1.3x at 16, reading the weights at ~90% of the rate of a
+plain sum over them (benchmarks/linear_kernels.py; docs/benchmarks.md).
 
 Who uses it: `prepack.prepack_language(lm, "panel")`, or "auto" when its start-up timing on the
 model's own weights finds it fastest (services/models/prepack.py).  The kernel is built at first
