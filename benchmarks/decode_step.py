@@ -27,7 +27,9 @@ from benchmarks.common import Figure, machine, median, print_figures, results_di
 MODELS = {"tiny": "demo", "smollm2": "smollm2", "medium": "demo-medium"}
 
 
-def _runner(model: str, batches: list[int], context: int) -> tuple[Any, list[Any]]:
+def make_runner(model: str, batches: list[int], context: int, kernel: str = "prepacked") -> tuple[Any, list[Any]]:
+    """The decode role's model (its linears on `kernel`) in a runner of max(batches) rows, each row holding
+    `context` tokens of random KV."""
     import torch
 
     from services.decode.block_pool import BlockPool, block_bytes
@@ -39,7 +41,7 @@ def _runner(model: str, batches: list[int], context: int) -> tuple[Any, list[Any
 
     path = resolve_model(MODELS[model])
     lm = adapter_for(path).load_language(path, "cpu", "float32", context + 64)
-    prepack_language(lm, "prepacked")
+    prepack_language(lm, kernel)
     layout, rows = lm.layout, max(batches)
     per_row = -(-(context + 8) // 16)
     pool = BlockPool(layout, rows * per_row * block_bytes(layout, 16), 16)
@@ -60,7 +62,7 @@ def measure(model: str, batches: list[int], rounds: int, context: int) -> dict[s
     from services.decode.params import DecodeParams
     from services.decode.sampler import RowSampling
 
-    runner, seqs = _runner(model, batches, context)
+    runner, seqs = make_runner(model, batches, context)
     forward = runner.decoder.forward
     started = time.monotonic()
     compiled, report = choose_step(forward, "compiled", tuple(batches), lambda b: pad_inputs(

@@ -24,37 +24,9 @@ import time
 from typing import Any
 
 from benchmarks.common import Figure, machine, median, print_figures, results_dir, write_doc_block, write_json
+from benchmarks.decode_step import MODELS, make_runner
 
-MODELS = {"tiny": "demo", "smollm2": "smollm2", "medium": "demo-medium"}
 KINDS = ("default", "prepacked", "panel")
-
-
-def _runner(model: str, kernel: str, rows: int, context: int) -> tuple[Any, list[Any], Any]:
-    import torch
-
-    from services.decode.block_pool import BlockPool, block_bytes
-    from services.decode.request_blocks import RequestBlocks
-    from services.decode.runner import DecodeRunner
-    from services.decode.sampler import Sampler
-    from services.models.prepack import prepack_language
-    from services.models.registry import adapter_for, resolve_model
-
-    path = resolve_model(MODELS[model])
-    lm = adapter_for(path).load_language(path, "cpu", "float32", context + 64)
-    prepack_language(lm, kernel)
-    layout = lm.layout
-    per_row = -(-(context + 8) // 16)
-    pool = BlockPool(layout, rows * per_row * block_bytes(layout, 16), 16)
-    runner = DecodeRunner(lm, pool, rows, context + 8, Sampler(0), step="eager")
-    kv = torch.randn(layout.num_layers, 2, layout.num_kv_heads, context, layout.head_dim,
-                     generator=torch.Generator().manual_seed(0))
-    seqs = []
-    for row in range(rows):
-        assert pool.try_reserve(per_row)
-        seqs.append(RequestBlocks(pool, per_row))
-        seqs[-1].load(kv)
-        runner.place(row, seqs[-1])
-    return runner, seqs, lm
 
 
 def _linears(lm: Any) -> list[Any]:
@@ -72,7 +44,7 @@ def measure(model: str, batches: list[int], rounds: int, context: int) -> dict[s
     from services.decode.sampler import RowSampling
 
     rows = max(batches)
-    loaded = {kind: _runner(model, kind, rows, context) for kind in KINDS}
+    loaded = {kind: make_runner(model, [rows], context, kind) for kind in KINDS}
     greedy = DecodeParams(temperature=0.0)
     step_ms: dict[tuple[int, str], list[float]] = {(b, k): [] for b in batches for k in KINDS}
     gemm_ms: dict[tuple[int, str], list[float]] = {(b, k): [] for b in batches for k in KINDS}
@@ -80,7 +52,7 @@ def measure(model: str, batches: list[int], rounds: int, context: int) -> dict[s
     tokens: dict[tuple[int, str], list[int]] = {}
 
     def step(kind: str, batch: int) -> float:
-        runner, seqs, _ = loaded[kind]
+        runner, seqs = loaded[kind]
         sampling = [RowSampling(greedy, ()) for _ in range(batch)]
         began = time.perf_counter()
         tokens[(batch, kind)] = runner.step([100] * batch, [0] * batch, seqs[:batch], sampling)
@@ -93,14 +65,14 @@ def measure(model: str, batches: list[int], rounds: int, context: int) -> dict[s
     def gemms(kind: str, batch: int) -> float:
         inputs: dict[int, torch.Tensor] = {}
         began = time.perf_counter()
-        for linear in _linears(loaded[kind][2]):
+        for linear in _linears(loaded[kind][0].lm):
             x = inputs.get(linear.in_features)
             if x is None:
                 x = inputs[linear.in_features] = torch.randn(batch, linear.in_features)
             linear(x)
         return (time.perf_counter() - began) * 1e3
 
-    weights = [linear.weight for linear in _linears(loaded["default"][2])]
+    weights = [linear.weight for linear in _linears(loaded["default"][0].lm)]
     weight_bytes = sum(w.numel() * w.element_size() for w in weights)
     read_ms: list[float] = []
 

@@ -115,7 +115,8 @@ class DecodeRunner:
         threads = 1 if count <= self.serial_rows else self.threads
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
-        self.serial_steps += threads == 1 < self.threads
+        if threads < self.threads:
+            self.serial_steps += 1
         buf, lens = self._step64_np, self._lens_np
         num_blocks: list[int] = []
         for row, (token, delta, seq) in enumerate(zip(last_tokens, rope_deltas, blocks, strict=True)):
