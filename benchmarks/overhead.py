@@ -165,11 +165,12 @@ def figure_from(server: Server, model_name: str, count: int) -> Figure:
                        f"{s['overhead_server_ms']:.1f} ms; {s['requests']} requests")
 
 
-def run(quick: bool = False, server: Server | None = None, count: int | None = None) -> list[Figure]:
+def run(quick: bool = False, server: Server | None = None, count: int | None = None,
+        model: str = "demo") -> list[Figure]:
     count = count or (4 if quick else 60)
     if server is not None:
         return [figure_from(server, server.model_id(), count)]
-    with running(start_epd("demo")) as (epd,):
+    with running(start_epd(model)) as (epd,):
         return [figure_from(epd, epd.model_id(), count)]
 
 
@@ -188,13 +189,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epd-url", help="measure a running tiny-model cluster instead of starting one")
     parser.add_argument("--requests", type=int, help="measured requests (default 60, quick 4)")
     parser.add_argument("--no-docs", action="store_true", help="do not rewrite docs/benchmarks.md")
+    parser.add_argument("--model", default="demo",
+                        help="model to serve (default demo, the tiny one; demo-medium gives the TTFT breakdown "
+                             "of the medium model, docs untouched)")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     server = attach_epd(args.epd_url) if args.epd_url else None
-    figures = run(args.quick, server, args.requests)
+    figures = run(args.quick, server, args.requests, args.model)
     print_figures(figures, "orchestration overhead")
     print(json.dumps(figures[0].detail, indent=1))
-    if not (args.quick or args.no_docs or args.epd_url):
+    if not (args.quick or args.no_docs or args.epd_url or args.model != "demo"):
         write_doc_block("datapath-overhead", " ".join(["python -m benchmarks.overhead", *argv]), figures,
                         breakdown_text(figures[0].detail))
     return 0

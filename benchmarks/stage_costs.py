@@ -123,7 +123,7 @@ def language_probes(costs: StageCosts, path: Any, prompt_lens: list[int], batche
     layout = lm.layout
     costs.kv_bytes_per_token = layout.num_layers * 2 * layout.num_kv_heads * layout.head_dim * 4
     costs.decode_context = context
-    engine = PrefillEngine(lm)
+    engine = PrefillEngine(lm, prefix_cache_mb=0)   # every probe a full forward: a cache hit would time one block
     gen = torch.Generator().manual_seed(0)
     probes: dict[tuple[str, Any], Probe] = {}
     for length in prompt_lens:

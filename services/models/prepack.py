@@ -12,11 +12,15 @@ again).  Two kernels keep the weight in their own layout instead:
 Who calls what: a role process, right after loading its model part, calls
 `prepack_language(lm, mode, rows)` (prefill, decode: `rows` are the batch sizes it will see) or
 `prepack_vision(vision, mode)` (encode).  mode "auto" times `F.linear` against every kernel that
-applies here on the model's own weights (the LM head and every distinct layer shape, at those
-rows, interleaved, best of a few rounds, bounded) and swaps to the fastest when it is at least
-1.05x faster than `F.linear` and its outputs agree to 1e-4 relative; "prepacked" and "panel" swap
-without timing; "default" leaves the model alone.  The returned `LinearReport` says what was
-chosen and why; roles log it and export it in /metrics.
+applies here on the model's own weights (every distinct layer shape at those rows, interleaved,
+best of a few rounds, bounded) and swaps to the fastest when it is at least 1.05x faster than
+`F.linear` and its outputs agree to 1e-4 relative.  The LM head is decided on its own, at
+`head_rows`: it runs on the few rows that finish a prompt (or one per decode row), where a kernel
+that streams the weights wins, while a prefill's decoder stack runs on hundreds of rows, where
+oneDNN wins; one sum over both would let the head's 622 MB decide the stack's kernel.
+"prepacked" and "panel" swap both without timing; "default" leaves the model alone.  The returned
+`LinearReport` (the stack's, with the head's as `.head`) says what was chosen and why; roles log it
+and export it in /metrics.
 
 Memory: each swapped `nn.Linear` holds only its kernel's copy of the weight, so the original fp32
 tensor is freed (tests check with a weakref) — except a tied LM head, whose weight the input
@@ -106,16 +110,22 @@ class LinearReport:
     extra_bytes: int = 0              # swapped copies kept beside a weight something else still reads
     timings_ms: dict[str, dict[str, float]] = field(default_factory=dict)
     speedups: dict[str, float] = field(default_factory=dict)   # every timed kernel's, by name
+    head: LinearReport | None = None  # a language model's LM head, decided on its own (prepack_language)
 
     def line(self) -> str:
         speed = f", {self.speedup:.2f}x" if self.speedup is not None else ""
         others = "".join(f"; {k} {v:.2f}x" for k, v in self.speedups.items() if k != self.kernel)
+        head = ""
+        if self.head is not None:
+            head_speed = f", {self.head.speedup:.2f}x" if self.head.speedup is not None else ""
+            head = f"; lm_head {self.head.kernel}{head_speed}"
         return (f"linear kernel {self.kernel} (mode {self.mode}{speed}{others}; {self.num_swapped} layers swapped, "
-                f"{self.extra_bytes / 2**20:.0f} MiB extra){': ' + self.reason if self.reason else ''}")
+                f"{self.extra_bytes / 2**20:.0f} MiB extra{head}){': ' + self.reason if self.reason else ''}")
 
 
 def export(report: LinearReport, part: str) -> None:
-    """/metrics: `epd_linear_kernel_info{part, kernel, mode}` 1 and the measured speed-up."""
+    """/metrics: `epd_linear_kernel_info{part, kernel, mode}` 1 and the measured speed-up; a language
+    model's LM head as part "lm_head"."""
     from prometheus_client import Gauge
 
     global _INFO, _SPEEDUP
@@ -127,6 +137,8 @@ def export(report: LinearReport, part: str) -> None:
     _INFO.labels(part, report.kernel, report.mode).set(1)
     if report.speedup is not None and _SPEEDUP is not None:
         _SPEEDUP.labels(part).set(report.speedup)
+    if report.head is not None:
+        export(report.head, "lm_head")
 
 
 _INFO: Any = None
@@ -135,20 +147,23 @@ _SPEEDUP: Any = None
 
 def prepack_language(lm: LanguageModel, mode: str = "auto", rows: tuple[int, ...] = (1, 16, 256),
                      head_rows: tuple[int, ...] = (1, 16)) -> LinearReport:
-    """Swap the decoder stack's and the LM head's linears when `mode` says so; `rows` (`head_rows` for
-    the LM head) are the batch sizes auto times."""
+    """Swap the decoder stack's and the LM head's linears when `mode` says so; auto decides the two
+    apart, timing the stack at `rows` and the head at `head_rows` (the batch sizes each sees).
+    `num_swapped` and `extra_bytes` of the returned report count both; `.head` is the head's."""
     head = lm.lm_head
     tied = _tied_weights(lm.model, head)
     layers = _linears(lm.model)
-    timed = ([("lm_head", head, head_rows)] if can_pack(head) else []) + _by_shape(layers, rows)
-    report = _decide(mode, timed)
+    report = _decide(mode, _by_shape(layers, rows))
     if report.kernel in KERNELS:
-        swap = SWAP[report.kernel]
-        report.num_swapped = _swap_all(layers, swap)
-        if can_pack(head):
-            lm.lm_head = swap(head)
+        report.num_swapped = _swap_all(layers, SWAP[report.kernel])
+    if can_pack(head):
+        report.head = _decide(mode, [("lm_head", head, head_rows)])
+        if report.head.kernel in KERNELS:
+            lm.lm_head = SWAP[report.head.kernel](head)
+            report.head.num_swapped = 1
+            report.head.extra_bytes = _bytes(head.weight) if tied else 0
             report.num_swapped += 1
-            report.extra_bytes = _bytes(head.weight) if tied else 0
+            report.extra_bytes += report.head.extra_bytes
     logger.info(report.line())
     return report
 

@@ -80,19 +80,27 @@ def test_a_tied_head_keeps_the_embedding_and_counts_the_packed_copy():
         assert lm.model.embed_tokens(torch.tensor([5])).shape == (1, 16)    # the embedding still reads it
 
 
-def test_auto_times_both_kernels_on_the_model_weights(demo_model_path):
+def test_auto_times_both_kernels_on_the_model_weights_the_head_apart(demo_model_path):
     lm = _load(demo_model_path)
-    report = prepack_language(lm, "auto")
-    assert report.kernel in ("panel", "prepacked", "default") and report.speedup is not None and report.speedup > 0
-    assert "lm_head@1" in report.timings_ms and "lm_head@16" in report.timings_ms
-    assert set(report.timings_ms["lm_head@1"]) == {"default_ms", "prepacked_ms", "panel_ms"}   # all three timed
-    assert set(report.speedups) == {"prepacked", "panel"}
-    if report.kernel != "default":
-        assert report.speedup == max(report.speedups.values()) >= 1.05
-        assert report.max_rel_diff is not None and report.max_rel_diff <= 1e-4
-    assert isinstance(lm.lm_head, PackedLinear) == (report.kernel == "prepacked")
-    assert isinstance(lm.lm_head, PanelLinear) == (report.kernel == "panel")
-    assert "linear kernel" in report.line()
+    report = prepack_language(lm, "auto", rows=(4, 64), head_rows=(1, 16))
+    head = report.head
+    assert head is not None
+    for part, timed in ((report, {"64x64@4", "64x64@64"}), (head, {"lm_head@1", "lm_head@16"})):
+        assert part.kernel in ("panel", "prepacked", "default") and part.speedup is not None and part.speedup > 0
+        assert timed <= set(part.timings_ms) and not any("lm_head" in key for key in set(part.timings_ms) - timed)
+        assert all(set(ms) == {"default_ms", "prepacked_ms", "panel_ms"} for ms in part.timings_ms.values())
+        assert set(part.speedups) == {"prepacked", "panel"}
+        if part.kernel != "default":
+            assert part.speedup == max(part.speedups.values()) >= 1.05
+            assert part.max_rel_diff is not None and part.max_rel_diff <= 1e-4
+    assert isinstance(lm.lm_head, PackedLinear) == (head.kernel == "prepacked")
+    assert isinstance(lm.lm_head, PanelLinear) == (head.kernel == "panel")
+    down = lm.model.layers[0].mlp.down_proj
+    assert isinstance(down, PackedLinear) == (report.kernel == "prepacked")
+    assert isinstance(down, PanelLinear) == (report.kernel == "panel")
+    layers = 7 * len(lm.model.layers)
+    assert report.num_swapped == (layers if report.kernel != "default" else 0) + (head.kernel != "default")
+    assert f"linear kernel {report.kernel} " in report.line() and f"lm_head {head.kernel}" in report.line()
 
 
 def test_default_leaves_the_model_alone_and_unknown_modes_are_refused(demo_model_path):
