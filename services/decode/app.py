@@ -39,14 +39,15 @@ async def build(config: EpdConfig) -> RoleServer:
     path = resolve_model(config.model)
     lm = adapter_for(path).load_language(path, config.device, config.dtype, config.max_model_len)
     steps = (1, config.decode_slots) if config.decode_slots > 1 else (1,)   # the rows a decode step multiplies
-    export(prepack_language(lm, config.linear_kernel, rows=steps, head_rows=steps), "language")
+    serial = serial_rows(config.decode_serial_rows, config.decode_slots)
+    export(prepack_language(lm, config.linear_kernel, rows=steps, head_rows=steps, serial_rows=serial), "language")
     engine = DecodeEngine(lm, load_tokenizer(path), config.decode_slots, config.max_model_len,
                           max_queued=config.decode_queue, stream_timeout=config.request_timeout_s,
                           kv_cache_bytes=config.kv_cache_mb << 20, block_size=config.kv_block_size,
                           attention=config.decode_attention, step=config.decode_step,
                           compile_budget_s=config.decode_compile_budget_s,
                           step_buckets=int_list(config.decode_step_buckets) or None,
-                          serial_rows=serial_rows(config.decode_serial_rows, config.decode_slots))
+                          serial_rows=serial)
     logger.info("decode engine: %s", engine.describe())
     kv_store = open_store(config, "kv", producer=False)
     service = DecodeService(engine, kv_store, kv_wait_s=config.decode_kv_wait_s)

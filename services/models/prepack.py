@@ -31,9 +31,14 @@ custom op (services/models/swapped.py).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
+import math
+import os
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +60,7 @@ MAX_REL_DIFF = 1e-4           # swapped outputs must agree with F.linear this cl
 _BATCH_HINT = 16              # oneDNN picks its blocking for this many rows (decode batches)
 _ROUNDS = 3
 _TIME_BUDGET_S = 20.0         # auto mode stops timing (and keeps what it has) after this
+_LOCK_WAIT_S = 120.0          # how long a role waits for another's start-up timing (timing_lock)
 
 
 class PackedLinear(SwappedLinear):
@@ -104,7 +110,8 @@ class LinearReport:
     kernel: str                       # "panel" | "prepacked" | "default"
     mode: str                         # what was asked
     reason: str = ""
-    speedup: float | None = None      # time(F.linear) / time(chosen kernel), summed over the timed shapes
+    speedup: float | None = None      # time(F.linear) / time(chosen kernel): geometric mean over the timed
+    #                                   batch sizes of the ratio of times summed over the shapes
     max_rel_diff: float | None = None
     num_swapped: int = 0
     extra_bytes: int = 0              # swapped copies kept beside a weight something else still reads
@@ -146,18 +153,20 @@ _SPEEDUP: Any = None
 
 
 def prepack_language(lm: LanguageModel, mode: str = "auto", rows: tuple[int, ...] = (1, 16, 256),
-                     head_rows: tuple[int, ...] = (1, 16)) -> LinearReport:
+                     head_rows: tuple[int, ...] = (1, 16), serial_rows: int = 0) -> LinearReport:
     """Swap the decoder stack's and the LM head's linears when `mode` says so; auto decides the two
     apart, timing the stack at `rows` and the head at `head_rows` (the batch sizes each sees).
-    `num_swapped` and `extra_bytes` of the returned report count both; `.head` is the head's."""
+    `num_swapped` and `extra_bytes` of the returned report count both; `.head` is the head's.
+    Batch sizes up to `serial_rows` are timed on one thread, as decode runs them (--decode-serial-rows):
+    on a busy box two threads' barriers make every kernel but single-threaded F.linear look slow."""
     head = lm.lm_head
     tied = _tied_weights(lm.model, head)
     layers = _linears(lm.model)
-    report = _decide(mode, _by_shape(layers, rows))
+    report = _decide(mode, _by_shape(layers, rows), serial_rows)
     if report.kernel in KERNELS:
         report.num_swapped = _swap_all(layers, SWAP[report.kernel])
     if can_pack(head):
-        report.head = _decide(mode, [("lm_head", head, head_rows)])
+        report.head = _decide(mode, [("lm_head", head, head_rows)], serial_rows)
         if report.head.kernel in KERNELS:
             lm.lm_head = SWAP[report.head.kernel](head)
             report.head.num_swapped = 1
@@ -210,7 +219,7 @@ def _bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _decide(mode: str, timed: list[tuple[str, nn.Linear, tuple[int, ...]]]) -> LinearReport:
+def _decide(mode: str, timed: list[tuple[str, nn.Linear, tuple[int, ...]]], serial_rows: int = 0) -> LinearReport:
     if mode not in MODES:
         raise ValueError(f"unknown linear kernel mode {mode!r}; supported: {', '.join(MODES)}")
     if mode == "default" or not timed:
@@ -220,13 +229,62 @@ def _decide(mode: str, timed: list[tuple[str, nn.Linear, tuple[int, ...]]]) -> L
             detail = panel_linear.unavailable_reason() if mode == "panel" else "oneDNN is not available"
             raise ValueError(f"linear kernel {mode!r} is not available here: {detail}")
         return LinearReport(mode, mode, reason="asked")
-    return _measure(timed, [k for k in KERNELS if _kernel_applies(k)])
+    return _measure(timed, [k for k in KERNELS if _kernel_applies(k)], serial_rows)
+
+
+@contextlib.contextmanager
+def timing_lock(wait_s: float = _LOCK_WAIT_S) -> Iterator[bool]:
+    """One start-up timing at a time on this machine (all users' epd processes of this uid).
+
+    `epd serve` starts encode, prefill and decode together; timed side by side, each one's OpenMP
+    threads wait at barriers for threads the others preempted, while single-threaded F.linear does
+    not, and auto picked F.linear for decode at 0.23x-0.81x where alone it measures the panel kernel
+    2.4x faster.  Yields True when the lock was taken, False when `wait_s` passed first (then it
+    times anyway, and says so); the lock goes when the process does, even killed."""
+    path = os.path.join(tempfile.gettempdir(), f"epd-linear-timing-{os.getuid()}.lock")
+    with open(path, "a") as handle:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    logger.warning("linear kernel timing: another process held %s for %.0f s; timing anyway",
+                                   path, wait_s)
+                    yield False
+                    return
+                time.sleep(0.05)
+                continue
+            try:
+                yield True
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+            return
+
+
+def _measure(timed: list[tuple[str, nn.Linear, tuple[int, ...]]], kernels: list[str],
+             serial_rows: int = 0) -> LinearReport:
+    with timing_lock():
+        return _measure_alone(timed, kernels, serial_rows)
+
+
+@contextlib.contextmanager
+def _threads(count: int | None) -> Iterator[None]:
+    previous = torch.get_num_threads()
+    if count is not None:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 @torch.inference_mode()
-def _measure(timed: list[tuple[str, nn.Linear, tuple[int, ...]]], kernels: list[str]) -> LinearReport:
+def _measure_alone(timed: list[tuple[str, nn.Linear, tuple[int, ...]]], kernels: list[str],
+                   serial_rows: int) -> LinearReport:
     started = time.monotonic()
-    totals = dict.fromkeys(["default", *kernels], 0.0)
+    # time per kernel and batch size, summed over the shapes: a step's time at that batch size
+    totals: dict[str, dict[int, float]] = {k: {} for k in ["default", *kernels]}
     worst = dict.fromkeys(kernels, 0.0)
     timings: dict[str, dict[str, float]] = {}
     for name, linear, rows in timed:
@@ -235,16 +293,17 @@ def _measure(timed: list[tuple[str, nn.Linear, tuple[int, ...]]], kernels: list[
         candidates = {"default": linear, **{k: SWAP[k](linear) for k in kernels}}
         for count in rows:
             x = torch.randn(count, linear.in_features)
-            best, diffs = _compare(candidates, x)
+            with _threads(1 if count <= serial_rows else None):
+                best, diffs = _compare(candidates, x)
             timings[f"{name}@{count}"] = {f"{k}_ms": v for k, v in best.items()}
             for kernel, ms in best.items():
-                totals[kernel] += ms
+                totals[kernel][count] = totals[kernel].get(count, 0.0) + ms
             for kernel, diff in diffs.items():
                 worst[kernel] = max(worst[kernel], diff)
         del candidates
     if not totals["default"]:
         return LinearReport("default", "auto", reason="nothing timed", timings_ms=timings)
-    speedups = {k: totals["default"] / totals[k] for k in kernels if totals[k]}
+    speedups = {k: _geomean([totals["default"][n] / totals[k][n] for n in totals["default"]]) for k in kernels}
     agreeing = {k: v for k, v in speedups.items() if worst[k] <= MAX_REL_DIFF}
     chosen = max(agreeing, key=lambda k: agreeing[k], default=None)
     reason = "measured" + "".join(f"; {k} outputs differ by {worst[k]:.1e} relative" for k in kernels
@@ -254,6 +313,12 @@ def _measure(timed: list[tuple[str, nn.Linear, tuple[int, ...]]], kernels: list[
                             max_rel_diff=max(worst.values(), default=None))
     return LinearReport(chosen, "auto", reason=reason, speedup=speedups[chosen], max_rel_diff=worst[chosen],
                         timings_ms=timings, speedups=speedups)
+
+
+def _geomean(values: list[float]) -> float:
+    """Each batch size a role sees counts the same: a one-row decode step's speed-up is not drowned by
+    the larger time of a sixteen-row one."""
+    return math.prod(values) ** (1 / len(values))
 
 
 def _compare(candidates: dict[str, nn.Module], x: torch.Tensor) -> tuple[dict[str, float], dict[str, float]]:

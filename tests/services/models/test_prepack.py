@@ -129,3 +129,58 @@ def test_prepacked_vision_tower_embeddings_agree(demo_model_path):
     assert report.num_swapped > 0
     want, got = plain.encode([item])[0], packed.encode([item])[0]
     assert float((got - want).abs().max() / want.abs().max()) <= 1e-4
+
+
+def test_start_up_timings_take_turns_across_processes(tmp_path):
+    """Roles of one machine time their kernels one at a time (timed side by side, their threads' barriers
+    made every OpenMP kernel look slow); a holder that never lets go delays the next by `wait_s` at most."""
+    import subprocess
+    import sys
+    import time
+
+    from services.models.prepack import timing_lock
+
+    ready = tmp_path / "held"
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import pathlib, time\n"
+        "from services.models.prepack import timing_lock\n"
+        "with timing_lock() as taken:\n"
+        f"    pathlib.Path({str(ready)!r}).write_text(str(taken))\n"
+        "    time.sleep(60)\n")])
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert time.monotonic() < deadline and holder.poll() is None, "the holder did not take the lock"
+            time.sleep(0.05)
+        assert ready.read_text() == "True"
+        started = time.monotonic()
+        with timing_lock(wait_s=0.5) as taken:
+            waited = time.monotonic() - started
+        assert taken is False and 0.5 <= waited < 5
+    finally:
+        holder.kill()
+        holder.wait(30)
+    with timing_lock(wait_s=120) as taken:   # the lock went with the killed holder
+        assert taken is True
+
+
+def test_serial_batch_sizes_are_timed_on_one_thread():
+    from services.models import prepack
+
+    seen: dict[int, set[int]] = {}
+
+    class Recording(nn.Linear):
+        def forward(self, x):
+            seen.setdefault(x.shape[0], set()).add(torch.get_num_threads())
+            return super().forward(x)
+
+    linear = Recording(64, 32)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        report = prepack._measure(  # noqa: SLF001 - the timing itself is under test
+            [("w", linear, (1, 4, 8))], [k for k in prepack.KERNELS if prepack._kernel_applies(k)], serial_rows=4)
+        assert seen == {1: {1}, 4: {1}, 8: {2}} and torch.get_num_threads() == 2
+        assert set(report.timings_ms) == {"w@1", "w@4", "w@8"}
+    finally:
+        torch.set_num_threads(before)
