@@ -154,10 +154,10 @@ def breakdown(samples: list[Sample]) -> dict[str, float]:
     }
 
 
-def figure_from(server: Server, model_name: str, count: int) -> Figure:
+def figure_from(server: Server, model_name: str, count: int, label: str = "tiny model") -> Figure:
     samples = asyncio.run(measure(server, model_name, count))
     s = summarize(samples)
-    return Figure("orchestration overhead: TTFT - stage compute, p50 (tiny model, one at a time)",
+    return Figure(f"orchestration overhead: TTFT - stage compute, p50 ({label}, one at a time)",
                   s["overhead_ms"], TARGET_MS, "le", unit="ms", detail=s,
                   note=f"TTFT {s['ttft_ms']:.1f} ms = compute {s['compute_ms']:.1f} (render {s['render_ms']:.1f}, "
                        f"encode {s['encode_ms']:.1f}, prefill {s['prefill_ms']:.1f}) + overhead; of which "
@@ -171,7 +171,7 @@ def run(quick: bool = False, server: Server | None = None, count: int | None = N
     if server is not None:
         return [figure_from(server, server.model_id(), count)]
     with running(start_epd(model)) as (epd,):
-        return [figure_from(epd, epd.model_id(), count)]
+        return [figure_from(epd, epd.model_id(), count, "tiny model" if model == "demo" else model)]
 
 
 def breakdown_text(detail: dict[str, float]) -> str:
@@ -190,16 +190,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, help="measured requests (default 60, quick 4)")
     parser.add_argument("--no-docs", action="store_true", help="do not rewrite docs/benchmarks.md")
     parser.add_argument("--model", default="demo",
-                        help="model to serve (default demo, the tiny one; demo-medium gives the TTFT breakdown "
-                             "of the medium model, docs untouched)")
+                        help="model to serve (default demo, the tiny one; demo-medium: the medium model's TTFT "
+                             "by stage, into its own docs block)")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     server = attach_epd(args.epd_url) if args.epd_url else None
     figures = run(args.quick, server, args.requests, args.model)
     print_figures(figures, "orchestration overhead")
     print(json.dumps(figures[0].detail, indent=1))
-    if not (args.quick or args.no_docs or args.epd_url or args.model != "demo"):
-        write_doc_block("datapath-overhead", " ".join(["python -m benchmarks.overhead", *argv]), figures,
+    if not (args.quick or args.no_docs or args.epd_url):
+        write_doc_block("datapath-overhead" if args.model == "demo" else f"datapath-overhead-{args.model}", " ".join(["python -m benchmarks.overhead", *argv]), figures,
                         breakdown_text(figures[0].detail))
     return 0
 

@@ -33,16 +33,21 @@ def _probe(threads: str, wait: str, nice: str, role: str, serve_child: bool = Fa
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _raised(by: int) -> int:
+    """What `os.nice(by)` adds here: the kernel caps niceness at 19 (a suite run under `nice -n 15`)."""
+    return min(by, 19 - os.nice(0))
+
+
 def test_per_role_values_reach_torch_the_environment_and_the_scheduler():
     prefill = _probe("prefill=1,decode=2", "passive", "encode=5,prefill=3", "prefill")
-    assert (prefill["threads"], prefill["nice"], prefill["wait"], prefill["spin"]) == (1, 3, "PASSIVE", "0")
+    assert (prefill["threads"], prefill["nice"], prefill["wait"], prefill["spin"]) == (1, _raised(3), "PASSIVE", "0")
     decode = _probe("prefill=1,decode=2", "", "encode=5,prefill=3", "decode")
     assert (decode["threads"], decode["nice"], decode["wait"]) == (2, 0, None)
     assert decode["summary"] == "decode cpu policy: threads=2"
 
 
 def test_auto_niceness_applies_only_under_epd_serve():
-    assert _probe("", "", "auto", "prefill", serve_child=True)["nice"] == 5
+    assert _probe("", "", "auto", "prefill", serve_child=True)["nice"] == _raised(5)
     assert _probe("", "", "auto", "decode", serve_child=True)["nice"] == 0
     assert _probe("", "", "auto", "prefill")["nice"] == 0
 
