@@ -199,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     print_figures(figures, "orchestration overhead")
     print(json.dumps(figures[0].detail, indent=1))
     if not (args.quick or args.no_docs or args.epd_url):
-        write_doc_block("datapath-overhead" if args.model == "demo" else f"datapath-overhead-{args.model}", " ".join(["python -m benchmarks.overhead", *argv]), figures,
+        block = "datapath-overhead" if args.model == "demo" else f"datapath-overhead-{args.model}"
+        write_doc_block(block, " ".join(["python -m benchmarks.overhead", *argv]), figures,
                         breakdown_text(figures[0].detail))
     return 0
 

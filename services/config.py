@@ -93,8 +93,8 @@ class EpdConfig:
     device: str = _f("cpu", "torch device of model roles: cpu, cuda, cuda:N")
     dtype: str = _f("float32", "model dtype: float32 | bfloat16 | float16")
     linear_kernel: str = _f("auto", "matmuls of model roles: auto (time F.linear, the panel C kernel and oneDNN "
-                            "prepacked weights at start-up on the role's batch sizes, the LM head apart, keep the fastest) | panel | "
-                            "prepacked | default")
+                            "prepacked weights at start-up on the role's batch sizes, the LM head apart, keep the "
+                            "fastest) | panel | prepacked | default")
     max_model_len: int = _f(8192, "context length (prompt + output tokens)")
     decode_slots: int = _f(16, "concurrent sequences one decode instance runs (continuous batching)")
     decode_serial_rows: int = _f(-1, "decode steps of at most this many rows run on one thread, larger ones on torch's "
