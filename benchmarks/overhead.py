@@ -16,6 +16,8 @@ so a token whose text is empty still counts).  The coordinator's own TTFT
 
     python -m benchmarks.overhead            # 60 requests on a fresh tiny cluster; docs block refreshed
     python -m benchmarks.overhead --quick    # 4 requests, docs untouched
+    python -m benchmarks.overhead --model demo-medium   # the medium model's TTFT by stage (its own docs block)
+    python -m benchmarks.overhead --model DIR --image-size 1024x768   # any checkpoint and image size (docs untouched)
 
 Target: <= 3 ms p50 (issue 11; issue 4 asked for 5).  The full run writes its figure and the breakdown
 (where the rest sits: each hop, the coordinator outside them, the client side) between the
@@ -100,16 +102,19 @@ def _is_token_chunk(chunk: dict[str, Any]) -> bool:
     return False
 
 
-def _bodies(model: str, count: int, seed: int) -> list[bytes]:
+def _bodies(model: str, count: int, seed: int, image_size: tuple[int, int] = (224, 224)) -> list[bytes]:
     from services.bench import WorkloadConfig
+    from services.bench.config import ImageSize
     from services.bench.workloads import make_workload
 
-    workload = make_workload(WorkloadConfig(input_len=64, output_len=1, seed=seed))
+    workload = make_workload(WorkloadConfig(input_len=64, output_len=1, seed=seed,
+                                            image_sizes=(ImageSize(*image_size),)))
     return [r.payload(model, {"temperature": 0.0}) for r in workload.build_many(0, count)]
 
 
-async def measure(server: Server, model: str, count: int, warmup: int = 2) -> list[Sample]:
-    bodies = _bodies(model, count + warmup, seed=random.randrange(1 << 30))  # new images: encode runs
+async def measure(server: Server, model: str, count: int, warmup: int = 2,
+                  image_size: tuple[int, int] = (224, 224)) -> list[Sample]:
+    bodies = _bodies(model, count + warmup, random.randrange(1 << 30), image_size)  # new images: encode runs
     samples: list[Sample] = []
     async with aiohttp.ClientSession() as session:
         for i, body in enumerate(bodies):
@@ -154,8 +159,9 @@ def breakdown(samples: list[Sample]) -> dict[str, float]:
     }
 
 
-def figure_from(server: Server, model_name: str, count: int, label: str = "tiny model") -> Figure:
-    samples = asyncio.run(measure(server, model_name, count))
+def figure_from(server: Server, model_name: str, count: int, label: str = "tiny model",
+                image_size: tuple[int, int] = (224, 224)) -> Figure:
+    samples = asyncio.run(measure(server, model_name, count, image_size=image_size))
     s = summarize(samples)
     return Figure(f"orchestration overhead: TTFT - stage compute, p50 ({label}, one at a time)",
                   s["overhead_ms"], TARGET_MS, "le", unit="ms", detail=s,
@@ -166,12 +172,14 @@ def figure_from(server: Server, model_name: str, count: int, label: str = "tiny 
 
 
 def run(quick: bool = False, server: Server | None = None, count: int | None = None,
-        model: str = "demo") -> list[Figure]:
+        model: str = "demo", image_size: tuple[int, int] = (224, 224)) -> list[Figure]:
     count = count or (4 if quick else 60)
+    label = ("tiny model" if model == "demo" else model) + (
+        "" if image_size == (224, 224) else f", {image_size[0]}x{image_size[1]} image")
     if server is not None:
-        return [figure_from(server, server.model_id(), count)]
+        return [figure_from(server, server.model_id(), count, label, image_size)]
     with running(start_epd(model)) as (epd,):
-        return [figure_from(epd, epd.model_id(), count, "tiny model" if model == "demo" else model)]
+        return [figure_from(epd, epd.model_id(), count, label, image_size)]
 
 
 def breakdown_text(detail: dict[str, float]) -> str:
@@ -192,13 +200,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="demo",
                         help="model to serve (default demo, the tiny one; demo-medium: the medium model's TTFT "
                              "by stage, into its own docs block)")
+    parser.add_argument("--image-size", default="224x224", help="WxH of each request's image (docs untouched "
+                        "unless 224x224)")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
+    width, _, height = args.image_size.partition("x")
+    image_size = (int(width), int(height))
     server = attach_epd(args.epd_url) if args.epd_url else None
-    figures = run(args.quick, server, args.requests, args.model)
+    figures = run(args.quick, server, args.requests, args.model, image_size)
     print_figures(figures, "orchestration overhead")
     print(json.dumps(figures[0].detail, indent=1))
-    if not (args.quick or args.no_docs or args.epd_url):
+    if not (args.quick or args.no_docs or args.epd_url or image_size != (224, 224)):
         block = "datapath-overhead" if args.model == "demo" else f"datapath-overhead-{args.model}"
         write_doc_block(block, " ".join(["python -m benchmarks.overhead", *argv]), figures,
                         breakdown_text(figures[0].detail))
