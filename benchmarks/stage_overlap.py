@@ -2,15 +2,18 @@
 
     python -m benchmarks.stage_overlap            # medium demo model, c=16, 48 requests, writes the PNG
     python -m benchmarks.stage_overlap --quick    # tiny model, c=4, 8 requests (no PNG into docs)
+    python -m benchmarks.stage_overlap --quick --epd-url URL --activity-dir DIR   # a running cluster
 
 `epd serve` is started with `EPD_ACTIVITY_DIR` (services/activity.py): render marks each chat it
 renders, encode each vision forward, prefill each packed forward, decode each batched step, all on
-one machine-wide clock.  After a warm-up the measured requests run in a closed loop of
-`concurrency` clients (the `epd bench` load generator); the spans inside that window are drawn as
-one lane per stage (docs/img/stage_overlap_c16.png) and summarised: each stage's busy fraction
-(union of its spans / window) and how much of the time two or more stages were busy at once,
-which is the point of splitting the pipeline into processes.  The figures go to
-benchmarks/results/stage_overlap.json and the `stage-overlap` block of docs/benchmarks.md.
+one machine-wide clock (a running cluster started with `EPD_ACTIVITY_DIR=DIR` can be measured with
+`--epd-url URL --activity-dir DIR`; only spans inside the window count).  After a warm-up the
+measured requests run in a closed loop of `concurrency` clients (the `epd bench` load generator);
+the spans inside that window are drawn as one lane per stage (docs/img/stage_overlap_c16.png) and
+summarised: each stage's busy fraction (union of its spans / window) and how much of the time two or
+more stages were busy at once, which is the point of splitting the pipeline into processes.  The
+figures go to benchmarks/results/stage_overlap.json and the `stage-overlap` block of
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import ROOT, machine, replace_block, results_dir, write_json
-from benchmarks.procs import Server, exit_on_sigterm, running, start_epd
+from benchmarks.procs import Server, attach_epd, exit_on_sigterm, running, start_epd
 
 DOC = ROOT / "docs" / "benchmarks.md"
 QUICK_FLAGS = ("--linear-kernel", "default")
@@ -89,7 +92,7 @@ def summary(spans: dict[str, list[tuple[int, int]]], start: int, end: int) -> di
             "busy_fraction": {stage: sum(b - a for a, b in s) / window for stage, s in busy.items()},
             "stages_busy_fraction": {str(n): t / window for n, t in enumerate(time_at)},
             "overlap_of_busy": sum(time_at[2:]) / any_busy if any_busy else 0.0,
-            "spans": {stage: len(s) for stage, s in spans.items()}}
+            "spans": {stage: sum(1 for a, b in s if b > start and a < end) for stage, s in spans.items()}}
 
 
 def draw(spans: dict[str, list[tuple[int, int]]], start: int, end: int, path: Path, title: str) -> None:
@@ -144,15 +147,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, c=4, 8 requests")
     parser.add_argument("--epd-flag", action="append", default=[], help="extra `epd serve` flag (repeatable)")
+    parser.add_argument("--epd-url", help="measure a running cluster of the setup's model (needs --activity-dir; "
+                        "--epd-flag then does not apply)")
+    parser.add_argument("--activity-dir", help=f"the {ENV} folder the running cluster writes its spans to")
     parser.add_argument("--no-docs", action="store_true")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
+    if bool(args.epd_url) != bool(args.activity_dir):
+        parser.error("--epd-url and --activity-dir go together")
     exit_on_sigterm()
     base = Setup.quick() if args.quick else Setup()
     setup = replace(base, epd_flags=base.epd_flags + tuple(args.epd_flag))
     where = machine()
-    with tempfile.TemporaryDirectory(prefix="epd-activity-") as folder:
-        epd = start_epd(str(demo_model_path(setup.model)), *setup.epd_flags, env={ENV: folder})
+    with tempfile.TemporaryDirectory(prefix="epd-activity-") as own_folder:
+        folder = args.activity_dir or own_folder
+        epd = (attach_epd(args.epd_url) if args.epd_url
+               else start_epd(str(demo_model_path(setup.model)), *setup.epd_flags, env={ENV: folder}))
         with running(epd):
             run_load(epd, setup, setup.warmup)
             start = time.monotonic_ns()
@@ -165,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
               "failed": level["failed"]}
     print(markdown(result, setup, where, "python -m benchmarks.stage_overlap " + " ".join(argv)))
     write_json(result, results_dir(args.quick) / f"stage_overlap{'_quick' if args.quick else ''}.json")
-    docs = not (args.quick or args.no_docs)
+    docs = not (args.quick or args.no_docs or args.epd_url)
     draw(spans, start, end, PNG if docs else results_dir(args.quick) / PNG.name,
          f"epd stage activity, c={setup.concurrency}, {setup.model} model ({setup.requests} requests)")
     if docs:

@@ -3,6 +3,7 @@
     python -m benchmarks.tpot_under_prefill            # medium demo model, 4096-token prompt, 3 rounds
     python -m benchmarks.tpot_under_prefill --quick    # tiny model, 1024 tokens, 1 round
     python -m benchmarks.tpot_under_prefill --epd-flag=--max-num-batched-tokens=512 --tag chunk512
+    python -m benchmarks.tpot_under_prefill --quick --epd-url URL   # a running cluster (the tests share one)
 
 One epd cluster (`epd serve`, the role processes as `epd serve` starts them).  Each round: 8
 streams of greedy completions (64 prompt tokens, ignore_eos) decode together; once each has a
@@ -38,7 +39,7 @@ from benchmarks.common import (
     results_dir,
     write_json,
 )
-from benchmarks.procs import Server, exit_on_sigterm, running, start_epd
+from benchmarks.procs import Server, attach_epd, exit_on_sigterm, running, start_epd
 
 DOC = ROOT / "docs" / "benchmarks.md"
 QUICK_FLAGS = ("--linear-kernel", "default")
@@ -168,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--long-len", type=int)
     parser.add_argument("--threads", type=int, help="OMP threads per epd process")
     parser.add_argument("--epd-flag", action="append", default=[], help="extra `epd serve` flag (repeatable)")
+    parser.add_argument("--epd-url", help="measure a running cluster of the setup's model instead of starting one "
+                        "(--epd-flag and --threads then do not apply)")
     parser.add_argument("--no-docs", action="store_true")
     parser.add_argument("--tag", default="")
     argv = sys.argv[1:] if argv is None else argv
@@ -180,14 +183,16 @@ def main(argv: list[str] | None = None) -> int:
     from services.models.demo import demo_model_path
 
     where = machine()
-    with running(start_epd(str(demo_model_path(setup.model)), *setup.epd_flags, threads=setup.threads)) as (epd,):
+    server = (attach_epd(args.epd_url) if args.epd_url
+              else start_epd(str(demo_model_path(setup.model)), *setup.epd_flags, threads=setup.threads))
+    with running(server) as (epd,):
         rounds = asyncio.run(measure(epd, setup))
     fig = figure(rounds, setup)
     print_figures([fig], "decode TPOT under a long prefill")
     name = "tpot_under_prefill" + ("_quick" if args.quick else "") + (f"_{args.tag}" if args.tag else "")
     write_json({"figures": [fig], "setup": asdict(setup), "machine": where, "rounds": rounds},
                results_dir(args.quick) / f"{name}.json")
-    if not (args.quick or args.no_docs):
+    if not (args.quick or args.no_docs or args.epd_url):
         command = "python -m benchmarks.tpot_under_prefill " + " ".join(argv)
         replace_block(DOC, "tpot-under-prefill", markdown(fig, setup, where, command.strip()))
         engine_targets.write_table()

@@ -1,5 +1,10 @@
 """Issue 10's benchmark scripts: their --quick runs measure what they claim, the overlap arithmetic and
-the generated targets table are right."""
+the generated targets table are right.
+
+Both --quick runs measure one tiny cluster started here as each script would start its own (same model,
+flags and activity log), through their --epd-url: one cluster start instead of two.  Each run waits
+until the cluster is idle first, and the overlap figures count only spans inside their own window.
+"""
 
 from __future__ import annotations
 
@@ -7,20 +12,49 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
-from benchmarks import engine_targets
+from benchmarks import engine_targets, stage_overlap, tpot_under_prefill
 from benchmarks.common import RESULTS_ENV, ROOT, Figure, write_json
+from benchmarks.procs import metric_sum, running, start_epd
 from benchmarks.stage_overlap import STAGES, summary, union
 
 S = 1_000_000_000
 
 
-def _run(module: str, results, timeout: float = 400) -> None:
+@pytest.fixture(scope="module")
+def tiny_cluster(tmp_path_factory):
+    """(server, activity folder): the cluster both quick runs would start, started once."""
+    from services.activity import ENV
+    from services.models.demo import demo_model_path
+
+    assert stage_overlap.QUICK_FLAGS == tpot_under_prefill.QUICK_FLAGS  # what makes one cluster serve both
+    assert stage_overlap.Setup.quick().model == tpot_under_prefill.Setup.quick().model == "tiny"
+    folder = tmp_path_factory.mktemp("activity")
+    with running(start_epd(str(demo_model_path("tiny")), *stage_overlap.QUICK_FLAGS, env={ENV: str(folder)})) \
+            as (server,):
+        yield server, folder
+
+
+def _wait_idle(server, timeout: float = 120.0) -> None:
+    """No request in the coordinator or inside any role (an earlier run's cancelled streams are gone)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        busy = metric_sum(server.metrics(), "epd_coordinator_inflight_requests") + sum(
+            metric_sum(server.metrics(role, index), "epd_role_queue_depth")
+            for role, urls in server.roles.items() for index in range(len(urls)))
+        if busy == 0:
+            return
+        assert time.monotonic() < deadline, f"{busy:g} requests still running after {timeout:g} s"
+        time.sleep(0.1)
+
+
+def _run(module: str, results, *args: str, timeout: float = 400) -> None:
     """Run a script's --quick mode; past the deadline it gets SIGTERM first, so it stops its servers."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), RESULTS_ENV: str(results)}
-    proc = subprocess.Popen([sys.executable, "-m", module, "--quick"], cwd=ROOT, env=env, text=True,
+    proc = subprocess.Popen([sys.executable, "-m", module, "--quick", *args], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -44,8 +78,10 @@ def test_summary_counts_time_with_several_stages_busy():
 
 
 @pytest.mark.timeout(480)
-def test_stage_overlap_quick_logs_every_stage(tmp_path):
-    _run("benchmarks.stage_overlap", tmp_path)
+def test_stage_overlap_quick_logs_every_stage(tmp_path, tiny_cluster):
+    server, folder = tiny_cluster
+    _wait_idle(server)
+    _run("benchmarks.stage_overlap", tmp_path, "--epd-url", server.url, "--activity-dir", str(folder))
     result = json.loads((tmp_path / "stage_overlap_quick.json").read_text())
     assert result["failed"] == 0 and all(result["summary"]["spans"].get(stage, 0) > 0 for stage in STAGES)
     assert all(result["summary"]["busy_fraction"][stage] > 0 for stage in STAGES)
@@ -53,8 +89,10 @@ def test_stage_overlap_quick_logs_every_stage(tmp_path):
 
 
 @pytest.mark.timeout(480)
-def test_tpot_under_prefill_quick_measures_both_windows(tmp_path):
-    _run("benchmarks.tpot_under_prefill", tmp_path)
+def test_tpot_under_prefill_quick_measures_both_windows(tmp_path, tiny_cluster):
+    server, _ = tiny_cluster
+    _wait_idle(server)
+    _run("benchmarks.tpot_under_prefill", tmp_path, "--epd-url", server.url)
     doc = json.loads((tmp_path / "tpot_under_prefill_quick.json").read_text())
     [figure] = doc["figures"]
     assert figure["value"] is not None and figure["value"] > 0

@@ -1,4 +1,8 @@
-"""Real clusters for end-to-end tests: `epd serve` with shm connectors, and with Redis."""
+"""Real clusters for end-to-end tests: `epd serve` with shm connectors, and with Redis.
+
+The shared clusters are package-scoped: they stop when the last test of tests/e2e is done (not at the end
+of the whole run, idling beside the unit tests), all at once (`stopped_together`).
+"""
 
 from __future__ import annotations
 
@@ -7,23 +11,35 @@ import pytest
 from tests.support.cluster import start_cluster
 
 
-@pytest.fixture(scope="session")
-def shm_cluster(demo_model_path):
+@pytest.fixture(scope="package")
+def stopped_together():
+    """Clusters put here get SIGTERM when their fixture ends and are waited for here, after the last one:
+    their drains overlap instead of queueing."""
+    clusters = []
+    yield clusters
+    for cluster in clusters:
+        cluster.stop()
+
+
+@pytest.fixture(scope="package")
+def shm_cluster(demo_model_path, stopped_together):
     cluster = start_cluster("--max-image-bytes", "1000000", "--max-images-per-request", "4",
                             "--ec-capacity-mb", "64", "--kv-capacity-mb", "64")
     yield cluster
-    cluster.stop()
+    cluster.terminate()
+    stopped_together.append(cluster)
 
 
-@pytest.fixture(scope="session")
-def redis_cluster(demo_model_path, redis_server):
+@pytest.fixture(scope="package")
+def redis_cluster(demo_model_path, redis_server, stopped_together):
     cluster = start_cluster("--ec-connector", "redis", "--kv-connector", "redis", "--redis-url", redis_server.url,
                             "--allow-private-media-urls", "--ec-capacity-mb", "64", "--kv-capacity-mb", "64")
     yield cluster
-    cluster.stop()
+    cluster.terminate()
+    stopped_together.append(cluster)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def reference(demo_model_path):
     from tests.support.reference import Reference
 
@@ -63,7 +79,7 @@ class PoolCluster:
         self.cluster = None
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def pool_clusters(demo_model_path):
     holder = PoolCluster()
     yield holder
@@ -79,15 +95,15 @@ BODY_LIMIT = 8 * 1024 * 1024
 BODY_READ_S = 3.0
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def secure_tls(tmp_path_factory):
     from tests.support.certs import make_tls_files
 
     return make_tls_files(tmp_path_factory.mktemp("tls"))
 
 
-@pytest.fixture(scope="session")
-def secure_cluster(demo_model_path, tmp_path_factory, secure_tls):
+@pytest.fixture(scope="package")
+def secure_cluster(demo_model_path, tmp_path_factory, secure_tls, stopped_together):
     """Keys, admin token, and mutual TLS on every internal gRPC hop; vLLM's per-request metrics on answers."""
     keyfile = tmp_path_factory.mktemp("secrets") / "api-keys"
     keyfile.write_text("# one key per tenant\n" + "\n".join(PUBLIC_KEYS) + "\n")
@@ -97,4 +113,5 @@ def secure_cluster(demo_model_path, tmp_path_factory, secure_tls):
                             *tls, "--max-request-bytes", str(BODY_LIMIT), "--body-read-timeout-s", str(BODY_READ_S),
                             "--ec-capacity-mb", "32", "--kv-capacity-mb", "32", "--enable-per-request-metrics")
     yield cluster
-    cluster.stop()
+    cluster.terminate()
+    stopped_together.append(cluster)

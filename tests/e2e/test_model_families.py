@@ -43,18 +43,30 @@ def _serve(family: str):
     return family, cluster, Reference(path, device=DEVICE)
 
 
+@pytest.fixture(scope="module")
+def stopping():
+    """A family's cluster gets SIGTERM when its tests are done and is waited for here, at the end of the
+    module: its drain overlaps the next family's start-up."""
+    clusters = []
+    yield clusters
+    for cluster in clusters:
+        cluster.stop()
+
+
 @pytest.fixture(scope="module", params=VLMS)
-def vlm(request):
+def vlm(request, stopping):
     name, cluster, reference = _serve(request.param)
     yield name, cluster, reference
-    cluster.stop()
+    cluster.terminate()
+    stopping.append(cluster)
 
 
 @pytest.fixture(scope="module", params=["qwen2", "llama"])
-def text_lm(request):
+def text_lm(request, stopping):
     name, cluster, reference = _serve(request.param)
     yield name, cluster, reference
-    cluster.stop()
+    cluster.terminate()
+    stopping.append(cluster)
 
 
 def _ask(cluster, text, images):

@@ -36,9 +36,13 @@ class RunningCluster:
     def metrics(self, role: str, index: int = 0) -> str:
         return httpx.get(self.http_urls(role)[index] + "/metrics", timeout=10).text
 
-    def stop(self, timeout: float = 30.0) -> int:
+    def terminate(self) -> None:
+        """SIGTERM without waiting (`stop` waits): several clusters then drain at once."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout: float = 30.0) -> int:
+        self.terminate()
         return self.process.wait(timeout=timeout)
 
 
