@@ -244,22 +244,25 @@ def timing_lock(wait_s: float = _LOCK_WAIT_S) -> Iterator[bool]:
     path = os.path.join(tempfile.gettempdir(), f"epd-linear-timing-{os.getuid()}.lock")
     with open(path, "a") as handle:
         deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    logger.warning("linear kernel timing: another process held %s for %.0f s; timing anyway",
-                                   path, wait_s)
-                    yield False
-                    return
-                time.sleep(0.05)
-                continue
-            try:
-                yield True
-            finally:
-                fcntl.flock(handle, fcntl.LOCK_UN)
-            return
+        while not _try_flock(handle):
+            if time.monotonic() >= deadline:
+                logger.warning("linear kernel timing: another process held %s for %.0f s; timing anyway",
+                               path, wait_s)
+                yield False
+                return
+            time.sleep(0.05)
+        try:
+            yield True
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _try_flock(handle: Any) -> bool:
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
 
 
 def _measure(timed: list[tuple[str, nn.Linear, tuple[int, ...]]], kernels: list[str],

@@ -43,30 +43,20 @@ def _serve(family: str):
     return family, cluster, Reference(path, device=DEVICE)
 
 
-@pytest.fixture(scope="module")
-def stopping():
-    """A family's cluster gets SIGTERM when its tests are done and is waited for here, at the end of the
-    module: its drain overlaps the next family's start-up."""
-    clusters = []
-    yield clusters
-    for cluster in clusters:
-        cluster.stop()
-
-
 @pytest.fixture(scope="module", params=VLMS)
-def vlm(request, stopping):
+def vlm(request, stopped_together):
     name, cluster, reference = _serve(request.param)
     yield name, cluster, reference
-    cluster.terminate()
-    stopping.append(cluster)
+    cluster.terminate()   # its drain overlaps the next family's start-up; waited for with the shared ones
+    stopped_together.append(cluster)
 
 
 @pytest.fixture(scope="module", params=["qwen2", "llama"])
-def text_lm(request, stopping):
+def text_lm(request, stopped_together):
     name, cluster, reference = _serve(request.param)
     yield name, cluster, reference
-    cluster.terminate()
-    stopping.append(cluster)
+    cluster.terminate()   # its drain overlaps the next family's start-up; waited for with the shared ones
+    stopped_together.append(cluster)
 
 
 def _ask(cluster, text, images):
