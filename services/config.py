@@ -119,6 +119,10 @@ class EpdConfig:
                           "one graph per batch bucket 1, 2, 4, ... rows; a cold compile takes tens of seconds on "
                           "2 cores) | auto (compile and time both per bucket at start-up within "
                           "--decode-compile-budget-s, keep compiled where faster)", roles="decode")
+    decode_fused: str = _f("auto", "decode step as one C call over the whole decoder stack (float32 CPU, panel "
+                           "linears, Llama/Qwen-shaped layers): auto (wherever it applies, unless --decode-step "
+                           "compiled; with --linear-kernel auto the decoder stack then uses the panel kernel) | on "
+                           "(refuse to start where it does not apply) | off", roles="decode")
     decode_step_buckets: str = _f("", "batch sizes the compiled decode step has graphs for, comma-separated (a "
                                   "step pads its rows up to the next one; larger counts run eager); default 1, "
                                   "2, 4, ... and --decode-slots", roles="decode")
@@ -212,6 +216,7 @@ class EpdConfig:
         _check(self.decode_attention in ATTENTION_KERNELS,
                f"decode_attention must be one of {', '.join(ATTENTION_KERNELS)}")
         _check(self.decode_step in DECODE_STEPS, f"decode_step must be one of {', '.join(DECODE_STEPS)}")
+        _check(self.decode_fused in ("auto", "on", "off"), "decode_fused must be one of auto, on, off")
         _check(self.decode_compile_budget_s >= 0, "decode_compile_budget_s must be >= 0")
         _check(self.decode_serial_rows >= -1, "decode_serial_rows must be -1 (auto), 0 or more")
         _check(_int_list_ok(self.decode_step_buckets, 1, self.decode_slots),

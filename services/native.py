@@ -5,7 +5,8 @@
 written under a temporary name and renamed into place so concurrent builders never load half a
 file.  It raises OSError when gcc is missing or refuses the source (say, no AVX2 on this CPU):
 callers fall back to a torch path.  Used by services/decode/attention.py (paged attention) and
-services/models/panel_linear.py (small-batch linear layers).
+services/models/panel_linear.py (small-batch linear layers) and services/decode/fused.py (the whole
+decoder stack of a decode step in one call).
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ def cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def build_library(source: Path, name: str, flags: tuple[str, ...], libs: tuple[str, ...] = ("-lm",)) -> ctypes.CDLL:
-    """The compiled `source` (built once per source and flags); raises OSError if gcc fails."""
-    text = source.read_bytes()
+def build_library(source: Path, name: str, flags: tuple[str, ...], libs: tuple[str, ...] = ("-lm",),
+                  includes: tuple[Path, ...] = ()) -> ctypes.CDLL:
+    """The compiled `source` (built once per source, the files it `#include`s from this project
+    (`includes`, so an edit of one rebuilds it) and flags); raises OSError if gcc fails."""
+    text = source.read_bytes() + b"".join(path.read_bytes() for path in includes)
     digest = hashlib.sha256(text + " ".join((*flags, *libs)).encode()).hexdigest()[:16]
     target = cache_dir() / f"{name}_{digest}.so"
     if not target.exists():

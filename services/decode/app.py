@@ -24,6 +24,18 @@ def serial_rows(configured: int, slots: int) -> int:
     return min(SMALL_BOX_SERIAL_ROWS, slots) if len(os.sched_getaffinity(0)) <= 2 else 1
 
 
+def stack_kernel(config: EpdConfig) -> str:
+    """The decoder stack's --linear-kernel: auto becomes panel where the fused step will want it
+    (services/decode/fused.py needs panel layers; fused with panels beats every unfused kernel)."""
+    from services.models import panel_linear
+
+    wants_fused = config.decode_fused != "off" and config.decode_step != "compiled"
+    cpu_fp32 = config.device == "cpu" and config.dtype == "float32"
+    if config.linear_kernel == "auto" and wants_fused and cpu_fp32 and panel_linear.available():
+        return "panel"
+    return config.linear_kernel
+
+
 async def build(config: EpdConfig) -> RoleServer:
     from services.config import int_list
     from services.connectors.wiring import open_store
@@ -40,14 +52,15 @@ async def build(config: EpdConfig) -> RoleServer:
     lm = adapter_for(path).load_language(path, config.device, config.dtype, config.max_model_len)
     steps = (1, config.decode_slots) if config.decode_slots > 1 else (1,)   # the rows a decode step multiplies
     serial = serial_rows(config.decode_serial_rows, config.decode_slots)
-    export(prepack_language(lm, config.linear_kernel, rows=steps, head_rows=steps, serial_rows=serial), "language")
+    export(prepack_language(lm, config.linear_kernel, rows=steps, head_rows=steps, serial_rows=serial,
+                            stack_mode=stack_kernel(config)), "language")
     engine = DecodeEngine(lm, load_tokenizer(path), config.decode_slots, config.max_model_len,
                           max_queued=config.decode_queue, stream_timeout=config.request_timeout_s,
                           kv_cache_bytes=config.kv_cache_mb << 20, block_size=config.kv_block_size,
                           attention=config.decode_attention, step=config.decode_step,
                           compile_budget_s=config.decode_compile_budget_s,
                           step_buckets=int_list(config.decode_step_buckets) or None,
-                          serial_rows=serial)
+                          serial_rows=serial, fused=config.decode_fused)
     logger.info("decode engine: %s", engine.describe())
     kv_store = open_store(config, "kv", producer=False)
     service = DecodeService(engine, kv_store, kv_wait_s=config.decode_kv_wait_s)

@@ -6,7 +6,9 @@ max_blocks_per_request] int32 tensor, written only when a row gains a block (or 
 leaving row is filled by the last one).  Per step the host work is O(rows): one block/offset
 per row for the new token, its position and its length, written into preallocated buffers.
 
-The forward runs eagerly or compiled (services/decode/compiled.py, chosen at construction by
+The forward runs fused, eagerly or compiled.  Fused (services/decode/fused.py, `fused` "auto" or
+"on"): the decoder stack of a step is one C call, taken wherever it applies unless the compiled step
+was asked for.  Otherwise eagerly or compiled (services/decode/compiled.py, chosen at construction by
 `step`): compiled, a step of `count` rows runs the graph of the smallest compiled bucket >= count,
 rows count..bucket-1 padded (token 0 at position 0, K/V written to and read from the pool's scratch
 block only) and their logits dropped.
@@ -41,6 +43,7 @@ from services.decode.compiled import (
     step_buckets,
     step_inputs,
 )
+from services.decode.fused import choose_fused
 from services.decode.paged_forward import PagedDecoder
 from services.decode.request_blocks import RequestBlocks
 from services.decode.sampler import RowSampling, Sampler
@@ -50,7 +53,7 @@ from services.models.base import LanguageModel
 class DecodeRunner:
     def __init__(self, lm: LanguageModel, pool: BlockPool, max_rows: int, max_model_len: int, sampler: Sampler,
                  attention: str = "auto", step: str = "eager", compile_budget_s: float = 120.0,
-                 buckets: Sequence[int] | None = None, serial_rows: int = 0) -> None:
+                 buckets: Sequence[int] | None = None, serial_rows: int = 0, fused: str = "auto") -> None:
         self.lm, self.pool, self.sampler = lm, pool, sampler
         self.threads, self.serial_rows = torch.get_num_threads(), serial_rows
         self.serial_steps = 0       # steps that ran on one thread (engine stats, /metrics)
@@ -66,14 +69,24 @@ class DecodeRunner:
         self._lens = torch.zeros(max_rows, dtype=torch.int32)
         self._step64_np, self._lens_np = self._step64.numpy(), self._lens.numpy()
         self.compiled_steps = 0     # steps that ran a compiled graph (engine stats, /metrics)
+        if step == "compiled" and fused == "on":
+            raise ValueError("--decode-fused on and --decode-step compiled exclude each other")
+        self.fused, why_not = choose_fused(self.decoder, "off" if step == "compiled" else fused, max_rows)
         self.compiled, self.step_report = choose_step(
-            self.decoder.forward, step, step_buckets(max_rows, buckets),
+            self.decoder.forward, "eager" if self.fused is not None else step, step_buckets(max_rows, buckets),
             lambda bucket: pad_inputs(bucket, max_rows, self.max_blocks, pool.scratch_block, self.device),
             compile_budget_s, self.decoder.active)
+        if self.fused is not None:
+            self.step_report.asked, self.step_report.mode = step, "fused"
+            self.step_report.reason = f"--decode-fused {fused}: the decoder stack in one C call"
+        elif fused != "off" and step != "compiled":
+            self.step_report.reason = "; ".join(r for r in (self.step_report.reason, f"not fused: {why_not}") if r)
 
     @property
     def step_mode(self) -> str:
-        """"compiled" while any bucket runs compiled; "eager" (also after a compiled step failed)."""
+        """"fused"; "compiled" while any bucket runs compiled; "eager" (also after a compiled step failed)."""
+        if self.fused is not None:
+            return "fused"
         return self.step_report.mode if self.compiled.enabled else "eager"
 
     def describe_step(self) -> StepReport:
@@ -128,6 +141,8 @@ class DecodeRunner:
             buf[BLOCK, row], buf[OFFSET, row] = block, offset
             lens[row] = seq.num_tokens
             num_blocks.append(len(seq.blocks))
+        if self.fused is not None:
+            return self.sampler.sample(self.fused(*self._inputs(count))[:count], rows, inplace=True)
         logits = None
         bucket = self.compiled.bucket_for(count)
         if bucket is not None:

@@ -153,16 +153,18 @@ _SPEEDUP: Any = None
 
 
 def prepack_language(lm: LanguageModel, mode: str = "auto", rows: tuple[int, ...] = (1, 16, 256),
-                     head_rows: tuple[int, ...] = (1, 16), serial_rows: int = 0) -> LinearReport:
+                     head_rows: tuple[int, ...] = (1, 16), serial_rows: int = 0,
+                     stack_mode: str | None = None) -> LinearReport:
     """Swap the decoder stack's and the LM head's linears when `mode` says so; auto decides the two
     apart, timing the stack at `rows` and the head at `head_rows` (the batch sizes each sees).
     `num_swapped` and `extra_bytes` of the returned report count both; `.head` is the head's.
     Batch sizes up to `serial_rows` are timed on one thread, as decode runs them (--decode-serial-rows):
-    on a busy box two threads' barriers make every kernel but single-threaded F.linear look slow."""
+    on a busy box two threads' barriers make every kernel but single-threaded F.linear look slow.
+    `stack_mode`, when given, decides the stack instead of `mode` (decode's fused step needs panels there)."""
     head = lm.lm_head
     tied = _tied_weights(lm.model, head)
     layers = _linears(lm.model)
-    report = _decide(mode, _by_shape(layers, rows), serial_rows)
+    report = _decide(stack_mode or mode, _by_shape(layers, rows), serial_rows)
     if report.kernel in KERNELS:
         report.num_swapped = _swap_all(layers, SWAP[report.kernel])
     if can_pack(head):

@@ -35,3 +35,14 @@ def test_linear_kernels_quick_times_every_kernel_and_they_agree():
         assert math.isfinite(f.value) and f.value > 0, f.name
         assert f.detail["same_tokens"], f.name
         assert set(f.detail["median_ms"]) == {"default", "prepacked", "panel"}
+
+
+def test_fused_step_quick_times_both_modes_and_they_agree():
+    from benchmarks import fused_step
+
+    figures = fused_step.run(quick=True)
+    assert len(figures) == 4        # tiny model, 1 and 4 rows, 1 and 2 threads
+    for f in figures:
+        assert math.isfinite(f.value) and f.value > 0, f.name
+        assert f.detail["same_tokens"], f.name
+        assert len(f.detail["eager_ms"]) == len(f.detail["fused_ms"]) == 3

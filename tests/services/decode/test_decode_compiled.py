@@ -143,7 +143,7 @@ def test_auto_times_both_on_a_warm_cache_and_reports_them(tiny, engine, inductor
     from services.decode.engine import DecodeEngine
     from services.decode.metrics import export_info
 
-    with DecodeEngine(tiny.lm, tiny.tokenizer, ROWS, 512, step="auto", step_buckets=(ROWS,),
+    with DecodeEngine(tiny.lm, tiny.tokenizer, ROWS, 512, step="auto", step_buckets=(ROWS,), fused="off",
                       compile_budget_s=600) as auto:
         result = auto.step_report.buckets[ROWS]
         assert result.eager_ms > 0 and result.compiled_ms > 0 and result.max_rel_diff <= 1e-4
@@ -161,7 +161,7 @@ def test_auto_times_both_on_a_warm_cache_and_reports_them(tiny, engine, inductor
 def test_auto_with_no_budget_left_runs_eager_and_says_so(tiny):
     from services.decode.engine import DecodeEngine
 
-    with DecodeEngine(tiny.lm, tiny.tokenizer, ROWS, 512, step="auto", compile_budget_s=0) as auto:
+    with DecodeEngine(tiny.lm, tiny.tokenizer, ROWS, 512, step="auto", compile_budget_s=0, fused="off") as auto:
         report = auto.step_report
         assert (report.mode, report.compiled_buckets) == ("eager", ())
         assert report.reason == "compile budget 0 s spent; eager"

@@ -1,0 +1,161 @@
+"""The fused decode step (services/decode/fused.py): the same logits and pool writes as the eager paged
+forward and as Hugging Face, identical greedy tokens through the engine on one and two threads, the
+negative controls (a wrong rope position or a wrong length) still caught, and a clear refusal where it
+does not apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.decode.attention import select_attention
+from services.decode.block_pool import BlockPool
+from services.decode.fused import FusedStep, choose_fused, unsupported_reason
+from services.decode.paged_forward import PagedDecoder
+from services.decode.request_blocks import RequestBlocks
+
+GREEDY = {"temperature": 0.0}
+PROMPTS = ["hi", "Tell me a long story about cats and dogs living together in a small house.",
+           "Translate to French: the weather is nice today, let us go for a walk in the park."]
+
+
+@pytest.fixture(scope="module")
+def prefilled(tiny):
+    return [tiny.prefill_text(tiny.chat_ids(p)) for p in PROMPTS]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+class _Batch:
+    """Every prompt's KV loaded into one pool, and the first decode step's inputs for all rows."""
+
+    def __init__(self, tiny, prefilled, position_shift: int = 0, len_shift: int = 0) -> None:
+        self.pool = BlockPool(tiny.lm.layout, 32 << 20, block_size=16)
+        self.decoder = PagedDecoder(tiny.lm, self.pool, select_attention("c", torch.float32, torch.device("cpu"),
+                                                                         *_heads(tiny)))
+        rows = []
+        for pre in prefilled:
+            assert self.pool.try_reserve(self.pool.blocks_for(pre.prompt_len + 1))
+            blocks = RequestBlocks(self.pool, self.pool.blocks_for(pre.prompt_len + 1))
+            blocks.load(pre.kv)
+            position = blocks.num_tokens
+            block, offset, _ = blocks.append_slot()
+            rows.append((pre.first_token, position + pre.rope_delta + position_shift, block, offset, blocks))
+        width = max(len(r[4].blocks) for r in rows)
+        self.tables = torch.zeros((len(rows), width), dtype=torch.int32)
+        for index, row in enumerate(rows):
+            self.tables[index, :len(row[4].blocks)] = torch.tensor(row[4].blocks, dtype=torch.int32)
+        self.inputs = (torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows]),
+                       torch.tensor([r[2] for r in rows]), torch.tensor([r[3] for r in rows]), self.tables,
+                       torch.tensor([r[4].num_tokens + len_shift for r in rows], dtype=torch.int32))
+        self.written = [(r[2], r[3]) for r in rows]
+
+    def new_kv(self) -> torch.Tensor:
+        """[rows, layers, 2, Hkv, D]: the K/V this step wrote for each row's new token."""
+        return torch.stack([self.pool.kv[:, :, block, :, offset] for block, offset in self.written])
+
+
+def _heads(tiny) -> tuple[int, int, int]:
+    layout = tiny.lm.layout
+    return tiny.lm.model.layers[0].self_attn.config.num_attention_heads, layout.num_kv_heads, layout.head_dim
+
+
+@torch.inference_mode()
+def _hf_first_step_logits(tiny, pre) -> torch.Tensor:
+    from services.models.kv import cache_from_kv
+
+    lm = tiny.lm
+    position = torch.tensor([pre.prompt_len + pre.rope_delta])
+    out = lm.model(inputs_embeds=lm.embed(torch.tensor([[pre.first_token]])), cache=cache_from_kv(pre.kv),
+                   position_ids=lm.decode_position_ids(position), use_cache=True)
+    return lm.lm_head(out.last_hidden_state[:, -1])[0]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@torch.inference_mode()
+def test_fused_logits_and_pool_writes_match_the_eager_step_and_hf(tiny, prefilled, threads):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        eager, fused = _Batch(tiny, prefilled), _Batch(tiny, prefilled)
+        want = eager.decoder.forward(*eager.inputs)
+        got = FusedStep(fused.decoder, max_rows=4)(*fused.inputs)
+    finally:
+        torch.set_num_threads(before)
+    assert got.shape == want.shape == (len(prefilled), want.shape[-1])
+    assert _rel(got, want) <= 1e-5
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert _rel(fused.new_kv(), eager.new_kv()) <= 1e-5        # the same K/V, at the same (block, offset)
+    for row, pre in enumerate(prefilled):
+        assert _rel(got[row], _hf_first_step_logits(tiny, pre)) <= 1e-4
+
+
+@torch.inference_mode()
+def test_a_wrong_rope_position_or_length_is_caught(tiny, prefilled):
+    want = torch.stack([_hf_first_step_logits(tiny, pre) for pre in prefilled])
+    shifted = _Batch(tiny, prefilled, position_shift=1)
+    assert _rel(FusedStep(shifted.decoder, 4)(*shifted.inputs), want) > 1e-3
+    short = _Batch(tiny, prefilled, len_shift=-1)      # each row misses its newest token
+    assert _rel(FusedStep(short.decoder, 4)(*short.inputs), want) > 1e-3
+
+
+@pytest.mark.parametrize("serial_rows", [0, 4])
+def test_the_engine_runs_fused_and_gives_generate_tokens(tiny, make_engine, prefilled, submit, serial_rows):
+    if torch.get_num_threads() < 2:
+        torch.set_num_threads(2)
+    engine = make_engine(num_slots=4, block_size=8, serial_rows=serial_rows)
+    assert engine.stats().step_mode == "fused"
+    assert "decode step fused (mode eager: --decode-fused auto: the decoder stack in one C call)" in engine.describe()
+    sinks = [submit(engine, f"f{i}", p, max_tokens=24, **GREEDY) for i, p in enumerate(prefilled)]
+    for sink, pre in zip(sinks, prefilled, strict=True):
+        sink.wait_done()
+        assert sink.token_ids == tiny.reference(pre, 24)
+    assert engine.stats().steps > 0 and engine.stats().compiled_steps == 0
+
+
+def test_it_is_refused_clearly_where_it_does_not_apply(tiny):
+    from services.models.prepack import prepack_language
+    from services.models.registry import adapter_for
+
+    plain = adapter_for(tiny.path).load_language(tiny.path, "cpu", "float32", 512)   # F.linear, no panels
+    pool = BlockPool(plain.layout, 4 << 20, block_size=16)
+    decoder = PagedDecoder(plain, pool, select_attention("c", torch.float32, torch.device("cpu"), *_heads(tiny)))
+    assert unsupported_reason(decoder) == "layer 0's linears are not panel layers (--linear-kernel panel)"
+    assert choose_fused(decoder, "auto", 4) == (None, unsupported_reason(decoder))
+    with pytest.raises(ValueError, match="--decode-fused on: layer 0's linears are not panel layers"):
+        choose_fused(decoder, "on", 4)
+    with pytest.raises(ValueError, match="unknown fused decode mode 'fast'; supported: auto, on, off"):
+        choose_fused(decoder, "fast", 4)
+    prepack_language(plain, "panel")
+    panel_decoder = PagedDecoder(plain, pool, decoder.attention)
+    assert unsupported_reason(panel_decoder) == ""
+    assert choose_fused(panel_decoder, "off", 4) == (None, "off")
+    step = FusedStep(panel_decoder, max_rows=2)
+    with pytest.raises(ValueError, match="a fused step takes at most 2 rows, got 3"):
+        step(*(torch.zeros(3, dtype=torch.int64),) * 4, torch.zeros((3, 1), dtype=torch.int32),
+             torch.ones(3, dtype=torch.int32))
+
+
+def test_fused_off_or_the_compiled_step_runs_unfused(tiny, make_engine):
+    from services.decode.engine import DecodeEngine
+
+    with pytest.raises(ValueError, match="--decode-fused on and --decode-step compiled exclude each other"):
+        DecodeEngine(tiny.lm, tiny.tokenizer, 2, 256, step="compiled", fused="on")
+    engine = make_engine(num_slots=2, fused="off")
+    assert engine.stats().step_mode == "eager"
+
+
+def test_decode_role_steers_auto_to_panels_for_the_fused_step():
+    from services.config import EpdConfig
+    from services.decode.app import stack_kernel
+    from services.models import panel_linear
+
+    assert stack_kernel(EpdConfig(linear_kernel="auto")) == ("panel" if panel_linear.available() else "auto")
+    assert stack_kernel(EpdConfig(linear_kernel="auto", decode_fused="off")) == "auto"
+    assert stack_kernel(EpdConfig(linear_kernel="auto", decode_step="compiled")) == "auto"
+    assert stack_kernel(EpdConfig(linear_kernel="prepacked")) == "prepacked"
+    assert stack_kernel(EpdConfig(linear_kernel="auto", dtype="bfloat16")) == "auto"
+    with pytest.raises(ValueError, match="decode_fused must be one of auto, on, off"):
+        EpdConfig(decode_fused="maybe")
