@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 from services.compute_metrics import compute_timer
 from services.models.base import LanguageModel, MultiModalInput
-from services.prefill import attention
+from services.prefill import attention, last_rows
 from services.prefill.blocks import BlockManager
 from services.prefill.jobs import HeldPrefill, PrefillJob, release_when_done
 from services.prefill.kv_pool import KVPool, block_bytes
@@ -63,6 +63,7 @@ class PrefillEngine:
                  prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB, block_size: int = BLOCK_SIZE,
                  idle_exit_s: float = 5.0) -> None:
         attention.install(lm)
+        self._last_rows = last_rows.install(lm)
         self.lm, self.block_size, self.idle_exit_s = lm, block_size, idle_exit_s
         self.max_num_batched_tokens = max_num_batched_tokens
         max_cached = int(prefix_cache_mb * 2**20) // block_bytes(lm.layout, block_size)
@@ -168,7 +169,7 @@ class PrefillEngine:
         finishing = [index for index, item in enumerate(batch) if item.finishes]
         try:
             with torch.no_grad(), compute_timer("prefill"):
-                hidden = forward_chunks(self.lm, self.pool, chunks)
+                hidden = forward_chunks(self.lm, self.pool, chunks, self._last_rows)
                 logits = self.lm.lm_head(hidden[finishing]).float() if finishing else None
         except Exception as exc:  # every prompt of the batch hears of it; the engine carries on
             log.exception("prefill forward of %d chunks failed", len(batch))

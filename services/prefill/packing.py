@@ -7,17 +7,19 @@ M-RoPE stays per prompt) are concatenated along the sequence; attention keeps pr
 (attention.py) and writes every new row's KV into the pool.  Family extras for the rows
 (Qwen3-VL deepstack) come from `LanguageModel.packed_kwargs`.  Returns the final hidden state
 of each chunk's last row: the LM head is applied by the caller to the chunks that finish a
-prompt only.
+prompt only, and the last layer's o_proj and MLP run on those rows only (last_rows.py).
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from services.models.base import LanguageModel, PrefillInputs
 from services.prefill.attention import PLAN_KWARG, Segment, make_plan
 from services.prefill.kv_pool import KVPool
+from services.prefill.last_rows import RowSubset, only_rows
 
 if TYPE_CHECKING:
     import torch
@@ -35,8 +37,10 @@ class Chunk:
         return self.end - self.start
 
 
-def forward_chunks(lm: LanguageModel, pool: KVPool, chunks: list[Chunk]) -> torch.Tensor:
-    """[len(chunks), hidden]: the last row's final hidden state of each chunk; KV lands in the pool."""
+def forward_chunks(lm: LanguageModel, pool: KVPool, chunks: list[Chunk],
+                   last_rows: list[RowSubset] | None = None) -> torch.Tensor:
+    """[len(chunks), hidden]: the last row's final hidden state of each chunk; KV lands in the pool.
+    With `last_rows` (services/prefill/last_rows.py) the last layer's o_proj and MLP run on those rows only."""
     import torch
 
     embeds = torch.cat([c.inputs.inputs_embeds[:, c.start:c.end] for c in chunks], dim=1)
@@ -50,7 +54,8 @@ def forward_chunks(lm: LanguageModel, pool: KVPool, chunks: list[Chunk]) -> torc
     extra = lm.packed_kwargs([(c.inputs, c.start, c.end) for c in chunks])
     # A 4-D mask is taken as is (no T x T mask is built); packed attention ignores it.
     placeholder = torch.zeros(1, 1, 1, 1, dtype=embeds.dtype, device=embeds.device)
-    out = lm.model(inputs_embeds=embeds, position_ids=positions, attention_mask=placeholder, use_cache=False,
-                   **{PLAN_KWARG: plan}, **extra)
     last = torch.tensor([s.q0 + s.n - 1 for s in segments], device=embeds.device)
+    with only_rows(last_rows, last) if last_rows else nullcontext():
+        out = lm.model(inputs_embeds=embeds, position_ids=positions, attention_mask=placeholder, use_cache=False,
+                       **{PLAN_KWARG: plan}, **extra)
     return out.last_hidden_state[0].index_select(0, last)

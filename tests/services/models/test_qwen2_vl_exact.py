@@ -55,6 +55,7 @@ def test_parts_equal_the_full_checkpoint(vision, lm, reference_model):
     for name, tensor in vision._base.state_dict().items():
         assert torch.equal(tensor, full[f"model.{name}"]), name
     for name, tensor in lm._base.state_dict().items():
+        name = name.replace(".inner.", ".")   # a prefill engine built on this lm wraps two modules (last_rows.py)
         assert torch.equal(tensor, full[f"model.{name}"]), name
     assert torch.equal(lm.lm_head.weight, full["lm_head.weight"])
 

@@ -229,3 +229,33 @@ def test_a_prompt_waits_for_blocks_until_another_releases_its_own(demo_model_pat
     with second.result(60) as held:
         assert held.num_prompt_tokens == 60
     assert engine.blocks.num_free == 6
+
+
+def test_the_last_layer_runs_o_proj_and_mlp_on_the_read_rows_only(parts, prompts):
+    from services.prefill.last_rows import RowSubset
+
+    lm = parts[2]
+    engine = PrefillEngine(lm, prefix_cache_mb=0, max_num_batched_tokens=8192)
+    layer = lm.model.layers[-1]
+    assert isinstance(layer.self_attn.o_proj, RowSubset) and isinstance(layer.mlp, RowSubset)
+    seen: list[int] = []
+    hooks = [wrapper.inner.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[-2]))
+             for wrapper in (layer.self_attn.o_proj, layer.mlp)]
+    chunks, blocks = [], []
+    try:
+        for ids, items in prompts[:3]:
+            inputs = lm.prefill_inputs(ids, items)
+            blocks.append(engine.blocks.allocate(-(-len(ids) // engine.block_size)))
+            chunks.append(Chunk(inputs, 0, len(ids), tuple(blocks[-1])))
+        with torch.no_grad():
+            some = forward_chunks(lm, engine.pool, chunks, engine._last_rows)
+            assert seen == [3, 3]                              # one row per chunk, in both modules
+            every = forward_chunks(lm, engine.pool, chunks)    # the same forward, every row through both
+            assert seen[2:] == [sum(len(ids) for ids, _ in prompts[:3])] * 2
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for held in blocks:
+            engine.blocks.release(held)
+    assert relative(some, every) <= 1e-5
+    assert layer.mlp.rows is None and layer.self_attn.o_proj.rows is None    # reset after the forward
