@@ -3,7 +3,7 @@
 Why: an eager step dispatches ~25 torch ops per layer from Python, and with two threads each one is
 an OpenMP fork/join; on SmolLM2 (30 layers) that is a third of a one-row step on this project's 2-core
 box.  The fused kernel runs norms, q/k/v, RoPE, the KV write, paged attention, o_proj, the SiLU MLP
-and the residual adds of every layer inside one OpenMP parallel region, over the panel kernel's
+and the residual adds of every layer inside one OpenMP parallel region (five barriers per layer), over the panel kernel's
 weights (services/models/panel_kernel.c) and the paged attention's (services/decode/paged_kernel.c)
 per-row code.  The embedding lookup, RoPE's cos/sin, the final norm and the LM head stay in torch.
 
@@ -53,7 +53,8 @@ class _Layer(ctypes.Structure):
 
 
 class _Scratch(ctypes.Structure):
-    _fields_ = [(name, _P) for name in ("x", "q", "k", "v", "attn", "tmp", "gate", "up")]
+    _fields_ = [*((name, _P) for name in ("x", "alt", "q", "k", "v", "attn", "tmp", "gate", "up")),
+                ("x_threads", ctypes.c_int)]
 
 
 def _kernel() -> Any:
@@ -144,10 +145,13 @@ class FusedStep:
                 entry.b[slot] = _ptr(linear.bias) if linear.bias is not None else None
             entry.keys, entry.values = _ptr(pool.kv[index, 0]), _ptr(pool.kv[index, 1])
         heads, kv_heads, dim = decoder.num_heads, decoder.num_kv_heads, decoder.head_dim
-        widths = {"x": self.hidden_size, "q": heads * dim, "k": kv_heads * dim, "v": kv_heads * dim,
-                  "attn": heads * dim, "tmp": self.hidden_size, "gate": self.intermediate, "up": self.intermediate}
+        self.max_threads = max(torch.get_num_threads(), 1)    # each thread keeps its own normed input
+        widths = {"x": self.max_threads * self.hidden_size, "alt": self.hidden_size, "q": heads * dim,
+                  "k": kv_heads * dim, "v": kv_heads * dim, "attn": heads * dim, "tmp": self.hidden_size,
+                  "gate": self.intermediate, "up": self.intermediate}
         self._buffers = {name: torch.empty(max_rows, width, dtype=torch.float32) for name, width in widths.items()}
-        self._scratch = _Scratch(**{name: _ptr(buf) for name, buf in self._buffers.items()})
+        self._scratch = _Scratch(**{name: _ptr(buf) for name, buf in self._buffers.items()},
+                                 x_threads=self.max_threads)
 
     @torch.inference_mode()
     def __call__(self, token_ids: torch.Tensor, positions: torch.Tensor, write_blocks: torch.Tensor,

@@ -11,9 +11,10 @@
  * Why: an eager step is ~25 torch ops per layer, each a Python dispatch and (with two threads) an
  * OpenMP fork/join; SmolLM2's 30 layers make that ~750 dispatches per token, a third of a one-row
  * step's time on this project's 2-core box.  Here one OpenMP parallel region spans the whole stack:
- * threads split each matmul's panels (q, k and v as one list of panels; gate and up likewise) and
- * meet at a barrier between phases; the small per-row work (norms, RoPE, residual adds, SiLU) is
- * split by rows or elements.
+ * threads split each matmul's panels (q, k and v as one list of panels; gate and up by the same
+ * columns, so each thread applies the SiLU product to its own) and meet at five barriers per layer
+ * (epd_fused_step says which).  Fewer barriers matter on a busy box: a thread the scheduler preempts
+ * holds up the whole team at the next one.
  *
  * Numerics: float32 throughout.  Norms sum squares in double; each matmul output is the panel
  * kernel's in-order float32 sum.  Outputs agree with the eager step to ~1e-6 relative, not bit for
@@ -34,14 +35,16 @@ typedef struct {
 } fused_layer_t;
 
 typedef struct {
-    float *x;       /* [B, H]      normed input of a sublayer */
+    float *x;       /* [threads, B, H]  each thread's own copy of a sublayer's normed input */
+    float *alt;     /* [B, H]      the residual stream's second buffer (the caller's `hidden` is the first) */
     float *q;       /* [B, Hq*D] */
     float *k;       /* [B, Hkv*D] */
     float *v;       /* [B, Hkv*D] */
     float *attn;    /* [B, Hq*D]   attention output */
     float *tmp;     /* [B, H]      a sublayer's output before the residual add */
-    float *gate;    /* [B, I] */
+    float *gate;    /* [B, I]      gate, then silu(gate) * up */
     float *up;      /* [B, I] */
+    int x_threads;  /* threads the x buffer has room for */
 } fused_scratch_t;
 
 typedef struct {
@@ -53,15 +56,21 @@ typedef struct {
     int64_t ldy;
 } mm_t;
 
+/* This thread's share [*lo, *hi) of `total` panels (whole 4-panel groups for one row). */
+static void share(int total, int M, int *lo, int *hi) {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    int per = (total + nt - 1) / nt;
+    if (M == 1) per = (per + 3) / 4 * 4;   /* whole 4-panel groups for the one-row path */
+    *lo = t * per > total ? total : t * per;
+    *hi = *lo + per > total ? total : *lo + per;
+}
+
 /* Rows 0..M-1 of up to three matmuls, their panels taken as one list split evenly over the team
  * (called by every thread of the parallel region; no barrier inside). */
 static void mm_share(const mm_t *mms, int count, int M) {
-    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    int total = 0;
+    int total = 0, lo, hi;
     for (int i = 0; i < count; i++) total += (mms[i].N + NR - 1) / NR;
-    int per = (total + nt - 1) / nt;
-    if (M == 1) per = (per + 3) / 4 * 4;   /* whole 4-panel groups for the one-row path */
-    const int lo = t * per, hi = lo + per > total ? total : lo + per;
+    share(total, M, &lo, &hi);
     int offset = 0;
     for (int i = 0; i < count; i++) {
         const int panels = (mms[i].N + NR - 1) / NR;
@@ -90,7 +99,33 @@ static void rope(float *x, const float *cos, const float *sin, int D) {
     for (int d = half; d < D; d++) x[d] = copy[d] * cos[d] + copy[d - half] * sin[d];
 }
 
-/* Returns 0, or -1 for sizes beyond the kernels' fixed limits (the caller runs the eager step). */
+/* x = RMSNorm(h + add) for every row, into this thread's own x (every thread computes all of it, so no
+ * barrier is needed before the matmul that reads it); the rows this thread owns (b % threads) also
+ * store h + add into `out`, the residual stream's next buffer.  add == NULL: x = RMSNorm(h). */
+static void norm_rows(const float *h, const float *add, float *out, float *x, const float *w, int B, int H,
+                      float eps) {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    for (int b = 0; b < B; b++) {
+        const float *hb = h + (int64_t)b * H;
+        float *xb = x + (int64_t)b * H;
+        if (add) {
+            const float *ab = add + (int64_t)b * H;
+            for (int i = 0; i < H; i++) xb[i] = hb[i] + ab[i];
+            if (b % nt == t) memcpy(out + (int64_t)b * H, xb, sizeof(float) * H);
+            rms_norm(xb, w, xb, H, eps);
+        } else {
+            rms_norm(hb, w, xb, H, eps);
+        }
+    }
+}
+
+/* Returns 0, or -1 for sizes beyond the kernels' fixed limits (the caller runs the eager step).
+ *
+ * Per layer the team meets at five barriers: after q/k/v, after attention, after o_proj, after gate/up
+ * (each thread takes the same columns of both and applies silu * up to them itself) and after down.
+ * The norms need no barrier of their own: every thread computes the whole normed input into its own
+ * buffer, and the residual stream alternates between two buffers, so the rows a thread adds into the
+ * next buffer are never read in the same phase. */
 int epd_fused_step(const fused_layer_t *layers, int L, float *hidden, int B, int H, int Hq, int Hkv, int D, int I,
                    float eps, float qk_eps, const float *cos, const float *sin, const int64_t *write_blocks,
                    const int64_t *write_offsets, const int32_t *tables, int64_t table_stride, const int32_t *lens,
@@ -98,79 +133,93 @@ int epd_fused_step(const fused_layer_t *layers, int L, float *hidden, int B, int
     if (B <= 0 || L <= 0 || Hkv <= 0 || Hq % Hkv != 0 || Hq / Hkv > MAX_GROUP || D > MAX_DIM || D % 2
         || BS > MAX_BLOCK || BS <= 0 || threads <= 0)
         return -1;
-    const int QD = Hq * D, KD = Hkv * D;
-    const int T = threads > MAX_THREADS ? MAX_THREADS : threads;
+    const int QD = Hq * D, KD = Hkv * D, G = Hq / Hkv;
+    int T = threads > MAX_THREADS ? MAX_THREADS : threads;
+    if (T > s->x_threads) T = s->x_threads;
 #pragma omp parallel num_threads(T)
-    for (int l = 0; l < L; l++) {
-        const fused_layer_t *ly = &layers[l];
-#pragma omp for schedule(static)
-        for (int b = 0; b < B; b++) rms_norm(hidden + (int64_t)b * H, ly->in_norm, s->x + (int64_t)b * H, H, eps);
-        {
-            const mm_t qkv[3] = {{s->x, H, ly->w[LQ], ly->b[LQ], QD, H, s->q, QD},
-                                 {s->x, H, ly->w[LK], ly->b[LK], KD, H, s->k, KD},
-                                 {s->x, H, ly->w[LV], ly->b[LV], KD, H, s->v, KD}};
-            mm_share(qkv, 3, B);
-        }
-#pragma omp barrier
-        /* Per (row, head): q/k norm, RoPE, then this token's K/V into the pool. */
-#pragma omp for schedule(static)
-        for (int item = 0; item < B * (Hq + Hkv); item++) {
-            const int b = item / (Hq + Hkv), h = item % (Hq + Hkv);
-            const float *c = cos + (int64_t)b * D, *sn = sin + (int64_t)b * D;
-            if (h < Hq) {
-                float *qh = s->q + (int64_t)b * QD + (int64_t)h * D;
-                if (ly->q_norm) rms_norm(qh, ly->q_norm, qh, D, qk_eps);
-                rope(qh, c, sn, D);
-            } else {
-                const int kh = h - Hq;
-                float *kh_ = s->k + (int64_t)b * KD + (int64_t)kh * D;
-                const float *vh = s->v + (int64_t)b * KD + (int64_t)kh * D;
-                if (ly->k_norm) rms_norm(kh_, ly->k_norm, kh_, D, qk_eps);
-                rope(kh_, c, sn, D);
-                const int64_t at = ((write_blocks[b] * Hkv + kh) * BS + write_offsets[b]) * (int64_t)D;
-                memcpy(ly->keys + at, kh_, sizeof(float) * D);
-                memcpy(ly->values + at, vh, sizeof(float) * D);
+    {
+        float *x = s->x + (int64_t)omp_get_thread_num() * B * H;
+        float *h = hidden, *next = s->alt;
+        const float *pending = NULL;     /* the last sublayer's output, not yet added into h */
+        for (int l = 0; l < L; l++) {
+            const fused_layer_t *ly = &layers[l];
+            norm_rows(h, pending, next, x, ly->in_norm, B, H, eps);
+            {
+                const mm_t qkv[3] = {{x, H, ly->w[LQ], ly->b[LQ], QD, H, s->q, QD},
+                                     {x, H, ly->w[LK], ly->b[LK], KD, H, s->k, KD},
+                                     {x, H, ly->w[LV], ly->b[LV], KD, H, s->v, KD}};
+                mm_share(qkv, 3, B);
             }
-        }
-        {
-            const job_t job = {s->q, ly->keys, ly->values, tables, lens, s->attn, table_stride,
-                               B, Hq, Hkv, D, BS, scale, 0, 0};
-#pragma omp for schedule(dynamic, 1)
-            for (int item = 0; item < B * Hkv; item++) one_item(&job, item / Hkv, item % Hkv);
-        }
-        {
-            const mm_t o[1] = {{s->attn, QD, ly->w[LO], ly->b[LO], H, QD, s->tmp, H}};
-            mm_share(o, 1, B);
-        }
 #pragma omp barrier
-#pragma omp for schedule(static)
-        for (int b = 0; b < B; b++) {
-            float *h = hidden + (int64_t)b * H;
-            const float *add = s->tmp + (int64_t)b * H;
-            for (int i = 0; i < H; i++) h[i] = h[i] + add[i];
-            rms_norm(h, ly->post_norm, s->x + (int64_t)b * H, H, eps);
-        }
-        {
-            const mm_t gu[2] = {{s->x, H, ly->w[LG], ly->b[LG], I, H, s->gate, I},
-                                {s->x, H, ly->w[LU], ly->b[LU], I, H, s->up, I}};
-            mm_share(gu, 2, B);
-        }
+            if (pending) {
+                float *was = h;
+                h = next;
+                next = was;
+            }
+            /* Per (row, KV head): q/k norms and RoPE of its heads, this token's K/V into the pool, attention. */
+            {
+                const job_t job = {s->q, ly->keys, ly->values, tables, lens, s->attn, table_stride,
+                                   B, Hq, Hkv, D, BS, scale, 0, 0};
+#pragma omp for schedule(dynamic, 1) nowait
+                for (int item = 0; item < B * Hkv; item++) {
+                    const int b = item / Hkv, kh = item % Hkv;
+                    const float *c = cos + (int64_t)b * D, *sn = sin + (int64_t)b * D;
+                    for (int g = 0; g < G; g++) {
+                        float *qh = s->q + (int64_t)b * QD + (int64_t)(kh * G + g) * D;
+                        if (ly->q_norm) rms_norm(qh, ly->q_norm, qh, D, qk_eps);
+                        rope(qh, c, sn, D);
+                    }
+                    float *kv_k = s->k + (int64_t)b * KD + (int64_t)kh * D;
+                    const float *kv_v = s->v + (int64_t)b * KD + (int64_t)kh * D;
+                    if (ly->k_norm) rms_norm(kv_k, ly->k_norm, kv_k, D, qk_eps);
+                    rope(kv_k, c, sn, D);
+                    const int64_t at = ((write_blocks[b] * Hkv + kh) * BS + write_offsets[b]) * (int64_t)D;
+                    memcpy(ly->keys + at, kv_k, sizeof(float) * D);
+                    memcpy(ly->values + at, kv_v, sizeof(float) * D);
+                    one_item(&job, b, kh);
+                }
+            }
 #pragma omp barrier
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < (int64_t)B * I; i++) {
-            const float g = s->gate[i];
-            s->gate[i] = (g / (1.0f + expf(-g))) * s->up[i];
-        }
-        {
-            const mm_t down[1] = {{s->gate, I, ly->w[LD], ly->b[LD], H, I, s->tmp, H}};
-            mm_share(down, 1, B);
-        }
+            {
+                const mm_t o[1] = {{s->attn, QD, ly->w[LO], ly->b[LO], H, QD, s->tmp, H}};
+                mm_share(o, 1, B);
+            }
 #pragma omp barrier
-#pragma omp for schedule(static)
-        for (int b = 0; b < B; b++) {
-            float *h = hidden + (int64_t)b * H;
-            const float *add = s->tmp + (int64_t)b * H;
-            for (int i = 0; i < H; i++) h[i] = h[i] + add[i];
+            norm_rows(h, s->tmp, next, x, ly->post_norm, B, H, eps);
+            {
+                int lo, hi;
+                share((I + NR - 1) / NR, B, &lo, &hi);
+                if (lo < hi) {
+                    panel_range(x, H, B, ly->w[LG], H, s->gate, I, ly->b[LG], I, lo, hi);
+                    panel_range(x, H, B, ly->w[LU], H, s->up, I, ly->b[LU], I, lo, hi);
+                    const int c0 = lo * NR, c1 = hi * NR < I ? hi * NR : I;
+                    for (int b = 0; b < B; b++) {
+                        float *gb = s->gate + (int64_t)b * I;
+                        const float *ub = s->up + (int64_t)b * I;
+                        for (int i = c0; i < c1; i++) gb[i] = (gb[i] / (1.0f + expf(-gb[i]))) * ub[i];
+                    }
+                }
+            }
+#pragma omp barrier
+            {
+                float *was = h;
+                h = next;
+                next = was;
+            }
+            {
+                const mm_t down[1] = {{s->gate, I, ly->w[LD], ly->b[LD], H, I, s->tmp, H}};
+                mm_share(down, 1, B);
+            }
+            pending = s->tmp;
+#pragma omp barrier
+        }
+        /* hidden = h + the last MLP's output, each thread its own rows (h may be `hidden` itself: a row is
+         * read and written by its owner only). */
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        for (int b = t; b < B; b += nt) {
+            const float *hb = h + (int64_t)b * H, *ab = pending + (int64_t)b * H;
+            float *ob = hidden + (int64_t)b * H;
+            for (int i = 0; i < H; i++) ob[i] = hb[i] + ab[i];
         }
     }
     return 0;
