@@ -55,9 +55,16 @@ def header_request_id(request: Request) -> str | None:
     return request.headers.get("x-request-id") or None
 
 
+# Errors answered before the request's body was read to its end: the connection cannot carry another request
+# (the rest of the body would be read as one), so the answer closes it; a trickling client is dropped.
+BODY_UNREAD_CODES = frozenset({"body_timeout", "body_too_large"})
+
+
 def error_response(err: EpdError) -> JSONResponse:
-    headers = {"Retry-After": str(max(1, round(err.retry_after_s)))} if err.retry_after_s else None
-    return JSONResponse(err.to_body(), status_code=err.status, headers=headers)
+    headers = {"Retry-After": str(max(1, round(err.retry_after_s)))} if err.retry_after_s else {}
+    if err.code in BODY_UNREAD_CODES:
+        headers["Connection"] = "close"
+    return JSONResponse(err.to_body(), status_code=err.status, headers=headers or None)
 
 
 def model_response(model: BaseModel | list[BaseModel], headers: dict[str, str] | None = None) -> Response:

@@ -84,9 +84,21 @@ def _answer(sock: socket.socket) -> tuple[int, dict]:
     return _answer_after(sock, b"")
 
 
+def _complete(data: bytes) -> bool:
+    """Head and the whole body (per its content-length) are in `data`."""
+    head, sep, body = data.partition(b"\r\n\r\n")
+    if not sep:
+        return False
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return len(body) >= int(value)
+    return body.rstrip().endswith(b"}")
+
+
 def _answer_after(sock: socket.socket, data: bytes) -> tuple[int, dict]:
     """The same, when the first `data` of the answer was read already."""
-    while True:
+    while not _complete(data):   # the first read may hold all of it: never wait on a socket for nothing
         try:
             piece = sock.recv(65536)
         except ConnectionResetError:
@@ -94,8 +106,6 @@ def _answer_after(sock: socket.socket, data: bytes) -> tuple[int, dict]:
         if not piece:
             break
         data += piece
-        if b"\r\n\r\n" in data and data.rstrip().endswith(b"}"):
-            break
     head, body = data.split(b"\r\n\r\n", 1)
     return int(head.split()[1]), json.loads(body)
 
@@ -152,9 +162,22 @@ def test_a_client_sending_one_byte_per_second_is_dropped(secure_cluster):
         if answer:  # the head and the body may come in two segments: read the rest of the one answer
             sock.settimeout(10)
             status, body = _answer_after(sock, answer)
+            closed = _closed_within(sock, 3.0)
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
     assert status == 408 and body["error"]["code"] == "body_timeout", body
     assert BODY_READ_S - 0.5 <= elapsed < BODY_READ_S + 5
+    assert closed, "the server kept the trickling client's connection open after its 408"
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> bool:
+    """The server closed the connection (EOF or reset) within `seconds`, sending nothing more."""
+    sock.settimeout(seconds)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
 
 
 def test_the_cluster_still_serves_after_the_limits(secure_cluster):
