@@ -98,9 +98,11 @@ class EpdConfig:
     max_model_len: int = _f(8192, "context length (prompt + output tokens)")
     decode_slots: int = _f(16, "concurrent sequences one decode instance runs (continuous batching)")
     decode_serial_rows: int = _f(-1, "decode steps of at most this many rows run on one thread, larger ones on torch's "
-                                  "thread count; -1 (auto): steps of up to 4 rows when the decode process may use "
-                                  "at most 2 cores (measured there: one thread wins for small batches, since the "
-                                  "rest of the pipeline needs the other core for every token), else 1 row; 0: never")
+                                  "thread count; -1 (auto): none when the fused step runs (measured on 2 cores: its "
+                                  "one OpenMP region on both wins at every batch size); unfused, steps of up to 4 "
+                                  "rows when the decode process may use at most 2 cores (one thread wins there for "
+                                  "small batches: the rest of the pipeline needs the other core for every token), "
+                                  "else 1 row; 0: never")
     decode_queue: int = _f(64, "requests waiting for a decode slot before new ones are refused")
     kv_cache_mb: int = _f(1024, "bytes (MiB) of one decode instance's KV block pool; running and waiting "
                           "requests share it (each reserves prompt + max_tokens at admission)")

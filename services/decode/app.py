@@ -16,22 +16,30 @@ logger = logging.getLogger(__name__)
 SMALL_BOX_SERIAL_ROWS = 4     # measured on 2 cores (docs/benchmarks.md, "Decode threads")
 
 
-def serial_rows(configured: int, slots: int) -> int:
-    """--decode-serial-rows with auto (-1) resolved: steps of up to 4 rows on a box of at most 2 usable cores,
-    else one-row steps."""
+def serial_rows(configured: int, slots: int, fused: bool = False) -> int:
+    """--decode-serial-rows with auto (-1) resolved.  Fused steps: none serial (its one OpenMP region on every
+    core beat one thread at 1, 2 and 4 rows in a 2-core cluster, docs/benchmarks.md "Decode threads").
+    Unfused steps: up to 4 rows on a box of at most 2 usable cores (there each op's barriers lose to the
+    rest of the pipeline waking per token), else one-row steps."""
     if configured >= 0:
         return configured
+    if fused:
+        return 0
     return min(SMALL_BOX_SERIAL_ROWS, slots) if len(os.sched_getaffinity(0)) <= 2 else 1
+
+
+def wants_fused(config: EpdConfig) -> bool:
+    """The fused step may run (services/decode/fused.py decides at start-up whether the model fits it)."""
+    from services.models import panel_linear
+
+    return (config.decode_fused != "off" and config.decode_step != "compiled" and config.device == "cpu"
+            and config.dtype == "float32" and panel_linear.available())
 
 
 def stack_kernel(config: EpdConfig) -> str:
     """The decoder stack's --linear-kernel: auto becomes panel where the fused step will want it
     (services/decode/fused.py needs panel layers; fused with panels beats every unfused kernel)."""
-    from services.models import panel_linear
-
-    wants_fused = config.decode_fused != "off" and config.decode_step != "compiled"
-    cpu_fp32 = config.device == "cpu" and config.dtype == "float32"
-    if config.linear_kernel == "auto" and wants_fused and cpu_fp32 and panel_linear.available():
+    if config.linear_kernel == "auto" and wants_fused(config):
         return "panel"
     return config.linear_kernel
 
@@ -52,7 +60,9 @@ async def build(config: EpdConfig) -> RoleServer:
     lm = adapter_for(path).load_language(path, config.device, config.dtype, config.max_model_len)
     steps = (1, config.decode_slots) if config.decode_slots > 1 else (1,)   # the rows a decode step multiplies
     serial = serial_rows(config.decode_serial_rows, config.decode_slots)
-    export(prepack_language(lm, config.linear_kernel, rows=steps, head_rows=steps, serial_rows=serial,
+    fused_serial = serial_rows(config.decode_serial_rows, config.decode_slots, fused=True)
+    export(prepack_language(lm, config.linear_kernel, rows=steps, head_rows=steps,
+                            serial_rows=fused_serial if wants_fused(config) else serial,
                             stack_mode=stack_kernel(config)), "language")
     engine = DecodeEngine(lm, load_tokenizer(path), config.decode_slots, config.max_model_len,
                           max_queued=config.decode_queue, stream_timeout=config.request_timeout_s,
@@ -60,7 +70,7 @@ async def build(config: EpdConfig) -> RoleServer:
                           attention=config.decode_attention, step=config.decode_step,
                           compile_budget_s=config.decode_compile_budget_s,
                           step_buckets=int_list(config.decode_step_buckets) or None,
-                          serial_rows=serial, fused=config.decode_fused)
+                          serial_rows=serial, fused=config.decode_fused, fused_serial_rows=fused_serial)
     logger.info("decode engine: %s", engine.describe())
     kv_store = open_store(config, "kv", producer=False)
     service = DecodeService(engine, kv_store, kv_wait_s=config.decode_kv_wait_s)

@@ -76,7 +76,8 @@ class DecodeEngine:
                  max_queued: int | None = None, stream_timeout: float | None = 60.0,
                  seed: int | None = None, kv_cache_bytes: int | None = None, block_size: int = 16,
                  attention: str = "auto", step: str = "eager", compile_budget_s: float = 120.0,
-                 step_buckets: Sequence[int] | None = None, serial_rows: int = 0, fused: str = "auto") -> None:
+                 step_buckets: Sequence[int] | None = None, serial_rows: int = 0, fused: str = "auto",
+                 fused_serial_rows: int | None = None) -> None:
         if num_slots < 1 or max_model_len < 2:
             raise ValueError(f"need num_slots >= 1 and max_model_len >= 2, got {num_slots}, {max_model_len}")
         if max_model_len > lm.layout.max_model_len:
@@ -89,7 +90,7 @@ class DecodeEngine:
             kv_cache_bytes = num_slots * -(-max_model_len // block_size) * _block_bytes(lm, block_size)
         self.pool = BlockPool(lm.layout, kv_cache_bytes, block_size, device=lm.device or "cpu")
         self._runner = DecodeRunner(lm, self.pool, num_slots, max_model_len, Sampler(seed), attention, step,
-                                    compile_budget_s, step_buckets, serial_rows, fused)
+                                    compile_budget_s, step_buckets, serial_rows, fused, fused_serial_rows)
         self._bytes_copied = 0
         self._decoders = {skip: decode_function(tokenizer, skip) for skip in (True, False)}
         self._cond = threading.Condition()

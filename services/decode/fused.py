@@ -3,9 +3,10 @@
 Why: an eager step dispatches ~25 torch ops per layer from Python, and with two threads each one is
 an OpenMP fork/join; on SmolLM2 (30 layers) that is a third of a one-row step on this project's 2-core
 box.  The fused kernel runs norms, q/k/v, RoPE, the KV write, paged attention, o_proj, the SiLU MLP
-and the residual adds of every layer inside one OpenMP parallel region (five barriers per layer), over the panel kernel's
-weights (services/models/panel_kernel.c) and the paged attention's (services/decode/paged_kernel.c)
-per-row code.  The embedding lookup, RoPE's cos/sin, the final norm and the LM head stay in torch.
+and the residual adds of every layer inside one OpenMP parallel region (five barriers per layer),
+over the panel kernel's weights (services/models/panel_kernel.c) and the paged attention's
+(services/decode/paged_kernel.c) per-row code.  The embedding lookup, RoPE's cos/sin, the final norm
+and the LM head stay in torch.
 
 Where it applies (`unsupported_reason` says why not): float32 on CPU; Llama / Qwen2 / Qwen2-VL /
 Qwen2.5-VL / Qwen3-VL shaped layers (the paged forward's set, services/decode/paged_forward.py) whose

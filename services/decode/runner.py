@@ -14,12 +14,13 @@ rows count..bucket-1 padded (token 0 at position 0, K/V written to and read from
 block only) and their logits dropped.
 
 Threads: a step of at most `serial_rows` rows runs on one thread, larger ones on torch's thread
-count (as found when the runner is built).  On a small box the coordinator, the client and this
-process's own event loop wake for every token; a step spread over every core then waits at each
-OpenMP barrier for whichever thread the scheduler preempted for them.  Measured on 2 cores
-(benchmarks/decode_threads.py), one thread wins clearly up to 4 rows and is a wash beyond, so the
-decode role's auto setting runs steps of up to 4 rows on one thread there and only one-row steps
-elsewhere
+count (as found when the runner is built); the fused step has its own value (`fused_serial_rows`).
+On a small box the coordinator, the client and this process's own event loop wake for every token; an
+eager step spread over every core then waits at each of its op's OpenMP barriers for whichever thread
+the scheduler preempted for them.  Measured on 2 cores (benchmarks/decode_threads.py): eager, one
+thread wins clearly up to 4 rows and is a wash beyond; fused (one OpenMP region per step), both
+threads win at 1, 2 and 4 rows.  So the decode role's auto setting runs no fused step serially, and
+unfused steps of up to 4 rows on one thread there, one-row steps elsewhere
 (services/decode/app.py; docs/benchmarks.md, "Decode threads").
 """
 
@@ -53,7 +54,8 @@ from services.models.base import LanguageModel
 class DecodeRunner:
     def __init__(self, lm: LanguageModel, pool: BlockPool, max_rows: int, max_model_len: int, sampler: Sampler,
                  attention: str = "auto", step: str = "eager", compile_budget_s: float = 120.0,
-                 buckets: Sequence[int] | None = None, serial_rows: int = 0, fused: str = "auto") -> None:
+                 buckets: Sequence[int] | None = None, serial_rows: int = 0, fused: str = "auto",
+                 fused_serial_rows: int | None = None) -> None:
         self.lm, self.pool, self.sampler = lm, pool, sampler
         self.threads, self.serial_rows = torch.get_num_threads(), serial_rows
         self.serial_steps = 0       # steps that ran on one thread (engine stats, /metrics)
@@ -77,6 +79,8 @@ class DecodeRunner:
             lambda bucket: pad_inputs(bucket, max_rows, self.max_blocks, pool.scratch_block, self.device),
             compile_budget_s, self.decoder.active)
         if self.fused is not None:
+            if fused_serial_rows is not None:   # the fused step's own thread policy (decode/app.py serial_rows)
+                self.serial_rows = fused_serial_rows
             self.step_report.asked, self.step_report.mode = step, "fused"
             self.step_report.reason = f"--decode-fused {fused}: the decoder stack in one C call"
         elif fused != "off" and step != "compiled":

@@ -186,5 +186,6 @@ def test_auto_serial_rows_is_four_rows_on_two_cores_and_one_row_beyond(monkeypat
     assert serial_rows(0, 16) == 0 and serial_rows(3, 16) == 3        # set values are kept
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})  # what this project's CI machine has
     assert serial_rows(-1, 16) == 4 and serial_rows(-1, 2) == 2
+    assert serial_rows(-1, 16, fused=True) == 0 and serial_rows(2, 16, fused=True) == 2
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
-    assert serial_rows(-1, 16) == 1
+    assert serial_rows(-1, 16) == 1 and serial_rows(-1, 16, fused=True) == 0

@@ -108,6 +108,11 @@ def test_the_engine_runs_fused_and_gives_generate_tokens(tiny, make_engine, pref
     engine = make_engine(num_slots=4, block_size=8, serial_rows=serial_rows)
     assert engine.stats().step_mode == "fused"
     assert "decode step fused (mode eager: --decode-fused auto: the decoder stack in one C call)" in engine.describe()
+    assert engine._runner.serial_rows == serial_rows
+    own = make_engine(num_slots=4, block_size=8, serial_rows=4, fused_serial_rows=0)   # as the decode role builds it
+    assert own._runner.serial_rows == 0 and "(steps of <= 0 rows on 1)" in own.describe()
+    unfused = make_engine(num_slots=4, block_size=8, serial_rows=4, fused="off", fused_serial_rows=0)
+    assert unfused._runner.serial_rows == 4
     sinks = [submit(engine, f"f{i}", p, max_tokens=24, **GREEDY) for i, p in enumerate(prefilled)]
     for sink, pre in zip(sinks, prefilled, strict=True):
         sink.wait_done()
