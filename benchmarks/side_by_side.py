@@ -6,6 +6,9 @@ alternating A B / B A (`run_levels`), the per-side figures of a level (`side_fig
 side-by-side Markdown table (`level_rows`).  A = epd, B = the peer.  Output tokens/s is completed
 requests x output_len / duration on both sides, because both produce exactly `output_len`
 tokens (ignore_eos or the peer's equivalent) and not every peer reports usage when streaming.
+Before each side's part of a round the run waits (up to `SETTLE_S`) for the CPUs to be quiet: vLLM's
+CPU engine keeps about a core busy for ~1 s after each request, which slowed epd's next request by
+~180 ms at c=1 when the two sides followed each other directly (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from typing import Any
 
 from benchmarks.common import ratio
 from benchmarks.procs import Server
+
+SETTLE_S = 3.0   # the longest wait for quiet CPUs before each side's part of a round (services/bench/quiet.py)
 
 
 @dataclass(frozen=True)
@@ -57,7 +62,8 @@ def bench_config(servers: Servers, setup: Workload, concurrency: int, requests: 
                                 image_sizes=(ImageSize(width, height),), seed=concurrency),
         load=LoadConfig(concurrency=concurrency, num_requests=requests, warmup=setup.warmup, timeout_s=1800),
         # Rounds of one concurrency's worth of requests: A B, B A, ... so the two sides alternate.
-        round_size=concurrency if requests >= 2 * concurrency else requests, show_progress=False)
+        round_size=concurrency if requests >= 2 * concurrency else requests, show_progress=False,
+        settle_s=SETTLE_S)
 
 
 def run_levels(servers: Servers, setup: Workload, peer_extra: dict[str, Any], plots: Path | None,

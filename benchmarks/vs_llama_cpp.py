@@ -33,6 +33,7 @@ from typing import Any
 
 from benchmarks.common import ROOT, Figure, machine, print_figures, ratio, replace_block, results_dir, write_json
 from benchmarks.procs import Server, free_port, running, start_epd, start_process_server
+from benchmarks.side_by_side import SETTLE_S
 from benchmarks.vs_transformers_serve import side_figures
 
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -112,7 +113,8 @@ def bench_config(epd: Server, peer: Server, setup: Setup, concurrency: int, requ
         workload=WorkloadConfig(kind="text", input_len=setup.input_len, output_len=setup.output_len,
                                 seed=concurrency),
         load=LoadConfig(concurrency=concurrency, num_requests=requests, warmup=setup.warmup, timeout_s=1800),
-        round_size=concurrency if requests >= 2 * concurrency else requests, show_progress=False)
+        round_size=concurrency if requests >= 2 * concurrency else requests, show_progress=False,
+        settle_s=SETTLE_S)
 
 
 def run_levels(epd: Server, peer: Server, setup: Setup) -> list[dict[str, Any]]:

@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--sweep", type=_flag_type(parse_int_list), default=(), metavar="C1,C2,...",
                      help="concurrency sweep")
     out.add_argument("--round-size", type=int, default=0, help="requests per compare round (0: automatic)")
+    out.add_argument("--settle-s", type=float, default=0.0, help="compare: before each side's part of a round, "
+                     "wait up to this many seconds for the CPUs to be 90%% idle (a server that stays busy after "
+                     "answering does not slow the other side's requests)")
     out.add_argument("--output", help="write results as JSON here")
     out.add_argument("--plot-dir", help="write PNG plots (latency CDFs, sweep) into this folder")
     out.add_argument("--save-requests", action="store_true", help="include per-request rows in the JSON")
@@ -122,7 +125,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                       timeout_s=args.timeout)
     return BenchConfig(endpoints, workload, load, parse_slo(args.goodput), tuple(args.sweep), args.round_size,
                        args.calibrate, args.api_key, not args.no_progress, args.save_requests,
-                       seed_given=args.seed is not None)
+                       seed_given=args.seed is not None, settle_s=args.settle_s)
 
 
 def write_plots(outcome: BenchOutcome, doc: dict[str, object], folder: str) -> list[str]:

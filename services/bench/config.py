@@ -152,6 +152,7 @@ class BenchConfig:
     show_progress: bool = True
     save_requests: bool = False
     seed_given: bool = True   # False: the seed was drawn at random for this run (the report says so)
+    settle_s: float = 0.0     # compare: before each side's part of a round, wait up to this for quiet CPUs (quiet.py)
 
     def __post_init__(self) -> None:
         if len(self.endpoints) not in (1, 2):
@@ -160,6 +161,8 @@ class BenchConfig:
             raise BenchError("--sweep levels must be >= 1")
         if self.round_size < 0:
             raise BenchError("--round-size must be >= 0")
+        if not self.settle_s >= 0:
+            raise BenchError("--settle-s must be >= 0")
 
     @property
     def is_compare(self) -> bool:

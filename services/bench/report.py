@@ -66,6 +66,7 @@ def level_json(level: LevelRun, outcome: BenchOutcome) -> dict[str, Any]:
     if outcome.config.is_compare:
         body["ratios"] = ratios(results["A"], results["B"])
         body["rounds"] = len(level.rounds)
+        body["settle_s"] = round(level.settle_s, 3)
     return body
 
 
@@ -76,6 +77,7 @@ def to_json(outcome: BenchOutcome) -> dict[str, Any]:
                  for ep in cfg.endpoints}
     config = {"workload": dataclasses.asdict(cfg.workload), "load": dataclasses.asdict(cfg.load),
               "slo_ms": cfg.slo.as_dict(), "sweep": list(cfg.sweep), "round_size": cfg.round_size,
+              "settle_s": cfg.settle_s,
               "seed": cfg.workload.seed, "seed_source": "given" if cfg.seed_given else "random"}
     doc = {"schema": SCHEMA, "mode": "compare" if cfg.is_compare else "single", "definitions": DEFINITIONS,
            "endpoints": endpoints, "config": config, "calibration": outcome.calibration,

@@ -27,6 +27,7 @@ from .client import ChatClient, first_model, new_session
 from .config import BenchConfig, Endpoint, LoadConfig
 from .load import ListSource, PrefetchSource, run_load
 from .progress import make_progress
+from .quiet import wait_quiet
 from .stream import RequestResult
 from .workloads import Workload, make_workload
 
@@ -49,6 +50,7 @@ class LevelRun:
     load: LoadConfig
     sides: dict[str, SideRun]
     rounds: list[list[str]] = field(default_factory=list)
+    settle_s: float = 0.0     # compare: seconds spent waiting for quiet CPUs between sides (BenchConfig.settle_s)
 
 
 @dataclass
@@ -139,6 +141,8 @@ class Bench:
                 for label in order:
                     ep = next(e for e in self.config.endpoints if e.label == label)
                     seed = load.seed + len(level.rounds)
+                    if self.config.settle_s:   # the other side's leftover CPU work is not this side's
+                        level.settle_s += await wait_quiet(self.config.settle_s)
                     await self._measured(ep, sides[label], round_load, ListSource(requests), seed, progress)
                 level.rounds.append(order)
         finally:

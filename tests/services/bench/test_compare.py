@@ -43,3 +43,43 @@ def test_ratio_rows_handle_missing_and_zero():
     assert rows["ttft_ms.p50"]["a_over_b"] == 2.0
     assert rows["failed"]["b_over_a"] is None
     assert "tpot_ms.p50" not in rows
+
+
+def test_settle_waits_while_the_cpus_are_busy_and_not_once_they_are_quiet():
+    import asyncio
+    import os
+    import subprocess
+    import sys
+
+    from services.bench.quiet import wait_quiet
+
+    # One spinning process per usable core: the machine is never quiet, so the wait runs to its limit.
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                for _ in range(len(os.sched_getaffinity(0)))]
+    try:
+        assert asyncio.run(wait_quiet(0.6)) >= 0.6
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait(10)
+    # Quiet again: the first window that is mostly idle ends the wait (half idle: other tests' servers may tick).
+    assert asyncio.run(wait_quiet(5.0, idle_fraction=0.5)) < 2.0
+    assert asyncio.run(wait_quiet(0.0)) == 0.0
+
+
+def test_compare_with_settle_reports_the_wait_and_refuses_a_negative_one(fake):
+    from services.bench import BenchError
+    from services.bench.report import to_json
+
+    a, b = fake(), fake()
+    endpoints = (Endpoint(a.url, label="A"), Endpoint(b.url, label="B"))
+    config = BenchConfig(endpoints, text_workload(output_len=2), LoadConfig(num_requests=4), round_size=2,
+                         show_progress=False, settle_s=0.5)
+    outcome = run_bench(config)
+    doc = to_json(outcome)
+    assert doc["config"]["settle_s"] == 0.5
+    level = doc["levels"][0]
+    assert level["rounds"] == 2 and 0 <= level["settle_s"] <= 4 * 0.5 + 0.5   # four sides' parts, each <= 0.5 s
+    assert [len(s.results) for s in outcome.levels[0].sides.values()] == [4, 4]
+    with pytest.raises(BenchError, match="--settle-s must be >= 0"):
+        BenchConfig(endpoints, settle_s=-1.0)
