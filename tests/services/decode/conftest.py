@@ -127,6 +127,19 @@ class Collector:
         return bool(self.events) and self.events[-1].finished
 
 
+@torch.inference_mode()
+def hf_first_step_logits(tiny: TinyModel, pre: Prefilled) -> torch.Tensor:
+    """Hugging Face's logits for the first decode step after `pre` (its KV as the cache): the reference of the
+    paged and fused steps' tests."""
+    from services.models.kv import cache_from_kv
+
+    lm = tiny.lm
+    position = torch.tensor([pre.prompt_len + pre.rope_delta])
+    out = lm.model(inputs_embeds=lm.embed(torch.tensor([[pre.first_token]])), cache=cache_from_kv(pre.kv),
+                   position_ids=lm.decode_position_ids(position), use_cache=True)
+    return lm.lm_head(out.last_hidden_state[:, -1])[0]
+
+
 def _submit(engine: Any, request_id: str, pre: Prefilled, **params: Any) -> Collector:
     sink = Collector()
     engine.submit(request_id, pre.kv, pre.prompt_len, pre.rope_delta, pre.first_token,

@@ -10,6 +10,7 @@ from services.decode.attention import CPagedAttention, TorchPagedAttention, sele
 from services.decode.block_pool import BlockPool
 from services.decode.errors import EngineFull
 from services.decode.paged_forward import PagedDecoder
+from tests.services.decode.conftest import hf_first_step_logits
 
 GREEDY = {"temperature": 0.0}
 PROMPTS = ["hi", "Tell me a long story about cats and dogs living together in a small house.",
@@ -106,17 +107,6 @@ def _first_step_logits(tiny, pre, attention, position_shift: int = 0) -> torch.T
     return logits[0]
 
 
-@torch.inference_mode()
-def _hf_first_step_logits(tiny, pre) -> torch.Tensor:
-    from services.models.kv import cache_from_kv
-
-    lm = tiny.lm
-    position = torch.tensor([pre.prompt_len + pre.rope_delta])
-    out = lm.model(inputs_embeds=lm.embed(torch.tensor([[pre.first_token]])), cache=cache_from_kv(pre.kv),
-                   position_ids=lm.decode_position_ids(position), use_cache=True)
-    return lm.lm_head(out.last_hidden_state[:, -1])[0]
-
-
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
@@ -125,7 +115,7 @@ def test_logits_match_hf_within_1e4_and_the_negative_controls_are_caught(tiny, p
     kernels = [TorchPagedAttention()] + ([CPagedAttention()] if CPagedAttention.applies(
         torch.float32, torch.device("cpu"), 4, 2, 16) else [])
     for pre in prefilled:
-        want = _hf_first_step_logits(tiny, pre)
+        want = hf_first_step_logits(tiny, pre)
         for kernel in kernels:
             assert _rel(_first_step_logits(tiny, pre, kernel), want) <= 1e-4, kernel.name
         # controls: an off-by-one rope position and a mask that hides the newest token both fail the check

@@ -13,6 +13,7 @@ from services.decode.block_pool import BlockPool
 from services.decode.fused import FusedStep, choose_fused, unsupported_reason
 from services.decode.paged_forward import PagedDecoder
 from services.decode.request_blocks import RequestBlocks
+from tests.services.decode.conftest import hf_first_step_logits
 
 GREEDY = {"temperature": 0.0}
 PROMPTS = ["hi", "Tell me a long story about cats and dogs living together in a small house.",
@@ -62,17 +63,6 @@ def _heads(tiny) -> tuple[int, int, int]:
     return tiny.lm.model.layers[0].self_attn.config.num_attention_heads, layout.num_kv_heads, layout.head_dim
 
 
-@torch.inference_mode()
-def _hf_first_step_logits(tiny, pre) -> torch.Tensor:
-    from services.models.kv import cache_from_kv
-
-    lm = tiny.lm
-    position = torch.tensor([pre.prompt_len + pre.rope_delta])
-    out = lm.model(inputs_embeds=lm.embed(torch.tensor([[pre.first_token]])), cache=cache_from_kv(pre.kv),
-                   position_ids=lm.decode_position_ids(position), use_cache=True)
-    return lm.lm_head(out.last_hidden_state[:, -1])[0]
-
-
 @pytest.mark.parametrize("threads", [1, 2])
 @torch.inference_mode()
 def test_fused_logits_and_pool_writes_match_the_eager_step_and_hf(tiny, prefilled, threads):
@@ -89,12 +79,12 @@ def test_fused_logits_and_pool_writes_match_the_eager_step_and_hf(tiny, prefille
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     assert _rel(fused.new_kv(), eager.new_kv()) <= 1e-5        # the same K/V, at the same (block, offset)
     for row, pre in enumerate(prefilled):
-        assert _rel(got[row], _hf_first_step_logits(tiny, pre)) <= 1e-4
+        assert _rel(got[row], hf_first_step_logits(tiny, pre)) <= 1e-4
 
 
 @torch.inference_mode()
 def test_a_wrong_rope_position_or_length_is_caught(tiny, prefilled):
-    want = torch.stack([_hf_first_step_logits(tiny, pre) for pre in prefilled])
+    want = torch.stack([hf_first_step_logits(tiny, pre) for pre in prefilled])
     shifted = _Batch(tiny, prefilled, position_shift=1)
     assert _rel(FusedStep(shifted.decoder, 4)(*shifted.inputs), want) > 1e-3
     short = _Batch(tiny, prefilled, len_shift=-1)      # each row misses its newest token
