@@ -54,14 +54,17 @@ def test_settle_waits_while_the_cpus_are_busy_and_not_once_they_are_quiet():
     from services.bench.quiet import wait_quiet
 
     # One spinning process per usable core: the machine is never quiet, so the wait runs to its limit.
-    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    spinners = [subprocess.Popen([sys.executable, "-c", "print('go', flush=True)\nwhile True: pass"],
+                                 stdout=subprocess.PIPE, text=True)
                 for _ in range(len(os.sched_getaffinity(0)))]
     try:
+        assert all(spinner.stdout.readline() == "go\n" for spinner in spinners)   # all of them spinning now
         assert asyncio.run(wait_quiet(0.6)) >= 0.6
     finally:
         for spinner in spinners:
             spinner.kill()
             spinner.wait(10)
+            spinner.stdout.close()
     # Quiet again: the first window that is mostly idle ends the wait (half idle: other tests' servers may tick).
     assert asyncio.run(wait_quiet(5.0, idle_fraction=0.5)) < 2.0
     assert asyncio.run(wait_quiet(0.0)) == 0.0
