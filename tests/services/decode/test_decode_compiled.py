@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from test_decode_paged import _DropNewest, _hf_first_step_logits, _rel  # this folder's helpers (rootdir import)
+from test_decode_paged import _DropNewest, _rel  # this folder's helpers (rootdir import)
 
 from services.decode.compiled import STEP_MODES, choose_step, pad_inputs
+from tests.services.decode.conftest import hf_first_step_logits
 
 GREEDY = {"temperature": 0.0}
 PROMPTS = ["hi", "Tell me a long story about cats and dogs living together in a small house.",
@@ -126,7 +127,7 @@ def _compiled_first_step(engine, pre, position_shift: int = 0) -> torch.Tensor:
 def test_compiled_logits_match_hf_within_1e4_and_the_negative_controls_fail(tiny, engine, prefilled):
     decoder = engine._runner.decoder
     for pre in prefilled:
-        want = _hf_first_step_logits(tiny, pre)
+        want = hf_first_step_logits(tiny, pre)
         assert _rel(_compiled_first_step(engine, pre), want) <= 1e-4
         assert _rel(_compiled_first_step(engine, pre, position_shift=1), want) > 1e-3
         kernel = decoder.attention
