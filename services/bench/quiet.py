@@ -4,30 +4,37 @@ Two servers on one box, measured alternately, must not measure each other: a ser
 cores busy after answering (vLLM's CPU engine spins about a second after each request, measured in
 docs/benchmarks.md) would slow whichever side's requests come right after it.  Before each side's
 part of a round the runner waits until the CPUs were at least `idle_fraction` idle over a `window_s`
-window, or `max_s` passed.  Linux's /proc/stat is the source; where it cannot be read the wait is a
-plain `max_s` sleep.
+window, or `max_s` passed.  Linux's /proc/stat is the source (the CPUs of this process's affinity);
+where it cannot be read the wait is a plain `max_s` sleep.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 PROC_STAT = "/proc/stat"
 
 
 def _cpu_times() -> tuple[int, int] | None:
-    """(idle + iowait jiffies, all jiffies) of the machine's CPUs, or None where /proc/stat is unreadable."""
+    """(idle + iowait jiffies, all jiffies) of the CPUs this process may run on (its affinity: a run pinned to
+    some cores of a bigger host watches those), or None where /proc/stat is unreadable."""
     try:
         with open(PROC_STAT) as stat:
-            fields = stat.readline().split()
+            lines = [line.split() for line in stat if line.startswith("cpu")]
     except OSError:
         return None
-    if not fields or fields[0] != "cpu":
+    mine = {f"cpu{n}" for n in os.sched_getaffinity(0)} if hasattr(os, "sched_getaffinity") else set()
+    rows = [fields for fields in lines if fields[0] in mine] or [f for f in lines if f[0] == "cpu"]
+    if not rows:
         return None
-    values = [int(v) for v in fields[1:]]
-    idle = values[3] + (values[4] if len(values) > 4 else 0)
-    return idle, sum(values[:8])
+    idle = total = 0
+    for fields in rows:
+        values = [int(v) for v in fields[1:]]
+        idle += values[3] + (values[4] if len(values) > 4 else 0)
+        total += sum(values[:8])
+    return idle, total
 
 
 async def wait_quiet(max_s: float, idle_fraction: float = 0.9, window_s: float = 0.1) -> float:
