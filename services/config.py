@@ -110,6 +110,10 @@ class EpdConfig:
     decode_kv_wait_s: float = _f(10.0, "seconds a request waits for room in the decode KV pool before 429")
     role_threads: str = _f("", "torch threads per role process: '' (torch's default: one per core), N, or "
                            "'encode=1,prefill=2,decode=2'", roles="roles")
+    single_omp_team: str = _f("on", "on: in model roles only the engine's compute thread runs torch on several "
+                              "threads (--role-threads), every other thread on one, so the process has one OpenMP "
+                              "team and libgomp keeps spin-waiting between parallel regions | off",
+                              roles="roles")
     omp_wait_policy: str = _f("", "OpenMP wait policy of model roles: passive (idle threads sleep, no spinning) "
                               "| active | '' (libgomp's default)", roles="roles")
     role_nice: str = _f("auto", "niceness added per role at start ('decode=0,prefill=5'); auto: encode=5,prefill=5 "
@@ -224,6 +228,7 @@ class EpdConfig:
         _check(_int_list_ok(self.decode_step_buckets, 1, self.decode_slots),
                f"decode_step_buckets must be comma-separated integers in 1..decode_slots ({self.decode_slots})")
         _check(1 <= self.kv_block_size <= 256, "kv_block_size must be in 1..256")
+        _check(self.single_omp_team in ("on", "off"), "single_omp_team must be on or off")
         _check(self.omp_wait_policy in ("", "passive", "active"), "omp_wait_policy must be passive, active or ''")
         for name, raw in (("role_threads", self.role_threads), ("role_nice", self.role_nice.replace("auto", ""))):
             _check(_role_map_ok(raw), f"{name} must be N or role=N,role=N (roles: {', '.join(ROLES)})")

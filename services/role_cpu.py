@@ -10,6 +10,8 @@ libgomp's threads spin-wait after each parallel region, taking cores the other p
 use.  The knobs, all flags (docs/configuration.md):
 
 - `--role-threads`: "" (torch's default), "N" for every role, or "prefill=2,decode=2,...";
+  with `--single-omp-team on` (default) this is the engine thread's count, every other thread of a
+  model role runs torch on one (services/compute_threads.py says why);
 - `--omp-wait-policy`: "passive" (idle OpenMP threads sleep at once; GOMP_SPINCOUNT=0),
   "active" (they spin), "" (leave the environment alone);
 - `--role-nice`: niceness added per role; "auto" (default) is "encode=5,prefill=5" for the
@@ -31,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 WAIT_POLICIES = ("", "passive", "active")
 SERVE_CHILD = "EPD_SERVE_CHILD"          # set by `epd serve` (services.launch) in its role processes
+MODEL_ROLES = ("encode", "prefill", "decode")   # the roles with torch engines (compute_threads.py)
 SERVE_NICE = "encode=5,prefill=5"        # what role_nice "auto" means there
 
 
@@ -60,7 +63,11 @@ def apply(config: EpdConfig, role: str) -> str:
             os.environ["GOMP_SPINCOUNT"] = "0"
         done.append(f"OMP_WAIT_POLICY={policy}")
     threads = role_values(config.role_threads, role)
-    if threads is not None:
+    if config.single_omp_team == "on" and role in MODEL_ROLES:
+        from . import compute_threads
+
+        done.append(compute_threads.apply(threads))
+    elif threads is not None:
         os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(threads)
         if "torch" in sys.modules and sys.modules["torch"] is not None:
             sys.modules["torch"].set_num_threads(threads)

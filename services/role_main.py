@@ -59,6 +59,12 @@ def run(role: str, config: EpdConfig) -> int:
     async def main() -> None:
         from .announce import start_announcing
 
+        if role in ("encode", "prefill", "decode"):
+            from . import compute_threads
+
+            compute_threads.single()   # the main thread and `to_thread` helpers: one torch thread each
+            asyncio.get_running_loop().set_default_executor(compute_threads.helper_executor())
+
         role_server = await module.build(config)
         # Everything loaded so far (torch, transformers, the model) lives as long as the process: keep the
         # cyclic GC from rescanning it, in every full collection and once more at exit (seconds of CPU here).

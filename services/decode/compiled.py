@@ -42,6 +42,8 @@ from typing import Any
 
 import torch
 
+from services import compute_threads
+
 logger = logging.getLogger(__name__)
 
 STEP_MODES = ("auto", "eager", "compiled")
@@ -196,6 +198,7 @@ def _run_bounded(fn: Callable[[], Any], timeout: float | None) -> tuple[bool, Ba
 
     def target() -> None:
         try:
+            compute_threads.enter()   # Inductor sizes its OpenMP regions by this thread's count
             with torch.inference_mode():
                 fn()
             outcome.append(None)

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from services import compute_threads
 from services.decode.block_pool import BlockPool, PoolStats
 from services.decode.compiled import StepReport
 from services.decode.detokenizer import IncrementalDetokenizer, decode_function
@@ -244,6 +245,7 @@ class DecodeEngine:
     # ---- worker thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
+        compute_threads.enter()   # the process's one multi-threaded torch thread (compute_threads.py)
         while True:
             with self._cond:
                 self._cond.wait_for(self._has_work, _IDLE_WAIT_S)

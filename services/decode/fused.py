@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from services import compute_threads
 from services.decode.paged_forward import PagedDecoder
 from services.models.panel_linear import PanelLinear
 from services.native import BASE_FLAGS, build_library
@@ -146,7 +147,8 @@ class FusedStep:
                 entry.b[slot] = _ptr(linear.bias) if linear.bias is not None else None
             entry.keys, entry.values = _ptr(pool.kv[index, 0]), _ptr(pool.kv[index, 1])
         heads, kv_heads, dim = decoder.num_heads, decoder.num_kv_heads, decoder.head_dim
-        self.max_threads = max(torch.get_num_threads(), 1)    # each thread keeps its own normed input
+        # each thread keeps its own normed input
+        self.max_threads = max(compute_threads.count(), torch.get_num_threads(), 1)
         widths = {"x": self.max_threads * self.hidden_size, "alt": self.hidden_size, "q": heads * dim,
                   "k": kv_heads * dim, "v": kv_heads * dim, "attn": heads * dim, "tmp": self.hidden_size,
                   "gate": self.intermediate, "up": self.intermediate}

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
+from services import compute_threads
 from services.compute_metrics import compute_timer
 from services.decode.attention import select_attention
 from services.decode.block_pool import BlockPool
@@ -57,7 +58,7 @@ class DecodeRunner:
                  buckets: Sequence[int] | None = None, serial_rows: int = 0, fused: str = "auto",
                  fused_serial_rows: int | None = None) -> None:
         self.lm, self.pool, self.sampler = lm, pool, sampler
-        self.threads, self.serial_rows = torch.get_num_threads(), serial_rows
+        self.threads, self.serial_rows = compute_threads.count(), serial_rows
         self.serial_steps = 0       # steps that ran on one thread (engine stats, /metrics)
         self.device = pool.kv.device
         layout = lm.layout

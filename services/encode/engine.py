@@ -30,6 +30,7 @@ from collections import deque
 from concurrent.futures import Future, wait
 from typing import TYPE_CHECKING
 
+from services import compute_threads
 from services.compute_metrics import compute_timer
 from services.models.base import VisionModel
 from services.protocol.errors import DeadlineExceeded, Unavailable
@@ -107,6 +108,7 @@ class EncodeEngine:
         self.close()
 
     def _run(self) -> None:
+        compute_threads.enter()   # the process's one multi-threaded torch thread (compute_threads.py)
         while (batch := self._next_batch()) is not None:
             if batch:
                 self._encode(batch)

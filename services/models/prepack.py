@@ -14,10 +14,13 @@ Who calls what: a role process, right after loading its model part, calls
 `prepack_vision(vision, mode)` (encode).  mode "auto" times `F.linear` against every kernel that
 applies here on the model's own weights (every distinct layer shape at those rows, interleaved,
 best of a few rounds, bounded) and swaps to the fastest when it is at least 1.05x faster than
-`F.linear` and its outputs agree to 1e-4 relative.  The LM head is decided on its own, at
-`head_rows`: it runs on the few rows that finish a prompt (or one per decode row), where a kernel
-that streams the weights wins, while a prefill's decoder stack runs on hundreds of rows, where
-oneDNN wins; one sum over both would let the head's 622 MB decide the stack's kernel.
+`F.linear` and its outputs agree to 1e-4 relative.  Each shape is timed over up to `_LAYERS_PER_SHAPE`
+of the model's layers of that shape in turn, as a forward reads them: one weight timed again and again
+stays in the core's cache and flatters `F.linear`, which repacks it on every call (on the medium
+model's 150-row MLP GEMMs, 2.67 ms hot vs 3.04 ms cycling, against oneDNN's 2.74 ms).
+The LM head is decided on its own, at `head_rows`: it runs on the few rows that finish a prompt (or
+one per decode row), where a kernel that streams the weights wins, while a prefill's decoder stack
+runs on hundreds of rows, where oneDNN wins; one sum over both would let the head's 622 MB decide the stack's kernel.
 "prepacked" and "panel" swap both without timing; "default" leaves the model alone.  The returned
 `LinearReport` (the stack's, with the head's as `.head`) says what was chosen and why; roles log it
 and export it in /metrics.
@@ -60,6 +63,7 @@ MAX_REL_DIFF = 1e-4           # swapped outputs must agree with F.linear this cl
 _BATCH_HINT = 16              # oneDNN picks its blocking for this many rows (decode batches)
 _ROUNDS = 3
 _TIME_BUDGET_S = 20.0         # auto mode stops timing (and keeps what it has) after this
+_LAYERS_PER_SHAPE = 4         # distinct layers of a shape each timing cycles over (module docstring)
 _LOCK_WAIT_S = 120.0          # how long a role waits for another's start-up timing (timing_lock)
 
 
@@ -114,6 +118,8 @@ class LinearReport:
     #                                   batch sizes of the ratio of times summed over the shapes
     max_rel_diff: float | None = None
     num_swapped: int = 0
+    num_fused: int = 0                # MLPs and patch embeddings swapped for fused ones (fused_mlp.py)
+    fused_speedup: float | None = None  # auto: the gated MLPs' timing as a unit (fused_mlp.fuse_mlps)
     extra_bytes: int = 0              # swapped copies kept beside a weight something else still reads
     timings_ms: dict[str, dict[str, float]] = field(default_factory=dict)
     speedups: dict[str, float] = field(default_factory=dict)   # every timed kernel's, by name
@@ -126,8 +132,12 @@ class LinearReport:
         if self.head is not None:
             head_speed = f", {self.head.speedup:.2f}x" if self.head.speedup is not None else ""
             head = f"; lm_head {self.head.kernel}{head_speed}"
-        return (f"linear kernel {self.kernel} (mode {self.mode}{speed}{others}; {self.num_swapped} layers swapped, "
-                f"{self.extra_bytes / 2**20:.0f} MiB extra{head}){': ' + self.reason if self.reason else ''}")
+        fused = f", {self.num_fused} fused" if self.num_fused else ""
+        if self.fused_speedup is not None:
+            fused += f" (MLP {self.fused_speedup:.2f}x)"
+        return (f"linear kernel {self.kernel} (mode {self.mode}{speed}{others}; {self.num_swapped} layers "
+                f"swapped{fused}, {self.extra_bytes / 2**20:.0f} MiB extra{head})"
+                f"{': ' + self.reason if self.reason else ''}")
 
 
 def export(report: LinearReport, part: str) -> None:
@@ -154,21 +164,31 @@ _SPEEDUP: Any = None
 
 def prepack_language(lm: LanguageModel, mode: str = "auto", rows: tuple[int, ...] = (1, 16, 256),
                      head_rows: tuple[int, ...] = (1, 16), serial_rows: int = 0,
-                     stack_mode: str | None = None) -> LinearReport:
+                     stack_mode: str | None = None, fuse: bool = False) -> LinearReport:
     """Swap the decoder stack's and the LM head's linears when `mode` says so; auto decides the two
     apart, timing the stack at `rows` and the head at `head_rows` (the batch sizes each sees).
     `num_swapped` and `extra_bytes` of the returned report count both; `.head` is the head's.
     Batch sizes up to `serial_rows` are timed on one thread, as decode runs them (--decode-serial-rows):
     on a busy box two threads' barriers make every kernel but single-threaded F.linear look slow.
-    `stack_mode`, when given, decides the stack instead of `mode` (decode's fused step needs panels there)."""
+    `stack_mode`, when given, decides the stack instead of `mode` (decode's fused step needs panels there).
+    `fuse`: a prepacked stack's MLPs run as fused_mlp.FusedGatedMLP (prefill; not decode, whose compiled
+    step calls swapped layers through a custom op)."""
     head = lm.lm_head
     tied = _tied_weights(lm.model, head)
+    fused = None
+    if fuse:
+        from services.models.fused_mlp import fuse_mlps
+
+        fused = fuse_mlps(lm.model, stack_mode or mode, rows)
     layers = _linears(lm.model)
     report = _decide(stack_mode or mode, _by_shape(layers, rows), serial_rows)
     if report.kernel in KERNELS:
         report.num_swapped = _swap_all(layers, SWAP[report.kernel])
+    if fused is not None:
+        report.num_fused, report.fused_speedup = fused.count, fused.speedup
+        report.num_swapped += 3 * fused.gated
     if can_pack(head):
-        report.head = _decide(mode, [("lm_head", head, head_rows)], serial_rows)
+        report.head = _decide(mode, [("lm_head", [head], head_rows)], serial_rows)
         if report.head.kernel in KERNELS:
             lm.lm_head = SWAP[report.head.kernel](head)
             report.head.num_swapped = 1
@@ -180,14 +200,21 @@ def prepack_language(lm: LanguageModel, mode: str = "auto", rows: tuple[int, ...
 
 
 def prepack_vision(vision: VisionModel, mode: str = "auto", rows: tuple[int, ...] = (256, 1024)) -> LinearReport:
-    """The same for a vision tower (`vision.tower`), timed at patch counts an image gives."""
+    """The same for a vision tower (`vision.tower`), timed at patch counts an image gives.  Unless mode is
+    "default", its patch embedding runs as a GEMM and its MLPs fused first (fused_mlp.py)."""
+    from services.models.fused_mlp import fuse_mlps, gemm_patch_embeds
+
     tower = getattr(vision, "tower", None)
     if not isinstance(tower, nn.Module):
         return LinearReport("default", mode, reason="no tower module")
+    fused = fuse_mlps(tower, mode, rows)
+    embeds = gemm_patch_embeds(tower) if mode != "default" else 0
     layers = _linears(tower)
     report = _decide(mode, _by_shape(layers, rows))
     if report.kernel in KERNELS:
         report.num_swapped = _swap_all(layers, SWAP[report.kernel])
+    report.num_fused, report.fused_speedup = fused.count + embeds, fused.speedup
+    report.num_swapped += 3 * fused.gated
     logger.info("vision " + report.line())
     return report
 
@@ -199,11 +226,13 @@ def _linears(root: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
 
 
 def _by_shape(layers: list[tuple[nn.Module, str, nn.Linear]], rows: tuple[int, ...]
-              ) -> list[tuple[str, nn.Linear, tuple[int, ...]]]:
-    shapes: dict[tuple[int, int], nn.Linear] = {}
+              ) -> list[tuple[str, list[nn.Linear], tuple[int, ...]]]:
+    shapes: dict[tuple[int, int], list[nn.Linear]] = {}
     for _, _, linear in layers:
-        shapes.setdefault((linear.out_features, linear.in_features), linear)
-    return [(f"{o}x{i}", linear, rows) for (o, i), linear in shapes.items()]
+        same = shapes.setdefault((linear.out_features, linear.in_features), [])
+        if len(same) < _LAYERS_PER_SHAPE:
+            same.append(linear)
+    return [(f"{o}x{i}", linears, rows) for (o, i), linears in shapes.items()]
 
 
 def _swap_all(layers: list[tuple[nn.Module, str, nn.Linear]], swap: Callable[[nn.Linear], SwappedLinear]) -> int:
@@ -221,7 +250,7 @@ def _bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _decide(mode: str, timed: list[tuple[str, nn.Linear, tuple[int, ...]]], serial_rows: int = 0) -> LinearReport:
+def _decide(mode: str, timed: list[tuple[str, list[nn.Linear], tuple[int, ...]]], serial_rows: int = 0) -> LinearReport:
     if mode not in MODES:
         raise ValueError(f"unknown linear kernel mode {mode!r}; supported: {', '.join(MODES)}")
     if mode == "default" or not timed:
@@ -267,10 +296,12 @@ def _try_flock(handle: Any) -> bool:
     return True
 
 
-def _measure(timed: list[tuple[str, nn.Linear, tuple[int, ...]]], kernels: list[str],
+def _measure(timed: list[tuple[str, list[nn.Linear], tuple[int, ...]]], kernels: list[str],
              serial_rows: int = 0) -> LinearReport:
-    with timing_lock():
-        return _measure_alone(timed, kernels, serial_rows)
+    from services import compute_threads
+
+    with timing_lock():   # on the threads the engine will run them with, in a thread that then ends
+        return compute_threads.run_in_fresh_thread(lambda: _measure_alone(timed, kernels, serial_rows))
 
 
 @contextlib.contextmanager
@@ -285,19 +316,19 @@ def _threads(count: int | None) -> Iterator[None]:
 
 
 @torch.inference_mode()
-def _measure_alone(timed: list[tuple[str, nn.Linear, tuple[int, ...]]], kernels: list[str],
+def _measure_alone(timed: list[tuple[str, list[nn.Linear], tuple[int, ...]]], kernels: list[str],
                    serial_rows: int) -> LinearReport:
     started = time.monotonic()
     # time per kernel and batch size, summed over the shapes: a step's time at that batch size
     totals: dict[str, dict[int, float]] = {k: {} for k in ["default", *kernels]}
     worst = dict.fromkeys(kernels, 0.0)
     timings: dict[str, dict[str, float]] = {}
-    for name, linear, rows in timed:
+    for name, linears, rows in timed:
         if time.monotonic() - started > _TIME_BUDGET_S:
             break
-        candidates = {"default": linear, **{k: SWAP[k](linear) for k in kernels}}
+        candidates = {"default": linears, **{k: [SWAP[k](linear) for linear in linears] for k in kernels}}
         for count in rows:
-            x = torch.randn(count, linear.in_features)
+            x = torch.randn(count, linears[0].in_features)
             with _threads(1 if count <= serial_rows else None):
                 best, diffs = _compare(candidates, x)
             timings[f"{name}@{count}"] = {f"{k}_ms": v for k, v in best.items()}
@@ -326,14 +357,20 @@ def _geomean(values: list[float]) -> float:
     return math.prod(values) ** (1 / len(values))
 
 
-def _compare(candidates: dict[str, nn.Module], x: torch.Tensor) -> tuple[dict[str, float], dict[str, float]]:
-    reference = candidates["default"](x)
-    scale = reference.abs().max().clamp_min(1e-30)
-    diffs = {k: float((reference - fn(x)).abs().max() / scale) for k, fn in candidates.items() if k != "default"}
+def _compare(candidates: dict[str, list[nn.Module]], x: torch.Tensor) -> tuple[dict[str, float], dict[str, float]]:
+    """Best time of one call per kernel (each call a different layer of the shape, in turn), and each
+    kernel's largest relative difference from F.linear over those layers."""
+    diffs = dict.fromkeys((k for k in candidates if k != "default"), 0.0)
+    for index, reference_layer in enumerate(candidates["default"]):
+        reference = reference_layer(x)
+        scale = reference.abs().max().clamp_min(1e-30)
+        for kernel in diffs:
+            diffs[kernel] = max(diffs[kernel], float((reference - candidates[kernel][index](x)).abs().max() / scale))
     best = dict.fromkeys(candidates, float("inf"))
     for _ in range(_ROUNDS):   # interleaved: machine noise falls on all of them
-        for key, fn in candidates.items():
-            start = time.perf_counter()
-            fn(x)
-            best[key] = min(best[key], (time.perf_counter() - start) * 1e3)
+        for key, layers in candidates.items():
+            for layer in layers:
+                start = time.perf_counter()
+                layer(x)
+                best[key] = min(best[key], (time.perf_counter() - start) * 1e3)
     return best, diffs

@@ -23,7 +23,7 @@ async def build(config: EpdConfig) -> RoleServer:
     adapter = adapter_for(path)
     lm = adapter.load_language(path, config.device, config.dtype, config.max_model_len)
     # prompts, not single rows, go through prefill's layers (its LM head sees one row per prompt)
-    export(prepack_language(lm, config.linear_kernel, rows=(256, 1024), head_rows=(1, 16)), "language")
+    export(prepack_language(lm, config.linear_kernel, rows=(256, 1024), head_rows=(1, 16), fuse=True), "language")
     engine = PrefillEngine(lm, max_num_batched_tokens=config.max_num_batched_tokens,
                            prefix_cache_mb=config.prefix_cache_mb)
     ec_store = open_store(config, "ec", producer=False)

@@ -29,6 +29,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from services import compute_threads
 from services.compute_metrics import compute_timer
 from services.models.base import LanguageModel, MultiModalInput
 from services.prefill import attention, last_rows
@@ -146,6 +147,7 @@ class PrefillEngine:
     # ---- worker thread --------------------------------------------------------------------
 
     def _run(self) -> None:
+        compute_threads.enter()   # the process's one multi-threaded torch thread (compute_threads.py)
         while (batch := self._next_batch()) is not None:
             self._forward(batch)
 

@@ -16,20 +16,32 @@ PROBE = """
 import json, os, sys
 from services.config import EpdConfig
 from services.role_cpu import apply
-config = EpdConfig(role_threads=sys.argv[1], omp_wait_policy=sys.argv[2], role_nice=sys.argv[3])
+config = EpdConfig(role_threads=sys.argv[1], omp_wait_policy=sys.argv[2], role_nice=sys.argv[3],
+                   single_omp_team=sys.argv[5])
 before = os.nice(0)
 summary = apply(config, sys.argv[4])
+import threading
 import torch
-print(json.dumps({"threads": torch.get_num_threads(), "nice": os.nice(0) - before, "summary": summary,
-                  "wait": os.environ.get("OMP_WAIT_POLICY"), "spin": os.environ.get("GOMP_SPINCOUNT")}))
+from services import compute_threads
+compute_threads.single()   # as role_main does for the main thread
+engine = []
+thread = threading.Thread(target=lambda: engine.append(compute_threads.enter()))
+thread.start(); thread.join()
+helper = compute_threads.helper_executor(1) if os.environ.get("EPD_COMPUTE_THREADS") else None
+helper_threads = helper.submit(torch.get_num_threads).result() if helper else None   # after enter() set 2
+print(json.dumps({"threads": engine[0], "main": torch.get_num_threads(), "helper": helper_threads,
+                  "nice": os.nice(0) - before,
+                  "summary": summary, "wait": os.environ.get("OMP_WAIT_POLICY"),
+                  "spin": os.environ.get("GOMP_SPINCOUNT")}))
 """
 
 
-def _probe(threads: str, wait: str, nice: str, role: str, serve_child: bool = False) -> dict:
-    skip = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "EPD_SERVE_CHILD")
+def _probe(threads: str, wait: str, nice: str, role: str, serve_child: bool = False, team: str = "on") -> dict:
+    skip = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "EPD_SERVE_CHILD",
+            "EPD_COMPUTE_THREADS")
     env = {k: v for k, v in os.environ.items() if k not in skip} | ({"EPD_SERVE_CHILD": "1"} if serve_child else {})
-    out = subprocess.run([sys.executable, "-c", PROBE, threads, wait, nice, role], capture_output=True, text=True,
-                         timeout=120, env=env, check=True)
+    out = subprocess.run([sys.executable, "-c", PROBE, threads, wait, nice, role, team], capture_output=True,
+                         text=True, timeout=120, env=env, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -42,8 +54,12 @@ def test_per_role_values_reach_torch_the_environment_and_the_scheduler():
     prefill = _probe("prefill=1,decode=2", "passive", "encode=5,prefill=3", "prefill")
     assert (prefill["threads"], prefill["nice"], prefill["wait"], prefill["spin"]) == (1, _raised(3), "PASSIVE", "0")
     decode = _probe("prefill=1,decode=2", "", "encode=5,prefill=3", "decode")
-    assert (decode["threads"], decode["nice"], decode["wait"]) == (2, 0, None)
-    assert decode["summary"] == "decode cpu policy: threads=2"
+    assert (decode["threads"], decode["main"], decode["helper"], decode["nice"], decode["wait"]) == (2, 1, 1, 0, None)
+    assert decode["summary"] == "decode cpu policy: one OpenMP team: compute threads=2, other threads 1"
+    old = _probe("prefill=1,decode=2", "", "", "decode", team="off")    # --single-omp-team off: every thread
+    assert (old["threads"], old["main"], old["summary"]) == (2, 2, "decode cpu policy: threads=2")
+    render = _probe("2", "", "", "render")                               # no torch engine: left alone
+    assert render["summary"] == "render cpu policy: threads=2" and render["main"] == 2
 
 
 def test_auto_niceness_applies_only_under_epd_serve():
@@ -58,3 +74,50 @@ def test_role_maps_parse_and_bad_ones_are_refused():
     for bad in ({"role_threads": "decoder=2"}, {"role_nice": "prefill=high"}, {"omp_wait_policy": "spin"}):
         with pytest.raises(ConfigError):
             EpdConfig(**bad)
+
+
+TEAMS = """
+import os, sys, threading
+from services.config import EpdConfig
+from services.role_cpu import apply
+apply(EpdConfig(single_omp_team=sys.argv[1]), "encode")
+import torch
+from services import compute_threads
+compute_threads.single()   # as role_main does for the main thread
+
+def os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+x = torch.randn(512, 4096)
+base = os_threads()
+for _ in range(3):   # the event loop's kind of work: big element-wise ops and copies
+    (x * 2).sigmoid_()
+    x.clone()
+main = os_threads() - base
+inside = []
+def engine():
+    compute_threads.enter()
+    for _ in range(3):
+        (x * 2).sigmoid_()
+    inside.append(os_threads() - base)
+thread = threading.Thread(target=engine)
+thread.start(); thread.join()
+print(main, inside[0])
+"""
+
+
+def test_only_the_compute_thread_starts_an_openmp_team():
+    """A thread that runs a multi-threaded torch op gets OpenMP helper threads of its own (a team); with
+    --single-omp-team on the main thread runs torch on one and starts none, the engine thread does."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one usable CPU: no thread starts a team")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "EPD_COMPUTE_THREADS")}
+    counts = {}
+    for team in ("on", "off"):
+        out = subprocess.run([sys.executable, "-c", TEAMS, team], capture_output=True, text=True, timeout=120,
+                             env=env, check=True)
+        counts[team] = tuple(int(v) for v in out.stdout.split())
+    helpers = len(os.sched_getaffinity(0)) - 1
+    assert counts["on"][0] == 0 and counts["on"][1] >= 1 + helpers   # main: no helper; the engine thread: its own
+    assert counts["off"][0] == helpers                               # negative control: the main thread's team

@@ -168,19 +168,22 @@ def test_serial_batch_sizes_are_timed_on_one_thread():
     from services.models import prepack
 
     seen: dict[int, set[int]] = {}
+    called: set[int] = set()
 
     class Recording(nn.Linear):
         def forward(self, x):
             seen.setdefault(x.shape[0], set()).add(torch.get_num_threads())
+            called.add(id(self))
             return super().forward(x)
 
-    linear = Recording(64, 32)
+    layers = [Recording(64, 32) for _ in range(2)]   # two layers of one shape: timed in turn, as a forward reads them
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         report = prepack._measure(  # noqa: SLF001 - the timing itself is under test
-            [("w", linear, (1, 4, 8))], [k for k in prepack.KERNELS if prepack._kernel_applies(k)], serial_rows=4)
+            [("w", layers, (1, 4, 8))], [k for k in prepack.KERNELS if prepack._kernel_applies(k)], serial_rows=4)
         assert seen == {1: {1}, 4: {1}, 8: {2}} and torch.get_num_threads() == 2
+        assert called == {id(layer) for layer in layers}
         assert set(report.timings_ms) == {"w@1", "w@4", "w@8"}
     finally:
         torch.set_num_threads(before)

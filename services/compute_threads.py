@@ -1,0 +1,131 @@
+"""One OpenMP team per model role process: only the engine's compute thread runs torch on several threads.
+
+Why (measured, benchmarks/omp_team.py): libgomp gives every OS thread that starts a parallel region a
+team of its own.  A role process had two: the main thread's (model loading and the start-up kernel
+timing ran there, and the event loop's tensor copies kept it) and the engine thread's.  Once more
+OpenMP threads exist than cores, libgomp stops spin-waiting between parallel regions ("throttled"),
+so each of the hundreds of regions of a forward pays a sleeping thread's wake-up.  In one process on 2
+cores, the medium model's vision forward took 63 ms in the main thread and 84 ms in a worker thread
+started after the main thread had used torch; element-wise ops were 1.6x slower; the same worker
+alone was as fast as the main thread.
+
+So, for the roles that `role_main` starts (`apply` below runs before torch is imported):
+- every other thread runs torch on one thread (`OMP_NUM_THREADS=MKL_NUM_THREADS=1`, and `single()`
+  in the main thread and in the event loop's default executor's threads): the event loop, `to_thread`
+  helpers and the main thread's start-up work never fork a team;
+- each engine thread calls `enter()` first: it then runs torch (and MKL) on `count()` threads —
+  `--role-threads` for the role, else the CPUs this process may use;
+- start-up work that must run on those threads (the linear kernels' timing) runs in a short-lived
+  thread (`run_in_fresh_thread`): its team goes when the thread does.
+
+Outside a role process (tests, benchmarks that build engines in process) nothing is set: `count()` is
+torch's default and `enter()` keeps it.  `--single-omp-team off` keeps the old behaviour.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+ENV = "EPD_COMPUTE_THREADS"
+T = TypeVar("T")
+
+
+def cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def apply(threads: int | None) -> str:
+    """Before torch is imported: one torch thread by default, `threads` (or every usable CPU) for the
+    engine threads that call `enter()`.  Returns the summary for the start-up log."""
+    count = threads or cpus()
+    os.environ[ENV] = str(count)
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
+    return f"one OpenMP team: compute threads={count}, other threads 1"
+
+
+def count() -> int:
+    """The torch threads an engine thread runs with."""
+    value = os.environ.get(ENV, "")
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    import torch
+
+    return torch.get_num_threads()
+
+
+def _libgomp() -> object | None:
+    """The OpenMP runtime torch loaded (its per-thread `omp_set_num_threads`), or None."""
+    global _GOMP
+    if _GOMP is None:
+        import ctypes
+
+        try:
+            with open("/proc/self/maps") as maps:
+                paths = sorted({line.split()[-1] for line in maps if "libgomp" in line and "/" in line})
+            _GOMP = ctypes.CDLL(paths[0]) if paths else False
+        except OSError:
+            _GOMP = False
+    return _GOMP or None
+
+
+_GOMP: object | None = None
+
+
+def single() -> None:
+    """Make the calling thread run torch on one thread, without touching torch's process-wide count
+    (which `enter` sets for the engine thread) or MKL's.  torch sizes a thread's OpenMP count lazily on
+    its first parallel call, from that process-wide count: so the lazy step runs first, then this
+    thread's own OpenMP count is set to 1."""
+    if ENV not in os.environ:
+        return
+    import torch
+
+    torch.get_num_threads()   # torch's lazy per-thread initialisation, now rather than later
+    gomp = _libgomp()
+    if gomp is not None:
+        gomp.omp_set_num_threads(1)   # type: ignore[attr-defined]
+
+
+def helper_executor(max_workers: int | None = None) -> object:
+    """A ThreadPoolExecutor whose threads are `single()` (the event loop's default executor in a role)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    return ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="epd-helper", initializer=single)
+
+
+def enter() -> int:
+    """Make the calling thread a compute thread (torch and MKL on `count()` threads); returns the count."""
+    import torch
+
+    threads = count()
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    return threads
+
+
+def run_in_fresh_thread(fn: Callable[[], T], name: str = "epd-compute") -> T:
+    """fn() on a new compute thread that ends with it (and with it its OpenMP team); exceptions propagate."""
+    if ENV not in os.environ:      # not a role process: nothing to keep apart
+        return fn()
+    result: list[T] = []
+    error: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            enter()
+            result.append(fn())
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            error.append(exc)
+
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    thread.start()
+    thread.join()
+    if error:
+        raise error[0]
+    return result[0]
