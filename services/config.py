@@ -114,6 +114,10 @@ class EpdConfig:
                               "threads (--role-threads), every other thread on one, so the process has one OpenMP "
                               "team and libgomp keeps spin-waiting between parallel regions | off",
                               roles="roles")
+    omp_spin_count: int = _f(-1, "GOMP_SPINCOUNT of model roles (how long an idle OpenMP thread spins before "
+                             "sleeping): -1 auto (libgomp's default, except 10000 for `epd serve`'s children with "
+                             "--single-omp-team on: its 300000 spins last ~15 ms on CPUs with a slow pause "
+                             "instruction, taking the cores the other roles wait for) | N", roles="roles")
     omp_wait_policy: str = _f("", "OpenMP wait policy of model roles: passive (idle threads sleep, no spinning) "
                               "| active | '' (libgomp's default)", roles="roles")
     role_nice: str = _f("auto", "niceness added per role at start ('decode=0,prefill=5'); auto: encode=5,prefill=5 "
@@ -229,6 +233,7 @@ class EpdConfig:
                f"decode_step_buckets must be comma-separated integers in 1..decode_slots ({self.decode_slots})")
         _check(1 <= self.kv_block_size <= 256, "kv_block_size must be in 1..256")
         _check(self.single_omp_team in ("on", "off"), "single_omp_team must be on or off")
+        _check(self.omp_spin_count >= -1, "omp_spin_count must be -1 (auto) or a count >= 0")
         _check(self.omp_wait_policy in ("", "passive", "active"), "omp_wait_policy must be passive, active or ''")
         for name, raw in (("role_threads", self.role_threads), ("role_nice", self.role_nice.replace("auto", ""))):
             _check(_role_map_ok(raw), f"{name} must be N or role=N,role=N (roles: {', '.join(ROLES)})")

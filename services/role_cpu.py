@@ -14,6 +14,10 @@ use.  The knobs, all flags (docs/configuration.md):
   model role runs torch on one (services/compute_threads.py says why);
 - `--omp-wait-policy`: "passive" (idle OpenMP threads sleep at once; GOMP_SPINCOUNT=0),
   "active" (they spin), "" (leave the environment alone);
+- `--omp-spin-count`: GOMP_SPINCOUNT; auto is libgomp's default (300000 spins: ~15 ms where a pause
+  instruction takes ~140 cycles) except 10000 for `epd serve`'s model roles with one OpenMP team each:
+  between the parallel regions of a forward (tens of microseconds) a thread still catches the next
+  region spinning, but an idle role no longer spins through the others' time;
 - `--role-nice`: niceness added per role; "auto" (default) is "encode=5,prefill=5" for the
   children of `epd serve` (one machine: decode's per-token latency wins when a long prefill
   competes for the same cores; the prefill engineer's TPOT-while-4k-prefill benchmark measures
@@ -34,6 +38,7 @@ logger = logging.getLogger(__name__)
 WAIT_POLICIES = ("", "passive", "active")
 SERVE_CHILD = "EPD_SERVE_CHILD"          # set by `epd serve` (services.launch) in its role processes
 MODEL_ROLES = ("encode", "prefill", "decode")   # the roles with torch engines (compute_threads.py)
+SERVE_SPIN = 10000   # --omp-spin-count auto under `epd serve` (benchmarks/omp_team.py measures it)
 SERVE_NICE = "encode=5,prefill=5"        # what role_nice "auto" means there
 
 
@@ -51,6 +56,15 @@ def role_values(raw: str, role: str) -> int | None:
     return None
 
 
+def spin_count(config: EpdConfig, role: str) -> int | None:
+    """GOMP_SPINCOUNT for `role`, or None to leave libgomp's default (--omp-spin-count)."""
+    if config.omp_spin_count >= 0:
+        return config.omp_spin_count
+    if config.single_omp_team == "on" and role in MODEL_ROLES and os.environ.get(SERVE_CHILD):
+        return SERVE_SPIN
+    return None
+
+
 def apply(config: EpdConfig, role: str) -> str:
     """Set this process's threads, wait policy and niceness for `role`; returns a one-line summary."""
     done = []
@@ -62,6 +76,10 @@ def apply(config: EpdConfig, role: str) -> str:
         if policy == "PASSIVE":
             os.environ["GOMP_SPINCOUNT"] = "0"
         done.append(f"OMP_WAIT_POLICY={policy}")
+    spin = spin_count(config, role)
+    if spin is not None and config.omp_wait_policy != "passive":
+        os.environ["GOMP_SPINCOUNT"] = str(spin)
+        done.append(f"GOMP_SPINCOUNT={spin}")
     threads = role_values(config.role_threads, role)
     if config.single_omp_team == "on" and role in MODEL_ROLES:
         from . import compute_threads
