@@ -14,7 +14,8 @@ So, for the roles that `role_main` starts (`apply` below runs before torch is im
   in the main thread and in the event loop's default executor's threads): the event loop, `to_thread`
   helpers and the main thread's start-up work never fork a team;
 - each engine thread calls `enter()` first: it then runs torch (and MKL) on `count()` threads —
-  `--role-threads` for the role, else the CPUs this process may use;
+  `--role-threads` for the role, else OMP_NUM_THREADS as the process found it (the Kubernetes
+  manifests set it to the CPU limit), else the CPUs this process may use;
 - start-up work that must run on those threads (the linear kernels' timing) runs in a short-lived
   thread (`run_in_fresh_thread`): its team goes when the thread does.
 
@@ -41,9 +42,11 @@ def cpus() -> int:
 
 
 def apply(threads: int | None) -> str:
-    """Before torch is imported: one torch thread by default, `threads` (or every usable CPU) for the
+    """Before torch is imported: one torch thread by default, `threads` (else an OMP_NUM_THREADS the
+    operator set, as the Kubernetes manifests do to match a CPU limit; else every usable CPU) for the
     engine threads that call `enter()`.  Returns the summary for the start-up log."""
-    count = threads or cpus()
+    given = os.environ.get("OMP_NUM_THREADS", "").strip()
+    count = threads or (int(given) if given.isdigit() and int(given) > 0 else 0) or cpus()
     os.environ[ENV] = str(count)
     os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
     return f"one OpenMP team: compute threads={count}, other threads 1"

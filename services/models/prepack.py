@@ -199,16 +199,17 @@ def prepack_language(lm: LanguageModel, mode: str = "auto", rows: tuple[int, ...
     return report
 
 
-def prepack_vision(vision: VisionModel, mode: str = "auto", rows: tuple[int, ...] = (256, 1024)) -> LinearReport:
+def prepack_vision(vision: VisionModel, mode: str = "auto", rows: tuple[int, ...] = (256, 1024),
+                   fuse: bool = True) -> LinearReport:
     """The same for a vision tower (`vision.tower`), timed at patch counts an image gives.  Unless mode is
-    "default", its patch embedding runs as a GEMM and its MLPs fused first (fused_mlp.py)."""
+    "default" or `fuse` is False, its patch embedding runs as a GEMM and its MLPs fused first (fused_mlp.py)."""
     from services.models.fused_mlp import fuse_mlps, gemm_patch_embeds
 
     tower = getattr(vision, "tower", None)
     if not isinstance(tower, nn.Module):
         return LinearReport("default", mode, reason="no tower module")
-    fused = fuse_mlps(tower, mode, rows)
-    embeds = gemm_patch_embeds(tower) if mode != "default" else 0
+    fused = fuse_mlps(tower, mode if fuse else "default", rows)
+    embeds = gemm_patch_embeds(tower) if fuse and mode != "default" else 0
     layers = _linears(tower)
     report = _decide(mode, _by_shape(layers, rows))
     if report.kernel in KERNELS:

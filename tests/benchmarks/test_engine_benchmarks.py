@@ -116,3 +116,26 @@ def test_targets_table_says_how_far_a_target_is_missed(tmp_path):
                                          "vs without"]
     assert "| 1.20x | met |" in lines["| output tok/s, medium, one image, c=16, epd / vLLM CPU (stretch 1.5x)"]
     assert "not measured" in lines["| TTFT p50, medium, one image, c=1, epd / vLLM CPU"]
+
+
+def test_fused_mlp_quick_times_both_sides_and_they_agree():
+    import math
+
+    from benchmarks import fused_mlp
+
+    figures = fused_mlp.measure("tiny", rounds=2)
+    assert [f.name.split(",")[0] for f in figures] == ["vision forward", "decoder stack"]
+    for f in figures:
+        assert math.isfinite(f.value) and f.value > 0, f.name
+        assert "outputs differ by" in f.note
+
+
+def test_omp_team_quick_runs_both_clusters():
+    import math
+
+    from benchmarks import omp_team
+
+    figures, doc = omp_team.run(quick=True)
+    assert doc["b_flags"] == "--single-omp-team off" and len(figures) == 2
+    for f in figures:
+        assert math.isfinite(f.value) and f.value > 0 and "failed 0/0" in f.note, f.name

@@ -36,10 +36,12 @@ print(json.dumps({"threads": engine[0], "main": torch.get_num_threads(), "helper
 """
 
 
-def _probe(threads: str, wait: str, nice: str, role: str, serve_child: bool = False, team: str = "on") -> dict:
+def _probe(threads: str, wait: str, nice: str, role: str, serve_child: bool = False, team: str = "on",
+           omp: str = "") -> dict:
     skip = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "EPD_SERVE_CHILD",
             "EPD_COMPUTE_THREADS")
     env = {k: v for k, v in os.environ.items() if k not in skip} | ({"EPD_SERVE_CHILD": "1"} if serve_child else {})
+    env |= {"OMP_NUM_THREADS": omp} if omp else {}
     out = subprocess.run([sys.executable, "-c", PROBE, threads, wait, nice, role, team], capture_output=True,
                          text=True, timeout=120, env=env, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -58,6 +60,8 @@ def test_per_role_values_reach_torch_the_environment_and_the_scheduler():
     assert decode["summary"] == "decode cpu policy: one OpenMP team: compute threads=2, other threads 1"
     old = _probe("prefill=1,decode=2", "", "", "decode", team="off")    # --single-omp-team off: every thread
     assert (old["threads"], old["main"], old["summary"]) == (2, 2, "decode cpu policy: threads=2")
+    limited = _probe("", "", "", "encode", omp="3")    # a container's OMP_NUM_THREADS (its CPU limit) is kept
+    assert (limited["threads"], limited["main"]) == (3, 1)
     render = _probe("2", "", "", "render")                               # no torch engine: left alone
     assert render["summary"] == "render cpu policy: threads=2" and render["main"] == 2
 
