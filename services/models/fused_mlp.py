@@ -2,10 +2,9 @@
 
 Why: a prefill or vision forward runs its MLP as three GEMMs and, between them, element-wise ops
 over the [rows, intermediate] activations that each read and write the whole tensor through a fresh
-allocation (SiLU, the gate * up product; quick_gelu's scale, sigmoid and product).  Profiled on the
-medium Qwen2-VL (benchmarks.fused_mlp), those passes are ~10% of a 150-token prefill and of a 224²
-image's vision forward.  With oneDNN-prepacked weights (services/models/prepack.py) they fold into
-the GEMMs' post-ops:
+allocation (SiLU, the gate * up product; quick_gelu's scale, sigmoid and product).  With
+oneDNN-prepacked weights (services/models/prepack.py) they fold into the GEMMs' post-ops
+(`python -m benchmarks.fused_mlp` times both on the medium Qwen2-VL: docs/benchmarks.md):
 
 - gated SiLU MLP (Llama, Qwen2, Qwen2.5-VL's vision): `gate = linear(x, Wg) -> swish` (oneDNN's
   eltwise post-op, alpha 1 = SiLU) and `h = linear(x, Wu) * gate` (a binary post-op), then `down(h)`:
