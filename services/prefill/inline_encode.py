@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter
 
+from services import compute_threads
 from services.protocol.errors import InvalidRequest
 from services.protocol.items import Item
 from services.protocol.tensors import to_torch
@@ -48,7 +49,9 @@ class InlineEncoder:
         with self._lock:  # one forward at a time; the first caller also loads the tower
             vision = self._load()
             try:
-                [entry] = vision.encode_entries([tensors])
+                # on the role's compute threads, not the one torch thread of a helper (compute_threads.py)
+                [entry] = compute_threads.run_in_fresh_thread(lambda: vision.encode_entries([tensors]),
+                                                              name="prefill-inline-encode")
             except (ValueError, KeyError, RuntimeError) as exc:
                 raise InvalidRequest(f"item cannot be encoded: {type(exc).__name__}: {exc}",
                                      code="invalid_kwargs_data") from None
