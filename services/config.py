@@ -108,16 +108,11 @@ class EpdConfig:
                           "requests share it (each reserves prompt + max_tokens at admission)")
     kv_block_size: int = _f(16, "tokens per KV block of the decode pool")
     decode_kv_wait_s: float = _f(10.0, "seconds a request waits for room in the decode KV pool before 429")
-    role_threads: str = _f("", "torch threads per role process: '' (torch's default: one per core), N, or "
-                           "'encode=1,prefill=2,decode=2'", roles="roles")
-    single_omp_team: str = _f("on", "on: in model roles only the engine's compute thread runs torch on several "
-                              "threads (--role-threads), every other thread on one, so the process has one OpenMP "
-                              "team and libgomp keeps spin-waiting between parallel regions | off",
-                              roles="roles")
-    omp_spin_count: int = _f(-1, "GOMP_SPINCOUNT of model roles (how long an idle OpenMP thread spins before "
-                             "sleeping): -1 auto (libgomp's default, except 10000 for `epd serve`'s children with "
-                             "--single-omp-team on: its 300000 spins last ~15 ms on CPUs with a slow pause "
-                             "instruction, taking the cores the other roles wait for) | N", roles="roles")
+    role_threads: str = _f("", "engine threads per role: '' (one per core), N, or 'encode=1,decode=2'", roles="roles")
+    single_omp_team: str = _f("on", "on: only a model role's engine thread runs torch multi-threaded, so libgomp "
+                              "keeps spinning between regions (services/compute_threads.py) | off", roles="roles")
+    omp_spin_count: int = _f(-1, "GOMP_SPINCOUNT of model roles: -1 auto (10000 for `epd serve`'s model roles with "
+                             "one team, else libgomp's default; services/role_cpu.py) | N", roles="roles")
     omp_wait_policy: str = _f("", "OpenMP wait policy of model roles: passive (idle threads sleep, no spinning) "
                               "| active | '' (libgomp's default)", roles="roles")
     role_nice: str = _f("auto", "niceness added per role at start ('decode=0,prefill=5'); auto: encode=5,prefill=5 "
