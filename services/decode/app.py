@@ -28,12 +28,32 @@ def serial_rows(configured: int, slots: int, fused: bool = False) -> int:
     return min(SMALL_BOX_SERIAL_ROWS, slots) if len(os.sched_getaffinity(0)) <= 2 else 1
 
 
+def bf16_weights(config: EpdConfig) -> bool:
+    """--dtype bfloat16 on CPU: decode keeps float32 activations and KV over bfloat16 weights.
+
+    A decode step reads every weight once for a few rows, so it is bound by the weights' bytes: bfloat16
+    panels (widened exactly in registers, services/models/panel_kernel.c) halve them, while bfloat16
+    activations would only add rounding (and oneDNN's bf16 GEMMs lose to the panels at a few rows).  The
+    prefilled bfloat16 KV is widened in its one copy into decode's blocks.  Needs the panel kernel."""
+    import torch
+
+    from services.models import panel_linear
+
+    return (config.dtype == "bfloat16" and config.device == "cpu" and config.linear_kernel != "default"
+            and panel_linear.available(torch.bfloat16))
+
+
+def load_dtype(config: EpdConfig) -> str:
+    """The dtype decode loads its language model in (float32 under bfloat16 weights: bf16_weights)."""
+    return "float32" if bf16_weights(config) else config.dtype
+
+
 def wants_fused(config: EpdConfig) -> bool:
     """The fused step may run (services/decode/fused.py decides at start-up whether the model fits it)."""
     from services.models import panel_linear
 
     return (config.decode_fused != "off" and config.decode_step != "compiled" and config.device == "cpu"
-            and config.dtype == "float32" and panel_linear.available())
+            and load_dtype(config) == "float32" and panel_linear.available())
 
 
 def stack_kernel(config: EpdConfig) -> str:
@@ -45,6 +65,8 @@ def stack_kernel(config: EpdConfig) -> str:
 
 
 async def build(config: EpdConfig) -> RoleServer:
+    import torch
+
     from services.config import int_list
     from services.connectors.wiring import open_store
     from services.models.prepack import export, prepack_language
@@ -57,13 +79,14 @@ async def build(config: EpdConfig) -> RoleServer:
     from .serving import DecodeService
 
     path = resolve_model(config.model)
-    lm = adapter_for(path).load_language(path, config.device, config.dtype, config.max_model_len)
+    lm = adapter_for(path).load_language(path, config.device, load_dtype(config), config.max_model_len)
     steps = (1, config.decode_slots) if config.decode_slots > 1 else (1,)   # the rows a decode step multiplies
     serial = serial_rows(config.decode_serial_rows, config.decode_slots)
     fused_serial = serial_rows(config.decode_serial_rows, config.decode_slots, fused=True)
     export(prepack_language(lm, config.linear_kernel, rows=steps, head_rows=steps,
                             serial_rows=fused_serial if wants_fused(config) else serial,
-                            stack_mode=stack_kernel(config)), "language")
+                            stack_mode=stack_kernel(config),
+                            weight_dtype=torch.bfloat16 if bf16_weights(config) else None), "language")
     engine = DecodeEngine(lm, load_tokenizer(path), config.decode_slots, config.max_model_len,
                           max_queued=config.decode_queue, stream_timeout=config.request_timeout_s,
                           kv_cache_bytes=config.kv_cache_mb << 20, block_size=config.kv_block_size,

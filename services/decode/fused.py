@@ -8,8 +8,9 @@ over the panel kernel's weights (services/models/panel_kernel.c) and the paged a
 (services/decode/paged_kernel.c) per-row code.  The embedding lookup, RoPE's cos/sin, the final norm
 and the LM head stay in torch.
 
-Where it applies (`unsupported_reason` says why not): float32 on CPU; Llama / Qwen2 / Qwen2-VL /
-Qwen2.5-VL / Qwen3-VL shaped layers (the paged forward's set, services/decode/paged_forward.py) whose
+Where it applies (`unsupported_reason` says why not): float32 activations and KV on CPU, over float32
+panels or bfloat16 ones (decode's `--dtype bfloat16`: the kernel built with -DEPD_PANEL_BF16); Llama /
+Qwen2 / Qwen2-VL / Qwen2.5-VL / Qwen3-VL shaped layers (the paged forward's set, services/decode/paged_forward.py) whose
 seven linears are all panel layers (`--linear-kernel panel`, or auto, which the decode role steers to
 panels for the stack when the fused step is on, services/decode/app.py), RMSNorms, a SiLU-gated MLP;
 the kernels' limits (head_dim <= 256 and even, <= 32 query heads per KV head, blocks <= 256 tokens).
@@ -31,7 +32,7 @@ from torch import nn
 
 from services import compute_threads
 from services.decode.paged_forward import PagedDecoder
-from services.models.panel_linear import PanelLinear
+from services.models.panel_linear import BF16_FLAG, PanelLinear
 from services.native import BASE_FLAGS, build_library
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ _SOURCE = _HERE / "fused_kernel.c"
 _INCLUDES = (_HERE / "paged_kernel.c", _HERE.parent / "models" / "panel_kernel.c")
 _FLAGS = (*BASE_FLAGS, "-fopenmp")
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_LIB: Any = None
+_LIBS: dict[torch.dtype, Any] = {}
 _ERROR: str | None = None
 _MAX_GROUP, _MAX_DIM, _MAX_BLOCK = 32, 256, 256   # fused_kernel.c's (paged_kernel.c's) fixed limits
 
@@ -59,11 +60,14 @@ class _Scratch(ctypes.Structure):
                 ("x_threads", ctypes.c_int)]
 
 
-def _kernel() -> Any:
-    global _LIB, _ERROR
-    if _LIB is None and _ERROR is None:
+def _kernel(weight_dtype: torch.dtype = torch.float32) -> Any:
+    """The fused step's library for float32 or bfloat16 panels (panel_kernel.c's two builds)."""
+    global _ERROR
+    if weight_dtype not in _LIBS and _ERROR is None:
+        bf16 = weight_dtype == torch.bfloat16
         try:
-            lib = build_library(_SOURCE, "fused_step", _FLAGS, includes=_INCLUDES)
+            lib = build_library(_SOURCE, "fused_step_bf16" if bf16 else "fused_step",
+                                (*_FLAGS, BF16_FLAG) if bf16 else _FLAGS, includes=_INCLUDES)
         except OSError as exc:
             _ERROR = str(exc)
             logger.info("fused decode kernel unavailable: %s", exc)
@@ -73,8 +77,8 @@ def _kernel() -> Any:
             fn.argtypes = [_P, i32, _P, i32, i32, i32, i32, i32, i32, f32, f32, _P, _P, _P, _P, _P, i64, _P,
                            i32, f32, _P, i32]
             fn.restype = i32
-            _LIB = lib
-    return _LIB
+            _LIBS[weight_dtype] = lib
+    return _LIBS.get(weight_dtype)
 
 
 def _is_rms_norm(module: Any) -> bool:
@@ -86,6 +90,12 @@ def _is_rms_norm(module: Any) -> bool:
 
 def _is_silu(module: Any) -> bool:
     return isinstance(module, nn.SiLU) or type(module).__name__ in ("SiLUActivation", "SiLU")
+
+
+def panel_dtype(decoder: PagedDecoder) -> torch.dtype:
+    """The first layer's q_proj panels' dtype (float32, or bfloat16 for decode's --dtype bfloat16)."""
+    weight = getattr(getattr(decoder.layers[0].self_attn, "q_proj", None), "weight", None)
+    return weight.dtype if isinstance(weight, torch.Tensor) else torch.float32
 
 
 def unsupported_reason(decoder: PagedDecoder) -> str:
@@ -110,9 +120,11 @@ def unsupported_reason(decoder: PagedDecoder) -> str:
         linears = [getattr(attn, name) for name in _LINEARS[:4]] + [getattr(mlp, name) for name in _LINEARS[4:]]
         if not all(isinstance(linear, PanelLinear) for linear in linears):
             return f"layer {index}'s linears are not panel layers (--linear-kernel panel)"
+        if len({linear.weight.dtype for linear in linears} | {panel_dtype(decoder)}) != 1:
+            return f"layer {index}'s panels mix float32 and bfloat16"
     if len(eps) != 1:
         return f"the norms' epsilons differ: {sorted(eps)}"
-    if _kernel() is None:
+    if _kernel(panel_dtype(decoder)) is None:
         return f"the kernel does not build here: {_ERROR}"
     return ""
 
@@ -126,7 +138,8 @@ class FusedStep:
         if reason:
             raise ValueError(f"fused decode step: {reason}")
         self.decoder, self.max_rows = decoder, max_rows
-        self._fn = _kernel().epd_fused_step
+        self.weight_dtype = panel_dtype(decoder)
+        self._fn = _kernel(self.weight_dtype).epd_fused_step
         first = decoder.layers[0]
         self.hidden_size = first.input_layernorm.weight.shape[0]
         self.intermediate = first.mlp.gate_proj.out_features

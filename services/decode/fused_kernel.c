@@ -16,7 +16,8 @@
  * (epd_fused_step says which).  Fewer barriers matter on a busy box: a thread the scheduler preempts
  * holds up the whole team at the next one.
  *
- * Numerics: float32 throughout.  Norms sum squares in double; each matmul output is the panel
+ * Numerics: float32 throughout (built with -DEPD_PANEL_BF16 the weights are bfloat16 panels, widened
+ * exactly in registers; activations, KV and sums stay float32).  Norms sum squares in double; each matmul output is the panel
  * kernel's in-order float32 sum.  Outputs agree with the eager step to ~1e-6 relative, not bit for
  * bit (tests/services/decode/test_fused.py).
  */
@@ -29,7 +30,7 @@ enum { LQ, LK, LV, LO, LG, LU, LD };
 typedef struct {
     const float *in_norm, *post_norm;     /* [H] */
     const float *q_norm, *k_norm;         /* [D], or NULL (no per-head q/k norm) */
-    const float *w[NUM_LINEARS];          /* panels [ceil(N/16), K, 16] */
+    const wt_t *w[NUM_LINEARS];           /* panels [ceil(N/16), K, 16] (float32, or bfloat16: panel_kernel.c) */
     const float *b[NUM_LINEARS];          /* bias [N] or NULL */
     float *keys, *values;                 /* this layer's pool: [num_blocks, Hkv, BS, D] */
 } fused_layer_t;
@@ -50,7 +51,8 @@ typedef struct {
 typedef struct {
     const float *x;
     int64_t ldx;
-    const float *panels, *bias;
+    const wt_t *panels;
+    const float *bias;
     int N, K;
     float *y;
     int64_t ldy;

@@ -44,6 +44,9 @@ class RequestBlocks:
         if full:
             ids = torch.tensor(self.blocks[:full], device=pool.kv.device)
             source = kv[:, :, :, :full * size].reshape(layers, 2, heads, full, size, dim).permute(0, 1, 3, 2, 4, 5)
+            if source.dtype != pool.kv.dtype:   # bfloat16 KV into float32 blocks: widened first (a second copy)
+                source = source.to(pool.kv.dtype)
+                self.bytes_copied += source.numel() * source.element_size()
             pool.kv[:, :, ids] = source
         if length > full * size:
             tail = pool.kv[:, :, self.blocks[full]]

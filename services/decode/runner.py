@@ -51,6 +51,10 @@ from services.decode.request_blocks import RequestBlocks
 from services.decode.sampler import RowSampling, Sampler
 from services.models.base import LanguageModel
 
+# a prefilled KV of these dtypes widens exactly into blocks of those (prefill in bfloat16 beside a decode
+# that keeps float32 activations over bfloat16 weights: services/decode/app.py bf16_weights)
+_WIDENS = {(torch.bfloat16, torch.float32), (torch.float16, torch.float32)}
+
 
 class DecodeRunner:
     def __init__(self, lm: LanguageModel, pool: BlockPool, max_rows: int, max_model_len: int, sampler: Sampler,
@@ -108,7 +112,7 @@ class DecodeRunner:
         if not isinstance(kv, torch.Tensor) or tuple(kv.shape) != expected:
             shape = tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__
             raise ValueError(f"kv must have shape {expected}, got {shape}")
-        if kv.dtype != layout.dtype:
+        if kv.dtype != layout.dtype and (kv.dtype, layout.dtype) not in _WIDENS:
             raise ValueError(f"kv dtype must be the model dtype {layout.dtype}, got {kv.dtype}")
 
     def place(self, row: int, blocks: RequestBlocks) -> None:

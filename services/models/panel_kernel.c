@@ -7,6 +7,10 @@
  * bias   [N] or NULL
  * y      [M, N]            float32, row stride ldy
  *
+ * Built with -DEPD_PANEL_BF16 the panels hold bfloat16 (the top 16 bits of a float32) instead:
+ * each 16-wide slice is widened to float32 in registers (a zero-extend and a 16-bit shift, exact)
+ * before the same FMAs, so the arithmetic stays float32 while half the bytes stream from memory.
+ *
  * Why: a decode step multiplies a few rows by every weight of the model, so it is bound by reading
  * the weights once.  Per k the kernel loads one 16-wide slice of a panel (two AVX2 vectors),
  * broadcasts x[m, k] for each row of the tile and issues fused multiply-adds into registers
@@ -26,6 +30,17 @@
 
 #define NR 16
 #define MAX_MR 6
+
+#ifdef EPD_PANEL_BF16
+typedef uint16_t wt_t;
+/* 8 bfloat16 at p -> 8 float32 (exact: a bfloat16 is the top half of a float32) */
+static inline __m256 load8(const wt_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+#else
+typedef float wt_t;
+static inline __m256 load8(const wt_t *p) { return _mm256_load_ps(p); }
+#endif
 
 /* Accumulators are named variables (an array of vectors ends up on the stack): row m of the tile
  * owns c<m>0 (columns 0-7) and c<m>1 (8-15).  MR is a compile-time constant in every caller, so
@@ -48,17 +63,17 @@ static inline void store_row(float *row, const float *out, const float *bias, in
 }
 
 /* Rows 0..MR-1 (MR <= 6) against panel q: 2*MR accumulators, one panel slice loaded per k. */
-static inline __attribute__((always_inline)) void tile(const float *x, int64_t ldx, const float *panels, int K,
+static inline __attribute__((always_inline)) void tile(const float *x, int64_t ldx, const wt_t *panels, int K,
                                                        float *y, int64_t ldy, const float *bias, int N, int q,
                                                        const int MR, const int prefetch) {
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
     __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-    const float *w = panels + (int64_t)q * K * NR, *next = w + (int64_t)K * NR;
+    const wt_t *w = panels + (int64_t)q * K * NR, *next = w + (int64_t)K * NR;
     for (int k = 0; k < K; k++) {
         /* One 64-byte line of this panel per k; fetch the same line of the next panel meanwhile, so
          * a batch of several tiles (which rereads this panel from cache) keeps memory busy. */
         if (prefetch) _mm_prefetch((const char *)(next + (int64_t)k * NR), _MM_HINT_T0);
-        const __m256 lo = _mm256_load_ps(w + (int64_t)k * NR), hi = _mm256_load_ps(w + (int64_t)k * NR + 8);
+        const __m256 lo = load8(w + (int64_t)k * NR), hi = load8(w + (int64_t)k * NR + 8);
         ROW_FMA(0) ROW_FMA(1) ROW_FMA(2) ROW_FMA(3) ROW_FMA(4) ROW_FMA(5)
     }
     const int n0 = q * NR, width = N - n0 < NR ? N - n0 : NR;
@@ -67,27 +82,27 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t l
 }
 
 /* One row against NP panels at once (NP independent accumulator pairs hide the FMA latency). */
-static inline __attribute__((always_inline)) void wide(const float *x, const float *panels, int K, float *y,
+static inline __attribute__((always_inline)) void wide(const float *x, const wt_t *panels, int K, float *y,
                                                        const float *bias, int N, int q, const int NP) {
     __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0;
     const int64_t stride = (int64_t)K * NR;
-    const float *w = panels + (int64_t)q * stride;
+    const wt_t *w = panels + (int64_t)q * stride;
     for (int k = 0; k < K; k++) {
         const __m256 xb = _mm256_broadcast_ss(x + k);
-        const float *wk = w + (int64_t)k * NR;
-        a0 = _mm256_fmadd_ps(_mm256_load_ps(wk), xb, a0);
-        b0 = _mm256_fmadd_ps(_mm256_load_ps(wk + 8), xb, b0);
+        const wt_t *wk = w + (int64_t)k * NR;
+        a0 = _mm256_fmadd_ps(load8(wk), xb, a0);
+        b0 = _mm256_fmadd_ps(load8(wk + 8), xb, b0);
         if (NP > 1) {
-            a1 = _mm256_fmadd_ps(_mm256_load_ps(wk + stride), xb, a1);
-            b1 = _mm256_fmadd_ps(_mm256_load_ps(wk + stride + 8), xb, b1);
+            a1 = _mm256_fmadd_ps(load8(wk + stride), xb, a1);
+            b1 = _mm256_fmadd_ps(load8(wk + stride + 8), xb, b1);
         }
         if (NP > 2) {
-            a2 = _mm256_fmadd_ps(_mm256_load_ps(wk + 2 * stride), xb, a2);
-            b2 = _mm256_fmadd_ps(_mm256_load_ps(wk + 2 * stride + 8), xb, b2);
+            a2 = _mm256_fmadd_ps(load8(wk + 2 * stride), xb, a2);
+            b2 = _mm256_fmadd_ps(load8(wk + 2 * stride + 8), xb, b2);
         }
         if (NP > 3) {
-            a3 = _mm256_fmadd_ps(_mm256_load_ps(wk + 3 * stride), xb, a3);
-            b3 = _mm256_fmadd_ps(_mm256_load_ps(wk + 3 * stride + 8), xb, b3);
+            a3 = _mm256_fmadd_ps(load8(wk + 3 * stride), xb, a3);
+            b3 = _mm256_fmadd_ps(load8(wk + 3 * stride + 8), xb, b3);
         }
     }
     float out[NR];
@@ -100,8 +115,45 @@ static inline __attribute__((always_inline)) void wide(const float *x, const flo
     }
 }
 
+#ifdef __AVX512F__
+/* With AVX-512 a tile is up to 12 rows x one 16-wide zmm per row: half the FMA instructions of the AVX2
+ * tile per output and twice its rows per read of the panel (the many-row steps are bound by the FMAs,
+ * not by the weights' bytes).  Each output is the same in-order float32 sum over k, bit for bit. */
+#define MAX_MR16 12
+static inline __m512 load16(const wt_t *p) {
+#ifdef EPD_PANEL_BF16
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+#else
+    return _mm512_loadu_ps(p);
+#endif
+}
+#define ROW_FMA16(m)                                                                  \
+    if (MR > m) c##m = _mm512_fmadd_ps(w16, _mm512_set1_ps(x[(m) * ldx + k]), c##m);
+#define ROW_STORE16(m)                                                                \
+    if (MR > m) {                                                                     \
+        _mm512_storeu_ps(out, c##m);                                                  \
+        store_row(y + (m) * ldy + n0, out, bias ? bias + n0 : 0, width);              \
+    }
+
+static inline __attribute__((always_inline)) void tile16(const float *x, int64_t ldx, const wt_t *panels, int K,
+                                                         float *y, int64_t ldy, const float *bias, int N, int q,
+                                                         const int MR, const int prefetch) {
+    __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0, c8 = c0;
+    __m512 c9 = c0, c10 = c0, c11 = c0;
+    const wt_t *w = panels + (int64_t)q * K * NR, *next = w + (int64_t)K * NR;
+    for (int k = 0; k < K; k++) {
+        if (prefetch) _mm_prefetch((const char *)(next + (int64_t)k * NR), _MM_HINT_T0);
+        const __m512 w16 = load16(w + (int64_t)k * NR);
+        ROW_FMA16(0) ROW_FMA16(1) ROW_FMA16(2) ROW_FMA16(3) ROW_FMA16(4) ROW_FMA16(5) ROW_FMA16(6) ROW_FMA16(7) ROW_FMA16(8) ROW_FMA16(9) ROW_FMA16(10) ROW_FMA16(11) 
+    }
+    const int n0 = q * NR, width = N - n0 < NR ? N - n0 : NR;
+    float out[NR];
+    ROW_STORE16(0) ROW_STORE16(1) ROW_STORE16(2) ROW_STORE16(3) ROW_STORE16(4) ROW_STORE16(5) ROW_STORE16(6) ROW_STORE16(7) ROW_STORE16(8) ROW_STORE16(9) ROW_STORE16(10) ROW_STORE16(11) 
+}
+#endif
+
 /* Rows 0..M-1 against panels [q0, q1). */
-static void panel_range(const float *x, int64_t ldx, int M, const float *panels, int K, float *y, int64_t ldy,
+static void panel_range(const float *x, int64_t ldx, int M, const wt_t *panels, int K, float *y, int64_t ldy,
                         const float *bias, int N, int q0, int q1) {
     int q = q0;
     if (M == 1) {
@@ -112,6 +164,26 @@ static void panel_range(const float *x, int64_t ldx, int M, const float *panels,
     for (; q < q1; q++) {
         int m = 0;
         const int prefetch = q + 1 < q1;
+#ifdef __AVX512F__
+        for (; m + MAX_MR16 <= M; m += MAX_MR16)
+            tile16(x + m * ldx, ldx, panels, K, y + m * ldy, ldy, bias, N, q, MAX_MR16, prefetch);
+        const float *xm = x + m * ldx;
+        float *ym = y + m * ldy;
+        switch (M - m) {
+            case 11: tile16(xm, ldx, panels, K, ym, ldy, bias, N, q, 11, prefetch); break;
+            case 10: tile16(xm, ldx, panels, K, ym, ldy, bias, N, q, 10, prefetch); break;
+            case 9: tile16(xm, ldx, panels, K, ym, ldy, bias, N, q, 9, prefetch); break;
+            case 8: tile16(xm, ldx, panels, K, ym, ldy, bias, N, q, 8, prefetch); break;
+            case 7: tile16(xm, ldx, panels, K, ym, ldy, bias, N, q, 7, prefetch); break;
+            case 6: tile16(xm, ldx, panels, K, ym, ldy, bias, N, q, 6, prefetch); break;
+            case 5: tile16(xm, ldx, panels, K, ym, ldy, bias, N, q, 5, prefetch); break;
+            case 4: tile16(xm, ldx, panels, K, ym, ldy, bias, N, q, 4, prefetch); break;
+            case 3: tile16(xm, ldx, panels, K, ym, ldy, bias, N, q, 3, prefetch); break;
+            case 2: tile16(xm, ldx, panels, K, ym, ldy, bias, N, q, 2, prefetch); break;
+            case 1: tile16(xm, ldx, panels, K, ym, ldy, bias, N, q, 1, prefetch); break;
+            default: break;
+        }
+#else
         for (; m + MAX_MR <= M; m += MAX_MR)
             tile(x + m * ldx, ldx, panels, K, y + m * ldy, ldy, bias, N, q, 6, prefetch);
         const float *xm = x + m * ldx;
@@ -124,11 +196,12 @@ static void panel_range(const float *x, int64_t ldx, int M, const float *panels,
             case 1: tile(xm, ldx, panels, K, ym, ldy, bias, N, q, 1, prefetch); break;
             default: break;
         }
+#endif
     }
 }
 
 /* Returns 0, or 1 for shapes it refuses. */
-int epd_panel_linear(const float *x, int64_t ldx, int M, const float *panels, int N, int K, const float *bias,
+int epd_panel_linear(const float *x, int64_t ldx, int M, const wt_t *panels, int N, int K, const float *bias,
                      float *y, int64_t ldy, int threads) {
     if (M <= 0 || N <= 0 || K <= 0 || threads <= 0 || ldx < K || ldy < N) return 1;
     const int Q = (N + NR - 1) / NR;

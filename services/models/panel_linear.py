@@ -13,6 +13,11 @@ model's own weights finds it fastest (services/models/prepack.py).  The kernel i
 use (services/native.py) and needs gcc, AVX2 and FMA; `available()` says whether it built, and
 "auto" skips it otherwise.  Any M works (tiles of 6 rows); large M (prefill) is oneDNN's ground.
 Outputs agree with F.linear to ~1e-6 relative (one in-order float32 sum per output).
+
+`PanelLinear(linear, torch.bfloat16)` keeps the panels in bfloat16 (the kernel built with
+-DEPD_PANEL_BF16 widens them in registers; the arithmetic stays float32): half the bytes per step,
+for decode's `--dtype bfloat16` (services/decode/app.py).  Its outputs are F.linear's over the
+weights rounded to bfloat16, to ~1e-6 relative.
 """
 
 from __future__ import annotations
@@ -33,15 +38,19 @@ logger = logging.getLogger(__name__)
 NR = 16                          # output rows per panel (two AVX2 vectors)
 _SOURCE = Path(__file__).with_name("panel_kernel.c")
 _FLAGS = (*BASE_FLAGS, "-fopenmp")
-_LIB: Any = None
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
+BF16_FLAG = "-DEPD_PANEL_BF16"   # panel_kernel.c's bfloat16-panel build
+_LIBS: dict[torch.dtype, Any] = {}
 _ERROR: str | None = None
 
 
-def _kernel() -> Any:
-    global _LIB, _ERROR
-    if _LIB is None and _ERROR is None:
+def _kernel(weight_dtype: torch.dtype = torch.float32) -> Any:
+    global _ERROR
+    if weight_dtype not in _LIBS and _ERROR is None:
+        bf16 = weight_dtype == torch.bfloat16
         try:
-            lib = build_library(_SOURCE, "panel_linear", _FLAGS)
+            lib = build_library(_SOURCE, "panel_linear_bf16" if bf16 else "panel_linear",
+                                (*_FLAGS, BF16_FLAG) if bf16 else _FLAGS)
         except OSError as exc:
             _ERROR = str(exc)
             logger.info("panel linear kernel unavailable: %s", exc)
@@ -50,13 +59,13 @@ def _kernel() -> Any:
             ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
             fn.argtypes = [ptr, i64, i32, ptr, i32, i32, ptr, ptr, i64, i32]
             fn.restype = i32
-            _LIB = lib
-    return _LIB
+            _LIBS[weight_dtype] = lib
+    return _LIBS.get(weight_dtype)
 
 
-def available() -> bool:
-    """Whether the kernel builds and loads here (gcc, AVX2, FMA)."""
-    return _kernel() is not None
+def available(weight_dtype: torch.dtype = torch.float32) -> bool:
+    """Whether the kernel (for float32 or bfloat16 panels) builds and loads here (gcc, AVX2, FMA)."""
+    return weight_dtype in WEIGHT_DTYPES and _kernel(weight_dtype) is not None
 
 
 def unavailable_reason() -> str:
@@ -64,6 +73,7 @@ def unavailable_reason() -> str:
 
 
 def can_panel(linear: nn.Module) -> bool:
+    """A float32 CPU `nn.Linear` (its panels may still be kept in bfloat16: `PanelLinear`)."""
     weight = getattr(linear, "weight", None)
     return (type(linear) is nn.Linear and isinstance(weight, torch.Tensor) and weight.dtype == torch.float32
             and weight.device.type == "cpu" and weight.dim() == 2)
@@ -86,13 +96,15 @@ class PanelLinear(SwappedLinear):
 
     kernel = "panel"
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, weight_dtype: torch.dtype = torch.float32) -> None:
         super().__init__(linear.in_features, linear.out_features)
-        fn = _kernel()
+        if weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"panel weights are float32 or bfloat16, not {weight_dtype}")
+        fn = _kernel(weight_dtype)
         if fn is None:
             raise OSError(f"panel linear kernel unavailable: {_ERROR}")
         self._fn = fn.epd_panel_linear
-        self.weight = panelize(linear.weight.detach())
+        self.weight = panelize(linear.weight.detach().to(weight_dtype))
         if self.weight.data_ptr() % 32:
             raise ValueError("panel weights must be 32-byte aligned")
         self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
@@ -115,4 +127,5 @@ class PanelLinear(SwappedLinear):
         return out.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, panels={NR}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, panels={NR}"
+                f"{', bfloat16' if self.weight.dtype == torch.bfloat16 else ''}")

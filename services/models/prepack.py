@@ -59,7 +59,8 @@ logger = logging.getLogger(__name__)
 MODES = ("auto", "panel", "prepacked", "default")
 KERNELS = ("panel", "prepacked")   # what a swap can pick (auto: the fastest that applies)
 MIN_SPEEDUP = 1.05            # below this the swap is not worth a second code path
-MAX_REL_DIFF = 1e-4           # swapped outputs must agree with F.linear this closely
+MAX_REL_DIFF = 1e-4           # swapped outputs must agree with F.linear this closely (float32)
+MAX_REL_DIFF_BF16 = 1e-2      # bfloat16 outputs carry 8 bits: one rounding step is 2^-8 of the element
 _BATCH_HINT = 16              # oneDNN picks its blocking for this many rows (decode batches)
 _ROUNDS = 3
 _TIME_BUDGET_S = 20.0         # auto mode stops timing (and keeps what it has) after this
@@ -74,12 +75,22 @@ class PackedLinear(SwappedLinear):
 
     kernel = "prepacked"
 
-    def __init__(self, linear: nn.Linear, batch_hint: int = _BATCH_HINT) -> None:
+    def __init__(self, linear: nn.Linear, batch_hint: int = _BATCH_HINT, weight_dtype: torch.dtype | None = None
+                 ) -> None:
         super().__init__(linear.in_features, linear.out_features)
-        self.weight = pack_weight(linear.weight.detach(), batch_hint)
-        self.bias = None if linear.bias is None else linear.bias.detach()
+        weight = linear.weight.detach()
+        # weights kept in another dtype than the model's (decode's bfloat16 weights over float32
+        # activations): the input is cast to it and the output back
+        self.cast = weight_dtype if weight_dtype not in (None, weight.dtype) else None
+        self.weight = pack_weight(weight.to(self.cast) if self.cast else weight, batch_hint)
+        bias = None if linear.bias is None else linear.bias.detach()
+        self.bias = bias.to(self.cast) if bias is not None and self.cast else bias
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cast is not None:
+            out = torch.ops.mkldnn._linear_pointwise(x.to(self.cast).contiguous(), self.weight, self.bias, "none",
+                                                     [], "")
+            return out.to(x.dtype)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
@@ -91,15 +102,40 @@ def pack_weight(weight: torch.Tensor, batch_hint: int = _BATCH_HINT) -> torch.Te
 
 
 def can_pack(linear: nn.Module) -> bool:
+    """A plain CPU `nn.Linear` oneDNN can pack: float32, or bfloat16 where this CPU has bf16 arithmetic."""
     weight = getattr(linear, "weight", None)
-    return (type(linear) is nn.Linear and isinstance(weight, torch.Tensor) and weight.dtype == torch.float32
-            and weight.device.type == "cpu" and torch.backends.mkldnn.is_available())
+    return (type(linear) is nn.Linear and isinstance(weight, torch.Tensor) and weight.device.type == "cpu"
+            and torch.backends.mkldnn.is_available()
+            and (weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and bf16_packable())))
 
 
-def _kernel_applies(kernel: str) -> bool:
+def bf16_packable() -> bool:
+    """oneDNN packs and multiplies bfloat16 here (AVX512-BF16 / AMX, or avx512bw+vl+dq)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """How closely a swapped kernel's outputs must agree with F.linear's, relative to the largest."""
+    return MAX_REL_DIFF_BF16 if dtype == torch.bfloat16 else MAX_REL_DIFF
+
+
+def _kernel_applies(kernel: str, dtype: torch.dtype = torch.float32, weight_dtype: torch.dtype | None = None) -> bool:
+    """`kernel` runs layers of `dtype` here, keeping their weights in `weight_dtype` (None: `dtype`)."""
     if kernel == "panel":
-        return panel_linear.available()
+        return (dtype == torch.float32 and weight_dtype in (None, *panel_linear.WEIGHT_DTYPES)
+                and panel_linear.available(weight_dtype or dtype))
+    if (weight_dtype or dtype) == torch.bfloat16 and not bf16_packable():
+        return False
     return torch.backends.mkldnn.is_available()
+
+
+def make_swap(kernel: str, weight_dtype: torch.dtype | None = None) -> Callable[[nn.Linear], SwappedLinear]:
+    """The constructor of `kernel`'s layer, keeping weights in `weight_dtype` (None: the layer's own)."""
+    if weight_dtype is None:
+        return SWAP[kernel]
+    if kernel == "panel":
+        return lambda linear: panel_linear.PanelLinear(linear, weight_dtype)
+    return lambda linear: PackedLinear(linear, weight_dtype=weight_dtype)
 
 
 SWAP: dict[str, Callable[[nn.Linear], SwappedLinear]] = {"prepacked": PackedLinear, "panel": panel_linear.PanelLinear}
@@ -124,6 +160,7 @@ class LinearReport:
     timings_ms: dict[str, dict[str, float]] = field(default_factory=dict)
     speedups: dict[str, float] = field(default_factory=dict)   # every timed kernel's, by name
     head: LinearReport | None = None  # a language model's LM head, decided on its own (prepack_language)
+    weights: str = ""                 # "bfloat16" where a float32 model's swapped weights are kept in bf16
 
     def line(self) -> str:
         speed = f", {self.speedup:.2f}x" if self.speedup is not None else ""
@@ -135,7 +172,8 @@ class LinearReport:
         fused = f", {self.num_fused} fused" if self.num_fused else ""
         if self.fused_speedup is not None:
             fused += f" (MLP {self.fused_speedup:.2f}x)"
-        return (f"linear kernel {self.kernel} (mode {self.mode}{speed}{others}; {self.num_swapped} layers "
+        weights = f"{self.weights} weights, " if self.weights else ""
+        return (f"linear kernel {self.kernel} ({weights}mode {self.mode}{speed}{others}; {self.num_swapped} layers "
                 f"swapped{fused}, {self.extra_bytes / 2**20:.0f} MiB extra{head})"
                 f"{': ' + self.reason if self.reason else ''}")
 
@@ -164,7 +202,8 @@ _SPEEDUP: Any = None
 
 def prepack_language(lm: LanguageModel, mode: str = "auto", rows: tuple[int, ...] = (1, 16, 256),
                      head_rows: tuple[int, ...] = (1, 16), serial_rows: int = 0,
-                     stack_mode: str | None = None, fuse: bool = False) -> LinearReport:
+                     stack_mode: str | None = None, fuse: bool = False,
+                     weight_dtype: torch.dtype | None = None) -> LinearReport:
     """Swap the decoder stack's and the LM head's linears when `mode` says so; auto decides the two
     apart, timing the stack at `rows` and the head at `head_rows` (the batch sizes each sees).
     `num_swapped` and `extra_bytes` of the returned report count both; `.head` is the head's.
@@ -172,7 +211,11 @@ def prepack_language(lm: LanguageModel, mode: str = "auto", rows: tuple[int, ...
     on a busy box two threads' barriers make every kernel but single-threaded F.linear look slow.
     `stack_mode`, when given, decides the stack instead of `mode` (decode's fused step needs panels there).
     `fuse`: a prepacked stack's MLPs run as fused_mlp.FusedGatedMLP (prefill; not decode, whose compiled
-    step calls swapped layers through a custom op)."""
+    step calls swapped layers through a custom op).  `weight_dtype` bfloat16 keeps a float32 model's swapped
+    weights in bfloat16 (decode's --dtype bfloat16: half the bytes a step reads, float32 arithmetic); then
+    every swap is timed against F.linear at the bfloat16 tolerance and "default" is refused."""
+    if weight_dtype is not None and (stack_mode or mode) == "default":
+        raise ValueError("bfloat16 weights over a float32 model need a swapped kernel, not --linear-kernel default")
     head = lm.lm_head
     tied = _tied_weights(lm.model, head)
     fused = None
@@ -181,16 +224,17 @@ def prepack_language(lm: LanguageModel, mode: str = "auto", rows: tuple[int, ...
 
         fused = fuse_mlps(lm.model, stack_mode or mode, rows)
     layers = _linears(lm.model)
-    report = _decide(stack_mode or mode, _by_shape(layers, rows), serial_rows)
+    report = _decide(stack_mode or mode, _by_shape(layers, rows), serial_rows, weight_dtype)
     if report.kernel in KERNELS:
-        report.num_swapped = _swap_all(layers, SWAP[report.kernel])
+        report.num_swapped = _swap_all(layers, make_swap(report.kernel, weight_dtype))
+        report.weights = "bfloat16" if weight_dtype == torch.bfloat16 else ""
     if fused is not None:
         report.num_fused, report.fused_speedup = fused.count, fused.speedup
         report.num_swapped += 3 * fused.gated
     if can_pack(head):
-        report.head = _decide(mode, [("lm_head", [head], head_rows)], serial_rows)
+        report.head = _decide(mode, [("lm_head", [head], head_rows)], serial_rows, weight_dtype)
         if report.head.kernel in KERNELS:
-            lm.lm_head = SWAP[report.head.kernel](head)
+            lm.lm_head = make_swap(report.head.kernel, weight_dtype)(head)
             report.head.num_swapped = 1
             report.head.extra_bytes = _bytes(head.weight) if tied else 0
             report.num_swapped += 1
@@ -251,7 +295,8 @@ def _bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _decide(mode: str, timed: list[tuple[str, list[nn.Linear], tuple[int, ...]]], serial_rows: int = 0) -> LinearReport:
+def _decide(mode: str, timed: list[tuple[str, list[nn.Linear], tuple[int, ...]]], serial_rows: int = 0,
+            weight_dtype: torch.dtype | None = None) -> LinearReport:
     if mode not in MODES:
         raise ValueError(f"unknown linear kernel mode {mode!r}; supported: {', '.join(MODES)}")
     if mode == "default" or not timed:
@@ -260,8 +305,18 @@ def _decide(mode: str, timed: list[tuple[str, list[nn.Linear], tuple[int, ...]]]
         if not _kernel_applies(mode):
             detail = panel_linear.unavailable_reason() if mode == "panel" else "oneDNN is not available"
             raise ValueError(f"linear kernel {mode!r} is not available here: {detail}")
+        if not _kernel_applies(mode, _dtype(timed), weight_dtype):
+            raise ValueError(f"linear kernel {mode!r} does not run {_dtype(timed)} layers"
+                             f"{f' over {weight_dtype} weights' if weight_dtype else ''} here")
         return LinearReport(mode, mode, reason="asked")
-    return _measure(timed, [k for k in KERNELS if _kernel_applies(k)], serial_rows)
+    kernels = [k for k in KERNELS if _kernel_applies(k, _dtype(timed), weight_dtype)]
+    if weight_dtype is not None and not kernels:
+        raise ValueError(f"no linear kernel keeps {weight_dtype} weights here")
+    return _measure(timed, kernels, serial_rows, weight_dtype)
+
+
+def _dtype(timed: list[tuple[str, list[nn.Linear], tuple[int, ...]]]) -> torch.dtype:
+    return timed[0][1][0].weight.dtype
 
 
 @contextlib.contextmanager
@@ -298,11 +353,12 @@ def _try_flock(handle: Any) -> bool:
 
 
 def _measure(timed: list[tuple[str, list[nn.Linear], tuple[int, ...]]], kernels: list[str],
-             serial_rows: int = 0) -> LinearReport:
+             serial_rows: int = 0, weight_dtype: torch.dtype | None = None) -> LinearReport:
     from services import compute_threads
 
     with timing_lock():   # on the threads the engine will run them with, in a thread that then ends
-        return compute_threads.run_in_fresh_thread(lambda: _measure_alone(timed, kernels, serial_rows))
+        return compute_threads.run_in_fresh_thread(lambda: _measure_alone(timed, kernels, serial_rows,
+                                                                                 weight_dtype))
 
 
 @contextlib.contextmanager
@@ -318,7 +374,7 @@ def _threads(count: int | None) -> Iterator[None]:
 
 @torch.inference_mode()
 def _measure_alone(timed: list[tuple[str, list[nn.Linear], tuple[int, ...]]], kernels: list[str],
-                   serial_rows: int) -> LinearReport:
+                   serial_rows: int, weight_dtype: torch.dtype | None = None) -> LinearReport:
     started = time.monotonic()
     # time per kernel and batch size, summed over the shapes: a step's time at that batch size
     totals: dict[str, dict[int, float]] = {k: {} for k in ["default", *kernels]}
@@ -327,9 +383,10 @@ def _measure_alone(timed: list[tuple[str, list[nn.Linear], tuple[int, ...]]], ke
     for name, linears, rows in timed:
         if time.monotonic() - started > _TIME_BUDGET_S:
             break
-        candidates = {"default": linears, **{k: [SWAP[k](linear) for linear in linears] for k in kernels}}
+        candidates = {"default": linears,
+                      **{k: [make_swap(k, weight_dtype)(linear) for linear in linears] for k in kernels}}
         for count in rows:
-            x = torch.randn(count, linears[0].in_features)
+            x = torch.randn(count, linears[0].in_features, dtype=linears[0].weight.dtype)
             with _threads(1 if count <= serial_rows else None):
                 best, diffs = _compare(candidates, x)
             timings[f"{name}@{count}"] = {f"{k}_ms": v for k, v in best.items()}
@@ -341,10 +398,14 @@ def _measure_alone(timed: list[tuple[str, list[nn.Linear], tuple[int, ...]]], ke
     if not totals["default"]:
         return LinearReport("default", "auto", reason="nothing timed", timings_ms=timings)
     speedups = {k: _geomean([totals["default"][n] / totals[k][n] for n in totals["default"]]) for k in kernels}
-    agreeing = {k: v for k, v in speedups.items() if worst[k] <= MAX_REL_DIFF}
+    limit = tolerance(weight_dtype or _dtype(timed))
+    agreeing = {k: v for k, v in speedups.items() if worst[k] <= limit}
     chosen = max(agreeing, key=lambda k: agreeing[k], default=None)
     reason = "measured" + "".join(f"; {k} outputs differ by {worst[k]:.1e} relative" for k in kernels
-                                  if worst[k] > MAX_REL_DIFF)
+                                  if worst[k] > limit)
+    if weight_dtype is not None and chosen is not None:   # F.linear would keep float32 weights: not an option
+        return LinearReport(chosen, "auto", reason=reason, speedup=speedups[chosen], max_rel_diff=worst[chosen],
+                            timings_ms=timings, speedups=speedups)
     if chosen is None or agreeing[chosen] < MIN_SPEEDUP:
         return LinearReport("default", "auto", reason=reason, speedup=1.0, timings_ms=timings, speedups=speedups,
                             max_rel_diff=max(worst.values(), default=None))

@@ -139,3 +139,15 @@ def test_omp_team_quick_runs_both_clusters():
     assert doc["b_flags"] == "--single-omp-team off" and len(figures) == 2
     for f in figures:
         assert math.isfinite(f.value) and f.value > 0 and "failed 0/0" in f.note, f.name
+
+
+def test_epd_dtype_quick_runs_bfloat16_beside_float32():
+    import math
+
+    from benchmarks import epd_dtype
+
+    figures, doc = epd_dtype.run(quick=True)
+    assert (doc["a_flags"], doc["b_flags"]) == ("--dtype bfloat16", "--dtype float32")
+    assert [f.name.split(",")[0] for f in figures] == ["TTFT p50", "output tok/s", "TPOT p50"]
+    for f in figures:
+        assert math.isfinite(f.value) and f.value > 0 and "failed 0/0" in f.note, f.name

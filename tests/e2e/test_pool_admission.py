@@ -118,8 +118,9 @@ def test_disconnecting_a_non_streaming_request_frees_the_slot(pool):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(pool.url + "/v1/chat/completions", json=body, timeout=1.0)
     # Cancelled, not run to its end: the coordinator counts the disconnect and decode frees the row
-    # (a full suite on 2 cores has seen ~2 s from the client's timeout to the freed slot; alone it is < 0.3 s).
-    assert _wait(lambda: _slots(pool) == 0, 5.0) < 3.0
+    # (a full suite on 2 cores has seen 2.1 s and 3.6 s from the client's timeout to the freed slot; alone it
+    # is < 0.3 s; the disconnect counter below is what proves the request was cancelled, not run to its end).
+    assert _wait(lambda: _slots(pool) == 0, 8.0) < 6.0
     assert _wait(lambda: disconnects() == before + 1, 2.0) < 2.0
 
 

@@ -43,3 +43,25 @@ def test_capital_of_france_is_paris(smollm2):
     from tests.support.reference import Reference
 
     assert answer["token_ids"] == Reference(path).greedy(QUESTION, [], 24)[:len(answer["token_ids"])]
+
+
+def test_bfloat16_still_knows_paris(smollm2):
+    """`--dtype bfloat16` on real weights: encode/prefill in bfloat16, decode in float32 over bfloat16 weight
+    panels (the prefilled bfloat16 KV widened on landing).  The answer still names Paris, and its first tokens
+    are the float32 reference's (bfloat16 rounding may change a later near-tie, not the start of the answer)."""
+    path, _ = smollm2
+    cluster = start_cluster("--model", "smollm2", "--decode-slots", "2", "--dtype", "bfloat16")
+    try:
+        body = {"model": "smollm2", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 24,
+                "temperature": 0, "return_token_ids": True}
+        with cluster.client() as client:
+            reply = client.post("/v1/chat/completions", json=body)
+    finally:
+        cluster.stop()
+    assert reply.status_code == 200, reply.text
+    answer = reply.json()["choices"][0]
+    assert "Paris" in answer["message"]["content"], answer["message"]["content"]
+
+    from tests.support.reference import Reference
+
+    assert answer["token_ids"][:4] == Reference(path).greedy(QUESTION, [], 4)

@@ -151,6 +151,85 @@ def test_decode_role_steers_auto_to_panels_for_the_fused_step():
     assert stack_kernel(EpdConfig(linear_kernel="auto", decode_fused="off")) == "auto"
     assert stack_kernel(EpdConfig(linear_kernel="auto", decode_step="compiled")) == "auto"
     assert stack_kernel(EpdConfig(linear_kernel="prepacked")) == "prepacked"
-    assert stack_kernel(EpdConfig(linear_kernel="auto", dtype="bfloat16")) == "auto"
+    # --dtype bfloat16: float32 activations over bfloat16 panels, so the fused step still applies ...
+    assert stack_kernel(EpdConfig(linear_kernel="auto", dtype="bfloat16")) == (
+        "panel" if panel_linear.available(torch.bfloat16) else "auto")
+    # ... unless the kernels are refused: then the model is loaded in bfloat16 and runs unswapped
+    assert stack_kernel(EpdConfig(linear_kernel="default", dtype="bfloat16")) == "default"
     with pytest.raises(ValueError, match="decode_fused must be one of auto, on, off"):
         EpdConfig(decode_fused="maybe")
+
+
+@torch.inference_mode()
+def test_bfloat16_panels_run_fused_as_float32_over_the_rounded_weights(tiny, prefilled):
+    """decode's --dtype bfloat16: the fused step over bfloat16 panels gives the logits of the eager step over
+    the same weights rounded to bfloat16 and kept in float32 (1e-5), visibly not the unrounded model's
+    (the rounding really happened), and the same greedy tokens as that rounded eager step."""
+    from types import SimpleNamespace
+
+    from services.models.panel_linear import PanelLinear
+    from services.models.prepack import prepack_language
+    from services.models.registry import adapter_for
+
+    def load(round_weights: bool):
+        lm = adapter_for(tiny.path).load_language(tiny.path, "cpu", "float32", 512)
+        if round_weights:
+            for module in lm.model.modules():
+                if isinstance(module, torch.nn.Linear):
+                    module.weight.copy_(module.weight.to(torch.bfloat16).float())
+        return lm
+
+    bf16 = load(False)
+    report = prepack_language(bf16, "panel", weight_dtype=torch.bfloat16)
+    layer = bf16.model.layers[0]
+    assert isinstance(layer.mlp.down_proj, PanelLinear) and layer.mlp.down_proj.weight.dtype == torch.bfloat16
+    assert report.kernel == "panel" and bf16.layout.dtype == torch.float32
+    rounded, exact = load(True), load(False)
+    prepack_language(rounded, "panel")    # float32 panels of the rounded weights
+    prepack_language(exact, "panel")
+    # the LM heads differ between the three (kept unswapped in `exact`): compare the stacks' outputs
+    for lm in (rounded, exact):
+        lm.lm_head = bf16.lm_head
+    got_batch = _Batch(SimpleNamespace(lm=bf16), prefilled)
+    got = FusedStep(got_batch.decoder, max_rows=4)(*got_batch.inputs)
+    want_batch = _Batch(SimpleNamespace(lm=rounded), prefilled)
+    want = want_batch.decoder.forward(*want_batch.inputs)
+    off_batch = _Batch(SimpleNamespace(lm=exact), prefilled)
+    off = off_batch.decoder.forward(*off_batch.inputs)
+    assert _rel(got, want) <= 1e-5
+    assert _rel(got_batch.new_kv(), want_batch.new_kv()) <= 1e-5
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert _rel(got, off) > 1e-5
+
+
+def test_the_decode_role_keeps_float32_activations_over_bfloat16_weights():
+    from services.config import EpdConfig
+    from services.decode.app import bf16_weights, load_dtype, wants_fused
+    from services.models import panel_linear
+
+    bf16 = EpdConfig(dtype="bfloat16")
+    assert bf16_weights(bf16) == panel_linear.available(torch.bfloat16)
+    assert load_dtype(bf16) == ("float32" if bf16_weights(bf16) else "bfloat16")
+    assert wants_fused(bf16) == bf16_weights(bf16)
+    assert not bf16_weights(EpdConfig(dtype="bfloat16", linear_kernel="default"))   # no swap: bf16 throughout
+    assert load_dtype(EpdConfig(dtype="bfloat16", linear_kernel="default")) == "bfloat16"
+    assert not bf16_weights(EpdConfig())
+
+
+def test_a_bfloat16_prefill_kv_is_widened_into_float32_blocks(tiny, make_engine, prefilled, submit):
+    """A bfloat16 prefill beside a float32-activation decode: the KV lands widened (exactly), so the tokens are
+    those of the same KV handed over as float32; a dtype that does not widen exactly is refused."""
+    from dataclasses import replace
+
+    from services.protocol.errors import InvalidRequest
+
+    engine = make_engine(num_slots=2, block_size=8)
+    halved = [replace(p, kv=p.kv.to(torch.bfloat16)) for p in prefilled[1:]]
+    widened = [replace(p, kv=p.kv.float()) for p in halved]
+    got = [submit(engine, f"h{i}", p, max_tokens=8, **GREEDY) for i, p in enumerate(halved)]
+    want = [submit(engine, f"w{i}", p, max_tokens=8, **GREEDY) for i, p in enumerate(widened)]
+    for a, b in zip(got, want, strict=True):
+        a.wait_done(), b.wait_done()
+        assert a.token_ids == b.token_ids and len(a.token_ids) == 8
+    with pytest.raises(InvalidRequest, match="kv dtype must be the model dtype torch.float32, got torch.float64"):
+        engine.check_prefill(prefilled[0].kv.double(), prefilled[0].prompt_len)

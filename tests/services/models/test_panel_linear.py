@@ -80,3 +80,38 @@ def test_it_shares_torchs_openmp_runtime_and_threads():
         torch.set_num_threads(before)
     with torch.inference_mode():
         assert torch.equal(one, panel(x))                        # each output's sum runs in one order
+
+
+@pytest.mark.parametrize("out_features, in_features, bias", [(49152, 576, False), (17, 13, True), (33, 1030, True)])
+@torch.inference_mode()
+def test_bfloat16_panels_are_f_linear_over_the_rounded_weights(out_features, in_features, bias):
+    """bfloat16 panels (decode's --dtype bfloat16): half the bytes, float32 arithmetic over the weights
+    rounded to bfloat16 -- so F.linear over those rounded weights to 1e-5, and visibly not the float32 layer
+    (the negative control: the rounding really happened)."""
+    assert panel_linear.available(torch.bfloat16), panel_linear.unavailable_reason()
+    torch.manual_seed(in_features)
+    linear = nn.Linear(in_features, out_features, bias=bias)
+    panel = PanelLinear(linear, torch.bfloat16)
+    assert panel.weight.dtype == torch.bfloat16
+    assert panel.weight.numel() * 2 == PanelLinear(linear).weight.numel() * 4 // 2
+    rounded = nn.Linear(in_features, out_features, bias=bias)
+    rounded.weight.copy_(linear.weight.to(torch.bfloat16).float())
+    if bias:
+        rounded.bias.copy_(linear.bias)
+    for rows in (1, 2, 5, 6, 7, 16):
+        x = torch.randn(rows, in_features)
+        got = panel(x)
+        assert got.dtype == torch.float32
+        assert float((got - rounded(x)).abs().max() / rounded(x).abs().max()) <= 1e-5, rows
+        off = float((got - linear(x)).abs().max() / linear(x).abs().max())
+        assert 1e-5 < off <= 1e-2, rows
+
+
+def test_bfloat16_panels_are_the_rounded_weights_interleaved_and_other_dtypes_refused():
+    weight = torch.randn(20, 3)
+    panel = PanelLinear(nn.Linear(3, 20, bias=False), torch.bfloat16)
+    panel_w = panelize(weight.to(torch.bfloat16))
+    assert panel_w.dtype == torch.bfloat16 and torch.equal(panel_w[0, 2, :], weight[:16, 2].to(torch.bfloat16))
+    assert "bfloat16" in repr(panel)
+    with pytest.raises(ValueError, match="panel weights are float32 or bfloat16, not torch.float16"):
+        PanelLinear(nn.Linear(3, 20), torch.float16)

@@ -187,3 +187,59 @@ def test_serial_batch_sizes_are_timed_on_one_thread():
         assert set(report.timings_ms) == {"w@1", "w@4", "w@8"}
     finally:
         torch.set_num_threads(before)
+
+
+def test_bfloat16_weights_over_a_float32_model_always_swap(demo_model_path):
+    """decode's --dtype bfloat16: auto times both kernels keeping bfloat16 weights (never F.linear, which would
+    keep float32 ones) at the bfloat16 tolerance; with panels the model is the float32 model over the weights
+    rounded to bfloat16 (same greedy tokens, logits within 1e-5); "default" is refused."""
+    from services.models.prepack import MAX_REL_DIFF_BF16, bf16_packable
+
+    ids = list(range(100, 140))
+    lm = _load(demo_model_path)
+    want, want_logits = _greedy(lm, ids, 1)
+    report = prepack_language(lm, "auto", rows=(1, 4), head_rows=(1, 4), weight_dtype=torch.bfloat16)
+    kernels = {"panel", "prepacked"} if bf16_packable() else {"panel"}
+    assert report.kernel in kernels and report.head is not None and report.head.kernel in kernels
+    assert set(report.speedups) == kernels and report.max_rel_diff <= MAX_REL_DIFF_BF16
+    assert "(bfloat16 weights, mode auto" in report.line()
+    down = lm.model.layers[0].mlp.down_proj
+    if report.kernel == "panel":
+        assert down.weight.dtype == torch.bfloat16
+    else:
+        assert down.cast == torch.bfloat16
+    got, got_logits = _greedy(lm, ids, 1)
+    assert 0 < float((got_logits - want_logits).abs().max() / want_logits.abs().max()) <= MAX_REL_DIFF_BF16
+
+    rounded = _load(demo_model_path)
+    with torch.inference_mode():
+        for module in [*rounded.model.modules(), rounded.lm_head]:
+            if isinstance(module, nn.Linear):
+                module.weight.copy_(module.weight.to(torch.bfloat16).float())
+    want, want_logits = _greedy(rounded, ids, 6)
+    panels = _load(demo_model_path)
+    prepack_language(panels, "panel", weight_dtype=torch.bfloat16)
+    assert panels.model.layers[0].mlp.down_proj.weight.dtype == panels.lm_head.weight.dtype == torch.bfloat16
+    got, got_logits = _greedy(panels, ids, 6)
+    assert got == want
+    assert float((got_logits - want_logits).abs().max() / want_logits.abs().max()) <= 1e-5
+    with pytest.raises(ValueError, match="need a swapped kernel, not --linear-kernel default"):
+        prepack_language(_load(demo_model_path), "default", weight_dtype=torch.bfloat16)
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="this CPU has no bf16 arithmetic")
+def test_a_bfloat16_model_is_prepacked_at_the_bfloat16_tolerance(demo_model_path):
+    from services.models.prepack import MAX_REL_DIFF_BF16
+    from services.models.registry import adapter_for
+
+    lm = adapter_for(demo_model_path).load_language(demo_model_path, "cpu", "bfloat16", 512)
+    plain = adapter_for(demo_model_path).load_language(demo_model_path, "cpu", "bfloat16", 512)
+    report = prepack_language(lm, "prepacked")
+    assert report.kernel == "prepacked" and isinstance(lm.model.layers[0].mlp.up_proj, PackedLinear)
+    with pytest.raises(ValueError, match="linear kernel 'panel' does not run torch.bfloat16 layers here"):
+        prepack_language(plain, "panel")
+    ids = list(range(100, 140))
+    got, got_logits = _greedy(lm, ids, 4)
+    want, want_logits = _greedy(plain, ids, 4)
+    assert got_logits.dtype == torch.bfloat16
+    assert float((got_logits - want_logits).abs().max() / want_logits.abs().max()) <= MAX_REL_DIFF_BF16
