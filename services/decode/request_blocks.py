@@ -42,12 +42,15 @@ class RequestBlocks:
         full = length // size
         layers, _, heads, _, dim = kv.shape
         if full:
-            ids = torch.tensor(self.blocks[:full], device=pool.kv.device)
             source = kv[:, :, :, :full * size].reshape(layers, 2, heads, full, size, dim).permute(0, 1, 3, 2, 4, 5)
-            if source.dtype != pool.kv.dtype:   # bfloat16 KV into float32 blocks: widened first (a second copy)
-                source = source.to(pool.kv.dtype)
-                self.bytes_copied += source.numel() * source.element_size()
-            pool.kv[:, :, ids] = source
+            runs = _runs(self.blocks[:full])
+            if len(runs) <= _MAX_RUNS or source.dtype != pool.kv.dtype:
+                # consecutive block ids (the pool hands out low ids first) take one slice copy_ each, which
+                # also widens a bfloat16 KV into float32 blocks in the same pass
+                for offset, first, count in runs:
+                    pool.kv[:, :, first:first + count].copy_(source[:, :, offset:offset + count])
+            else:
+                pool.kv[:, :, torch.tensor(self.blocks[:full], device=pool.kv.device)] = source
         if length > full * size:
             tail = pool.kv[:, :, self.blocks[full]]
             tail[:, :, :, :length - full * size] = kv[:, :, :, full * size:]
@@ -88,3 +91,17 @@ class RequestBlocks:
             self._released = True
             blocks, reserved, self.blocks, self._reserved = self.blocks, self._reserved, [], 0
         self.pool.give_back(blocks, reserved, self.num_tokens)
+
+
+_MAX_RUNS = 8   # more runs of consecutive block ids than this: one indexed copy instead of a copy_ per run
+
+
+def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
+    """(offset in `ids`, first id, count) of each run of consecutive ascending ids."""
+    runs: list[tuple[int, int, int]] = []
+    start = 0
+    for index in range(1, len(ids) + 1):
+        if index == len(ids) or ids[index] != ids[index - 1] + 1:
+            runs.append((start, ids[start], index - start))
+            start = index
+    return runs

@@ -179,3 +179,33 @@ def test_auto_serial_rows_is_four_rows_on_two_cores_and_one_row_beyond(monkeypat
     assert serial_rows(-1, 16, fused=True) == 0 and serial_rows(2, 16, fused=True) == 2
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
     assert serial_rows(-1, 16) == 1 and serial_rows(-1, 16, fused=True) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_loaded_kv_lands_in_its_blocks_exactly_whatever_the_block_ids(tiny, dtype):
+    """`RequestBlocks.load`: every token's K/V at (its block, its offset), widened exactly from bfloat16, with the
+    pool's ids consecutive (slice copies), in a few runs, and scattered (one indexed copy); one copy counted."""
+    from services.decode.request_blocks import RequestBlocks, _runs
+
+    layout = tiny.lm.layout
+    pool = BlockPool(layout, 8 << 20, block_size=4)
+    gen = torch.Generator().manual_seed(3)
+    assert _runs([5, 6, 7, 2, 3, 9]) == [(0, 5, 3), (3, 2, 2), (5, 9, 1)] and _runs([]) == []
+    # scatter the free list: every other block is held by a filler, so the next load gets runs of length one
+    fillers = []
+    for _ in range(24):
+        assert pool.try_reserve(1)
+        fillers.append(RequestBlocks(pool, 1))
+        fillers[-1].load(torch.zeros(layout.num_layers, 2, layout.num_kv_heads, 1, layout.head_dim))
+    for filler in fillers[::2]:
+        filler.release()
+    for tokens in (18, 41, 7):
+        kv = torch.randn(layout.num_layers, 2, layout.num_kv_heads, tokens, layout.head_dim, generator=gen).to(dtype)
+        assert pool.try_reserve(pool.blocks_for(tokens))
+        blocks = RequestBlocks(pool, pool.blocks_for(tokens))
+        blocks.load(kv)
+        assert blocks.bytes_copied == kv.numel() * kv.element_size()
+        for token in range(tokens):
+            block, offset = blocks.blocks[token // 4], token % 4
+            assert torch.equal(pool.kv[:, :, block, :, offset], kv[:, :, :, token].float())
+        blocks.release()
