@@ -146,7 +146,7 @@ def test_epd_dtype_quick_runs_bfloat16_beside_float32():
 
     from benchmarks import epd_dtype
 
-    figures, doc = epd_dtype.run(quick=True)
+    figures, doc = epd_dtype.run(quick=True, levels=((1, 1), (2, 2)))   # the harness: test_omp_team_quick
     assert (doc["a_flags"], doc["b_flags"]) == ("--dtype bfloat16", "--dtype float32")
     assert [f.name.split(",")[0] for f in figures] == ["TTFT p50", "output tok/s", "TPOT p50"]
     for f in figures:
