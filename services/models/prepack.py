@@ -35,11 +35,8 @@ custom op (services/models/swapped.py).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import math
-import os
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -50,6 +47,7 @@ from torch import nn
 
 from services.models import panel_linear
 from services.models.swapped import SwappedLinear, number_packed, packed_scope
+from services.models.timing_lock import timing_lock
 
 if TYPE_CHECKING:
     from services.models.base import LanguageModel, VisionModel
@@ -65,7 +63,6 @@ _BATCH_HINT = 16              # oneDNN picks its blocking for this many rows (de
 _ROUNDS = 3
 _TIME_BUDGET_S = 20.0         # auto mode stops timing (and keeps what it has) after this
 _LAYERS_PER_SHAPE = 4         # distinct layers of a shape each timing cycles over (module docstring)
-_LOCK_WAIT_S = 120.0          # how long a role waits for another's start-up timing (timing_lock)
 
 
 class PackedLinear(SwappedLinear):
@@ -319,39 +316,6 @@ def _dtype(timed: list[tuple[str, list[nn.Linear], tuple[int, ...]]]) -> torch.d
     return timed[0][1][0].weight.dtype
 
 
-@contextlib.contextmanager
-def timing_lock(wait_s: float = _LOCK_WAIT_S) -> Iterator[bool]:
-    """One start-up timing at a time on this machine (all users' epd processes of this uid).
-
-    `epd serve` starts encode, prefill and decode together; timed side by side, each one's OpenMP
-    threads wait at barriers for threads the others preempted, while single-threaded F.linear does
-    not, and auto picked F.linear for decode at 0.23x-0.81x where alone it measures the panel kernel
-    2.4x faster.  Yields True when the lock was taken, False when `wait_s` passed first (then it
-    times anyway, and says so); the lock goes when the process does, even killed."""
-    path = os.path.join(tempfile.gettempdir(), f"epd-linear-timing-{os.getuid()}.lock")
-    with open(path, "a") as handle:
-        deadline = time.monotonic() + wait_s
-        while not _try_flock(handle):
-            if time.monotonic() >= deadline:
-                logger.warning("linear kernel timing: another process held %s for %.0f s; timing anyway",
-                               path, wait_s)
-                yield False
-                return
-            time.sleep(0.05)
-        try:
-            yield True
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _try_flock(handle: Any) -> bool:
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    return True
-
-
 def _measure(timed: list[tuple[str, list[nn.Linear], tuple[int, ...]]], kernels: list[str],
              serial_rows: int = 0, weight_dtype: torch.dtype | None = None) -> LinearReport:
     from services import compute_threads
@@ -403,10 +367,8 @@ def _measure_alone(timed: list[tuple[str, list[nn.Linear], tuple[int, ...]]], ke
     chosen = max(agreeing, key=lambda k: agreeing[k], default=None)
     reason = "measured" + "".join(f"; {k} outputs differ by {worst[k]:.1e} relative" for k in kernels
                                   if worst[k] > limit)
-    if weight_dtype is not None and chosen is not None:   # F.linear would keep float32 weights: not an option
-        return LinearReport(chosen, "auto", reason=reason, speedup=speedups[chosen], max_rel_diff=worst[chosen],
-                            timings_ms=timings, speedups=speedups)
-    if chosen is None or agreeing[chosen] < MIN_SPEEDUP:
+    # with weight_dtype, F.linear would keep float32 weights: any agreeing kernel wins, however fast
+    if chosen is None or (weight_dtype is None and agreeing[chosen] < MIN_SPEEDUP):
         return LinearReport("default", "auto", reason=reason, speedup=1.0, timings_ms=timings, speedups=speedups,
                             max_rel_diff=max(worst.values(), default=None))
     return LinearReport(chosen, "auto", reason=reason, speedup=speedups[chosen], max_rel_diff=worst[chosen],

@@ -187,7 +187,7 @@ def test_bfloat16_panels_run_fused_as_float32_over_the_rounded_weights(tiny, pre
     rounded, exact = load(True), load(False)
     prepack_language(rounded, "panel")    # float32 panels of the rounded weights
     prepack_language(exact, "panel")
-    # the LM heads differ between the three (kept unswapped in `exact`): compare the stacks' outputs
+    # one LM head for all three (bf16 panels), so the logits differ only by the decoder stacks
     for lm in (rounded, exact):
         lm.lm_head = bf16.lm_head
     got_batch = _Batch(SimpleNamespace(lm=bf16), prefilled)

@@ -92,8 +92,9 @@ def test_bfloat16_panels_are_f_linear_over_the_rounded_weights(out_features, in_
     torch.manual_seed(in_features)
     linear = nn.Linear(in_features, out_features, bias=bias)
     panel = PanelLinear(linear, torch.bfloat16)
-    assert panel.weight.dtype == torch.bfloat16
-    assert panel.weight.numel() * 2 == PanelLinear(linear).weight.numel() * 4 // 2
+    full = PanelLinear(linear).weight
+    assert panel.weight.dtype == torch.bfloat16 and panel.weight.shape == full.shape
+    assert panel.weight.numel() * panel.weight.element_size() * 2 == full.numel() * full.element_size()
     rounded = nn.Linear(in_features, out_features, bias=bias)
     rounded.weight.copy_(linear.weight.to(torch.bfloat16).float())
     if bias:
