@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 from collections.abc import Iterator
 
@@ -50,5 +51,6 @@ def run_coordinator(config: EpdConfig) -> int:
                             coordinator.drain)
     admin = _AdminServer(uvicorn.Config(coordinator.build_admin(), host=config.admin_host, port=config.admin_port,
                                         log_level="warning", lifespan="off", timeout_graceful_shutdown=1))
+    gc.freeze()  # what start-up built lives as long as the process: no full collection rescans it (as the roles)
     asyncio.run(_serve(public, admin, config))
     return 0 if public.started else 1

@@ -130,15 +130,20 @@ def test_fused_mlp_quick_times_both_sides_and_they_agree():
         assert "outputs differ by" in f.note
 
 
-def test_omp_team_quick_runs_both_clusters():
-    import math
+def test_omp_team_and_epd_dtype_flags_are_epd_serve_flags():
+    """What each side of the two benchmarks runs, as `epd serve` parses it (their one harness, omp_team.run,
+    runs two real clusters in test_epd_dtype_quick_runs_bfloat16_beside_float32)."""
+    import shlex
 
-    from benchmarks import omp_team
+    from benchmarks import epd_dtype, omp_team
+    from services.cli import build_parser
+    from services.config import from_args
 
-    figures, doc = omp_team.run(quick=True)
-    assert doc["b_flags"] == "--single-omp-team off" and len(figures) == 2
-    for f in figures:
-        assert math.isfinite(f.value) and f.value > 0 and "failed 0/0" in f.note, f.name
+    def serve(flags: str):
+        return from_args(build_parser().parse_args(["serve", *shlex.split(flags)]))
+
+    assert (serve("").single_omp_team, serve(omp_team.DEFAULT_B).single_omp_team) == ("on", "off")
+    assert (serve(epd_dtype.A_FLAGS).dtype, serve(epd_dtype.B_FLAGS).dtype) == ("bfloat16", "float32")
 
 
 def test_epd_dtype_quick_runs_bfloat16_beside_float32():
@@ -146,7 +151,7 @@ def test_epd_dtype_quick_runs_bfloat16_beside_float32():
 
     from benchmarks import epd_dtype
 
-    figures, doc = epd_dtype.run(quick=True, levels=((1, 1), (2, 2)))   # the harness: test_omp_team_quick
+    figures, doc = epd_dtype.run(quick=True, levels=((1, 1), (2, 2)))   # omp_team.run, both clusters
     assert (doc["a_flags"], doc["b_flags"]) == ("--dtype bfloat16", "--dtype float32")
     assert [f.name.split(",")[0] for f in figures] == ["TTFT p50", "output tok/s", "TPOT p50"]
     for f in figures:

@@ -10,13 +10,22 @@ the request costs the coordinator's own work and nothing else.  Meanwhile a prob
 The yardstick is the longest single call the old path made, timed in this process on the same body:
 `json.loads` of the body or `binascii.a2b_base64` of the item's string, each one C call holding the GIL,
 so code that runs either on the loop or in a worker thread stalls the loop at least that long.  The bound,
-half of it, is broken by any such call on the path.  Noise only adds lag (a loaded 2-core box deschedules
-the coordinator's threads at any time), so the best of up to three requests is judged.
+half of it, is broken by any such call on the path.  Noise only adds lag (a loaded 2-core box
+deschedules the coordinator's threads at any time), so the best of up to five requests, a second apart,
+is judged; the failure message also gives each one's slowest answer in the quiet 0.4 s before it (the
+box's own noise, apart from the request).
+
+The probe runs in this pytest process, which in a full suite holds torch, transformers and a thousand
+tests' objects: one full cyclic collection here takes ~0.2-0.3 s (0.17 s with just torch and
+transformers imported) and pauses the probe thread for that long.  The cyclic GC is therefore off in
+this process while a request is timed.  (One CI run saw 260-390 ms in all three of its tries, the
+requests 3-4x slower than here; the cause was not pinned down, hence the quiet-window figures.)
 """
 
 from __future__ import annotations
 
 import binascii
+import gc
 import json
 import threading
 import time
@@ -82,17 +91,24 @@ class Probe(threading.Thread):
                 time.sleep(0.002)
 
 
-def _worst_stall(cluster, body: bytes, prompt_tokens: int) -> tuple[float, int, float]:
-    """(slowest /health answer while the coordinator held the request, probes then, request seconds)."""
-    probe = Probe(cluster.url)
-    probe.start()
-    time.sleep(0.2)
-    with cluster.client(timeout=120) as client:
-        started = time.perf_counter()
-        reply = client.post("/inference/v1/generate", content=body, headers={"Content-Type": "application/json"})
-        ended = time.perf_counter()
-    probe.stop.set()
-    probe.join(timeout=30)
+def _worst_stall(cluster, body: bytes, prompt_tokens: int) -> tuple[float, int, float, float]:
+    """(slowest /health answer while the coordinator held the request, probes then, request seconds,
+    slowest answer in the quiet 0.4 s before it: the box's own noise, said in the failure message)."""
+    gc.collect()
+    gc.disable()  # this process's own full collection would read as the coordinator's lag (module docstring)
+    try:
+        probe = Probe(cluster.url)
+        probe.start()
+        time.sleep(0.4)
+        with cluster.client(timeout=120) as client:
+            started = time.perf_counter()
+            reply = client.post("/inference/v1/generate", content=body,
+                                headers={"Content-Type": "application/json"})
+            ended = time.perf_counter()
+        probe.stop.set()
+        probe.join(timeout=30)
+    finally:
+        gc.enable()
     assert reply.status_code == 400, reply.text[:300]
     error = reply.json()["error"]
     assert error["code"] == "context_length_exceeded", error
@@ -101,17 +117,20 @@ def _worst_stall(cluster, body: bytes, prompt_tokens: int) -> tuple[float, int, 
     assert probe.failures == []
     during = [lag for sent, lag in probe.samples if started <= sent <= ended]
     assert len(during) >= 3, (len(during), ended - started)
-    return max(during), len(during), ended - started
+    quiet = [lag for sent, lag in probe.samples if sent < started - 0.05]
+    return max(during), len(during), ended - started, max(quiet, default=float("nan"))
 
 
 def test_a_20_mb_features_request_barely_stalls_the_coordinators_loop(shm_cluster):
     body, prompt_tokens = _features_body(shm_cluster)
     assert len(body) > 19_000_000, len(body)
     old_s, seen = _old_call_s(body), []
-    for _ in range(3):
+    for _ in range(5):
         seen.append(_worst_stall(shm_cluster, body, prompt_tokens))
         old_s = min(old_s, _old_call_s(body))
         if min(s[0] for s in seen) < 0.5 * old_s:
             break
-    shown = ", ".join(f"{w * 1e3:.1f} ms of {n} probes in {d:.2f} s" for w, n, d in seen)
+        time.sleep(1.0)  # a passing burst of load elsewhere on the box
+    shown = ", ".join(f"{w * 1e3:.1f} ms of {n} probes in {d:.2f} s (quiet before: {q * 1e3:.1f} ms)"
+                      for w, n, d, q in seen)
     assert min(s[0] for s in seen) < 0.5 * old_s, f"worst /health: {shown}; the old path's call {old_s * 1e3:.1f} ms"

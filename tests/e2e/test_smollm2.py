@@ -22,46 +22,47 @@ QUESTION = "What is the capital of France?"
 
 @pytest.fixture(scope="module")
 def smollm2():
+    """(checkpoint folder, float32 cluster, bfloat16 cluster, HF greedy reference tokens for QUESTION)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from services.models.gguf import smollm2_path
+    from tests.support.reference import Reference
 
-    path = smollm2_path()  # converted here once, so the cluster's start-up timeout covers loading only
-    cluster = start_cluster("--model", "smollm2", "--decode-slots", "4")
-    yield path, cluster
-    cluster.stop()
+    path = smollm2_path()  # converted here once, so the clusters' start-up timeouts cover loading only
+    with ThreadPoolExecutor(2) as pool:  # both start at once: their idle moments overlap
+        starting = [pool.submit(start_cluster, "--model", "smollm2", "--decode-slots", "4", *flags)
+                    for flags in ((), ("--dtype", "bfloat16"))]
+        clusters = [future.result() for future in starting]
+    try:
+        yield path, *clusters, Reference(path).greedy(QUESTION, [], 24)
+    finally:
+        for cluster in clusters:
+            cluster.terminate()
+        for cluster in clusters:
+            cluster.stop()
 
 
-def test_capital_of_france_is_paris(smollm2):
-    path, cluster = smollm2
+def _ask(cluster) -> dict:
     body = {"model": "smollm2", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 24,
             "temperature": 0, "return_token_ids": True}
     with cluster.client() as client:
         reply = client.post("/v1/chat/completions", json=body)
     assert reply.status_code == 200, reply.text
-    answer = reply.json()["choices"][0]
+    return reply.json()["choices"][0]
+
+
+def test_capital_of_france_is_paris(smollm2):
+    _, cluster, _, reference = smollm2
+    answer = _ask(cluster)
     assert "Paris" in answer["message"]["content"], answer["message"]["content"]
-
-    from tests.support.reference import Reference
-
-    assert answer["token_ids"] == Reference(path).greedy(QUESTION, [], 24)[:len(answer["token_ids"])]
+    assert answer["token_ids"] == reference[:len(answer["token_ids"])]
 
 
 def test_bfloat16_still_knows_paris(smollm2):
     """`--dtype bfloat16` on real weights: encode/prefill in bfloat16, decode in float32 over bfloat16 weight
     panels (the prefilled bfloat16 KV widened on landing).  The answer still names Paris, and its first tokens
     are the float32 reference's (bfloat16 rounding may change a later near-tie, not the start of the answer)."""
-    path, _ = smollm2
-    cluster = start_cluster("--model", "smollm2", "--decode-slots", "2", "--dtype", "bfloat16")
-    try:
-        body = {"model": "smollm2", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 24,
-                "temperature": 0, "return_token_ids": True}
-        with cluster.client() as client:
-            reply = client.post("/v1/chat/completions", json=body)
-    finally:
-        cluster.stop()
-    assert reply.status_code == 200, reply.text
-    answer = reply.json()["choices"][0]
+    _, _, cluster, reference = smollm2
+    answer = _ask(cluster)
     assert "Paris" in answer["message"]["content"], answer["message"]["content"]
-
-    from tests.support.reference import Reference
-
-    assert answer["token_ids"][:4] == Reference(path).greedy(QUESTION, [], 4)
+    assert answer["token_ids"][:4] == reference[:4]
