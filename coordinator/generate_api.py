@@ -32,7 +32,7 @@ from .cluster import Cluster
 from .context import RequestContext
 from .deadlines import HEADER as DEADLINE_HEADER
 from .deadlines import Deadlines
-from .http_io import BodyLimits, answer, off_loop, read_json
+from .http_io import BodyLimits, answer, off_loop, read_json_sized
 from .pipeline import Pipeline
 from .request_ids import internal_id, label_of
 from .routing.pool import InstancePool
@@ -53,8 +53,8 @@ class GenerateApi:
                               max_retries=self.config.max_retries)
 
     async def _run(self, request: Request) -> Response:
-        raw, body = await read_json(request, BodyLimits.of(self.config))
-        req = await off_loop(len(raw), lambda: validate_model(GenerateRequest, body))
+        size, body = await read_json_sized(request, BodyLimits.of(self.config))
+        req = await off_loop(size, lambda: validate_model(GenerateRequest, body))
         ctx = self.context(request, req)
         request_id_var.set(ctx.request_id)
         await self.pipeline.prepare(ctx)

@@ -68,7 +68,7 @@ async def read_body(request: Request, limits: BodyLimits) -> bytearray:
                              code="body_timeout") from None
 
 
-def _json_object(raw: bytes) -> dict[str, Any]:
+def _json_object(raw: bytes | bytearray) -> dict[str, Any]:
     try:
         body = parse_json_large(raw)
     except InvalidRequest as exc:
@@ -87,6 +87,12 @@ async def read_json(request: Request, limits: BodyLimits) -> tuple[bytes, dict[s
     """The raw body (as bytes: copied in the worker thread when large) and its JSON object."""
     buf = await read_body(request, limits)
     return await off_loop(len(buf), lambda: (bytes(buf), _json_object(buf)))
+
+
+async def read_json_sized(request: Request, limits: BodyLimits) -> tuple[int, dict[str, Any]]:
+    """The body's size and its JSON object, for a route that does not forward the body (no second copy)."""
+    buf = await read_body(request, limits)
+    return len(buf), await off_loop(len(buf), lambda: _json_object(buf))
 
 
 def stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
