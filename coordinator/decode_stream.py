@@ -64,8 +64,9 @@ class DecodeStream:
     async def _next(self) -> pb.DecodeChunk | object:
         """The next chunk within the stall bound (--stream-idle-timeout-s)."""
         idle = self.ctx.idle_s
-        try:
-            return await (self.call.read() if idle == math.inf else asyncio.wait_for(self.call.read(), idle))
+        try:  # asyncio.timeout, not wait_for: 3.11's wait_for drops a cancel that lands as a chunk arrives
+            async with asyncio.timeout(None if idle == math.inf else idle):
+                return await self.call.read()
         except TimeoutError:
             raise DeadlineExceeded(f"request {self.ctx.label} got no token for {idle:g} s "
                                    "(--stream-idle-timeout-s); the answer is cut", code="stream_idle_timeout") from None
@@ -106,7 +107,8 @@ async def _first_chunk(pool: InstancePool, instance: Instance, ctx: RequestConte
     pool.begin(instance)
     call = instance.stub.Decode(request, timeout=total, metadata=call_metadata(ctx))
     try:
-        first = await asyncio.wait_for(call.read(), first_token)
+        async with asyncio.timeout(None if first_token == math.inf else first_token):
+            first = await call.read()
     except TimeoutError:
         call.cancel()
         pool.end(instance)

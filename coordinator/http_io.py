@@ -62,7 +62,8 @@ async def read_body(request: Request, limits: BodyLimits) -> bytearray:
     if declared and declared.isdigit() and int(declared) > limits.max_bytes:
         raise limits.too_large()
     try:
-        return await asyncio.wait_for(_read_body(request, limits), limits.timeout_s)
+        async with asyncio.timeout(limits.timeout_s):
+            return await _read_body(request, limits)
     except TimeoutError:
         raise RequestTimeout(f"request body not received within {limits.timeout_s:g} s (--body-read-timeout-s)",
                              code="body_timeout") from None

@@ -97,8 +97,9 @@ class DecodeStream:
         queue = self._attach(asyncio.get_running_loop())
         timeout = self.timeout if timeout is None else timeout
         while True:
-            try:
-                event = await asyncio.wait_for(queue.get(), timeout)
+            try:  # asyncio.timeout, not wait_for: 3.11's wait_for drops a cancel that lands as an event arrives
+                async with asyncio.timeout(timeout):
+                    event = await queue.get()
             except TimeoutError as exc:
                 raise StreamTimeout(f"no decode event for {self.request_id} within {timeout}s") from exc
             yield event

@@ -126,6 +126,7 @@ class EncodeService:
         # Awaited as a future, not in a thread: every waiting item can join the engine's next batch.
         [future] = self.engine.submit([tensors])
         try:
-            return await asyncio.wait_for(asyncio.wrap_future(future), self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):   # not wait_for: it can drop a cancel (Python 3.11)
+                return await asyncio.wrap_future(future)
         except TimeoutError:
             raise DeadlineExceeded(f"encoding item {mm_hash} did not finish in {self.timeout_s} s") from None
