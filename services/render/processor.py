@@ -26,7 +26,7 @@ from PIL import Image
 from services.models.base import RenderSpec
 from services.models.processing import load_image_processor
 from services.protocol.errors import InvalidRequest
-from services.render.qwen_pixels import QwenPixelSettings, qwen_pixels
+from services.render.qwen_pixels import QwenPixelSettings, qwen_pixels, resample_kernel
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,8 @@ class ImageProcessor:
         self.tokens_per_image = spec.tokens_per_image if spec is not None else None
         self.merge_size = int(getattr(self.hf, "merge_size", 1) or 1)
         self.qwen = QwenPixelSettings.from_processor(self.hf)
+        if self.qwen is not None:
+            resample_kernel()  # compiled (or found in the cache) now, not on the first image
 
     def process(self, image: Image.Image) -> ProcessedImage:
         try:

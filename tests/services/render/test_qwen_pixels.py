@@ -1,25 +1,36 @@
-"""Render's numpy port of torch's uint8 antialiased bicubic resize is torch's, bit for bit."""
+"""Render's ports of torch's uint8 antialiased bicubic resize (the C pass and the numpy fallback) are torch's,
+bit for bit."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from services.render.qwen_pixels import QwenPixelSettings, patchify, resize_uint8
+from services.render.qwen_pixels import QwenPixelSettings, patchify, resample_kernel, resize_uint8
 
 SIZES = [((200, 300), (196, 308)), ((128, 128), (140, 140)), ((45, 60), (56, 56)), ((30, 90), (56, 112)),
          ((1000, 37), (1008, 28)), ((7, 400), (13, 391)), ((480, 640), (476, 644)), ((333, 222), (111, 74)),
          ((1600, 1200), (224, 168)), ((3000, 40), (28, 28)), ((768, 1024), (756, 1036))]  # big shrinks: high precision
 
 
+@pytest.mark.parametrize("use_c", [True, False], ids=["c", "numpy"])
 @pytest.mark.parametrize(("source", "target"), SIZES)
-def test_resize_equals_torch_interpolate_on_uint8(source, target):
+def test_resize_equals_torch_interpolate_on_uint8(source, target, use_c):
     import torch
 
     image = np.random.default_rng(sum(source)).integers(0, 256, (3, *source), dtype=np.uint8)
     expected = torch.nn.functional.interpolate(torch.from_numpy(image)[None], size=list(target), mode="bicubic",
                                                align_corners=False, antialias=True)[0].numpy()
-    assert np.array_equal(resize_uint8(image, *target), expected)
+    assert np.array_equal(resize_uint8(image, *target, use_c=use_c), expected)
+
+
+def test_the_c_pass_is_built_and_reads_a_decoded_images_memory():
+    """gcc builds the kernel on this machine (else render silently runs the ~5x slower numpy passes), and a
+    decoded image's [H, W, C] memory, seen as [C, H, W], comes out the same as a contiguous copy's."""
+    assert resample_kernel() is not None
+    hwc = np.random.default_rng(7).integers(0, 256, (97, 131, 3), dtype=np.uint8)
+    view = hwc.transpose(2, 0, 1)
+    assert np.array_equal(resize_uint8(view, 56, 140), resize_uint8(np.ascontiguousarray(view), 56, 140, use_c=False))
 
 
 def test_same_size_is_not_resampled():
