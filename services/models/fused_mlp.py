@@ -172,8 +172,14 @@ def fuse_mlps(root: nn.Module, mode: str = "prepacked", rows: tuple[int, ...] = 
     return report
 
 
+PATCH_ROWS = 256  # patches per GEMM of GemmPatchEmbed
+
+
 class GemmPatchEmbed(nn.Module):
-    """A Qwen-VL patch embedding (Conv3d, kernel == stride, one patch per input row) as one GEMM."""
+    """A Qwen-VL patch embedding (Conv3d, kernel == stride, one patch per input row) as GEMMs of a fixed
+    PATCH_ROWS rows (the last zero-padded): a multi-threaded GEMM splits its work by its shape, so one GEMM
+    over a forward's patches gave an image other floats (~1e-6) batched with others than alone; with
+    fixed-shape GEMMs an image embeds to the same bits in any batch, as the convolution's did."""
 
     def __init__(self, embed: nn.Module) -> None:
         super().__init__()
@@ -189,7 +195,13 @@ class GemmPatchEmbed(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         pixels = hidden_states.reshape(-1, self.patch_dim).to(self.weight.dtype)
-        return nn.functional.linear(pixels, self.weight, self.bias)
+        out = pixels.new_empty(pixels.shape[0], self.embed_dim)
+        for start in range(0, pixels.shape[0], PATCH_ROWS):  # every GEMM the same shape (docstring)
+            part = pixels[start:start + PATCH_ROWS]
+            if part.shape[0] < PATCH_ROWS:
+                part = torch.cat([part, part.new_zeros(PATCH_ROWS - part.shape[0], self.patch_dim)])
+            out[start:start + PATCH_ROWS] = nn.functional.linear(part, self.weight, self.bias)[:out.shape[0] - start]
+        return out
 
 
 class _WeightView(nn.Module):

@@ -49,9 +49,6 @@ class QwenVLVision(VisionModel):
         self.device = hf_model.device
         # uint8 pixels (vLLM's default, and epd render's) are normalised here, as vLLM's tower does.
         self.norm = NormParams.from_checkpoint(hf_model.config._name_or_path)
-        from services.models.patch_linear import swap_patch_convs  # torch: never imported at module level here
-
-        swap_patch_convs(self.tower)  # the patch embedding as one matrix product (patch_linear.py)
 
     def num_tokens(self, metadata: dict[str, torch.Tensor]) -> int:
         return int(_grid(metadata).prod()) // self.merge_size**2

@@ -102,6 +102,21 @@ def test_gemm_patch_embed_matches_the_convolution():
     assert _rel(holder[0](transposed), want) > 1e-2
 
 
+@torch.inference_mode()
+def test_gemm_patch_embed_gives_the_same_bits_in_any_batch():
+    """An image's patches embed to the same floats alone or batched with others' (as the convolution's did):
+    the encode engine's result must not depend on what else shared the forward."""
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import PatchEmbed
+
+    torch.manual_seed(1)
+    holder = nn.Sequential(PatchEmbed(patch_size=14, temporal_patch_size=2, in_channels=3, embed_dim=32))
+    gemm_patch_embeds(holder)
+    pixels = torch.randn(900, 3 * 2 * 14 * 14)
+    together = holder[0](pixels)
+    for start, stop in ((0, 256), (256, 512), (5, 300), (100, 101), (3, 900)):
+        assert torch.equal(holder[0](pixels[start:stop]), together[start:stop]), (start, stop)
+
+
 @pytest.mark.parametrize("mode", ["auto", "prepacked"])
 def test_vision_tower_with_fused_parts_gives_the_same_embeddings(demo_model_path, mode):
     import numpy as np
