@@ -115,9 +115,9 @@ class EpdConfig:
                              "one team, else libgomp's default; services/role_cpu.py) | N", roles="roles")
     omp_wait_policy: str = _f("", "OpenMP wait policy of model roles: passive (idle threads sleep, no spinning) "
                               "| active | '' (libgomp's default)", roles="roles")
-    role_nice: str = _f("auto", "niceness added per role at start ('decode=0,prefill=5'); auto: encode=5,prefill=5 "
-                        "under `epd serve` (one machine: decode's per-token latency wins when a long prefill shares "
-                        "its cores), none for roles started alone", roles="roles")
+    role_nice: str = _f("auto", "niceness added per role at start, a session leader's autogroup's too ('decode=0,"
+                        "prefill=5'); auto: encode=5,prefill=5 under `epd serve` (prefill=10: decode TPOT flat under a "
+                        "long prompt, at its TTFT's cost), none for roles started alone", roles="roles")
     decode_attention: str = _f("auto", "decode attention kernel: auto (the compiled C kernel where it applies) "
                                "| c | torch")
     decode_step: str = _f("eager", "decode step: eager (the default: no start-up cost) | compiled (torch.compile, "

@@ -22,7 +22,9 @@ use.  The knobs, all flags (docs/configuration.md):
   children of `epd serve` (one machine: decode's per-token latency wins when a long prefill
   competes for the same cores; the prefill engineer's TPOT-while-4k-prefill benchmark measures
   the effect) and nothing for a role started alone (its own pod or machine).  Raising niceness needs no privilege;
-  a negative value needs CAP_SYS_NICE and is skipped with a warning otherwise.
+  a negative value needs CAP_SYS_NICE and is skipped with a warning otherwise.  A role that leads its own
+  session (as under `epd serve`) also sets its autogroup's niceness: with session autogroups, niceness
+  alone does not weigh between processes of different sessions.
 """
 
 from __future__ import annotations
@@ -65,6 +67,27 @@ def spin_count(config: EpdConfig, role: str) -> int | None:
     return None
 
 
+def _autogroup_nice(value: int) -> list[str]:
+    """Give this process's autogroup the same niceness, when the autogroup is this process's own.
+
+    Where the kernel groups processes by session (CONFIG_SCHED_AUTOGROUP, on in most distributions'
+    kernels and in this project's machines), the scheduler first shares the CPU equally between
+    autogroups, and a process's niceness only weighs inside its own.  `epd serve` starts each role in a
+    session of its own, so `os.nice` alone did nothing between roles: a niced prefill still took half the
+    cores from decode (docs/benchmarks.md, "Decode TPOT while a long prompt prefills").  Only a session
+    leader's autogroup is its own; a role started from a shell leaves the shell's group alone."""
+    path = "/proc/self/autogroup"
+    if os.getsid(0) != os.getpid() or not os.path.exists(path):
+        return []
+    try:
+        with open(path, "w") as group:
+            group.write(str(value))
+    except OSError as exc:  # lowering a group's priority needs no privilege; raising one does
+        logger.warning("could not set this role's autogroup niceness to %d: %s", value, exc)
+        return []
+    return [f"autogroup nice={value}"]
+
+
 def apply(config: EpdConfig, role: str) -> str:
     """Set this process's threads, wait policy and niceness for `role`; returns a one-line summary."""
     done = []
@@ -97,6 +120,8 @@ def apply(config: EpdConfig, role: str) -> str:
             done.append(f"nice={os.nice(nice)}")
         except OSError as exc:
             logger.warning("could not change niceness by %d: %s", nice, exc)
+        else:
+            done.extend(_autogroup_nice(os.nice(0)))
     summary = f"{role} cpu policy: " + (", ".join(done) or "defaults")
     logger.info(summary)
     return summary

@@ -29,21 +29,22 @@ thread = threading.Thread(target=lambda: engine.append(compute_threads.enter()))
 thread.start(); thread.join()
 helper = compute_threads.helper_executor(1) if os.environ.get("EPD_COMPUTE_THREADS") else None
 helper_threads = helper.submit(torch.get_num_threads).result() if helper else None   # after enter() set 2
+group = open("/proc/self/autogroup").read().split()[-1] if os.path.exists("/proc/self/autogroup") else None
 print(json.dumps({"threads": engine[0], "main": torch.get_num_threads(), "helper": helper_threads,
-                  "nice": os.nice(0) - before,
+                  "nice": os.nice(0) - before, "autogroup": group,
                   "summary": summary, "wait": os.environ.get("OMP_WAIT_POLICY"),
                   "spin": os.environ.get("GOMP_SPINCOUNT")}))
 """
 
 
 def _probe(threads: str, wait: str, nice: str, role: str, serve_child: bool = False, team: str = "on",
-           omp: str = "") -> dict:
+           omp: str = "", session: bool = False) -> dict:
     skip = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "EPD_SERVE_CHILD",
             "EPD_COMPUTE_THREADS")
     env = {k: v for k, v in os.environ.items() if k not in skip} | ({"EPD_SERVE_CHILD": "1"} if serve_child else {})
     env |= {"OMP_NUM_THREADS": omp} if omp else {}
     out = subprocess.run([sys.executable, "-c", PROBE, threads, wait, nice, role, team], capture_output=True,
-                         text=True, timeout=120, env=env, check=True)
+                         text=True, timeout=120, env=env, check=True, start_new_session=session)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -70,6 +71,21 @@ def test_auto_niceness_applies_only_under_epd_serve():
     assert _probe("", "", "auto", "prefill", serve_child=True)["nice"] == _raised(5)
     assert _probe("", "", "auto", "decode", serve_child=True)["nice"] == 0
     assert _probe("", "", "auto", "prefill")["nice"] == 0
+
+
+def test_a_session_leading_role_nices_its_autogroup_too():
+    """With session autogroups the scheduler shares the CPU between groups first: `epd serve` starts each role
+    in its own session, where niceness alone did not weigh against decode at all.  A role leading its own
+    session sets its group's niceness; one started from a shell leaves the shell's group alone."""
+    if not os.path.exists("/proc/self/autogroup"):
+        pytest.skip("this kernel has no session autogroups: niceness alone weighs between processes")
+    own = _probe("", "", "prefill=7", "prefill", session=True)
+    assert (own["nice"], own["autogroup"]) == (_raised(7), str(os.nice(0) + _raised(7)))
+    assert own["summary"].endswith(f"nice={os.nice(0) + _raised(7)}, autogroup nice={os.nice(0) + _raised(7)}")
+    mine = open("/proc/self/autogroup").read().split()[-1]
+    shared = _probe("", "", "prefill=7", "prefill")  # in this process's session: its group is not touched
+    assert shared["autogroup"] == mine and "autogroup" not in shared["summary"]
+    assert _probe("", "", "", "decode", session=True)["autogroup"] == "0"
 
 
 def test_role_maps_parse_and_bad_ones_are_refused():
