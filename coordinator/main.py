@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import uvicorn
 
 from services.config import EpdConfig
+from services.heap import keep_freed_memory
 
 from .app import CoordinatorApp
 from .drain import DrainingServer
@@ -44,29 +45,8 @@ async def _serve(public: DrainingServer, admin: _AdminServer, config: EpdConfig)
         await asyncio.wait({admin_task}, timeout=AFTER_DRAIN_S + 1)
 
 
-def keep_freed_memory() -> bool:
-    """glibc keeps what the coordinator frees for its next request instead of handing it back to the kernel.
-
-    A 20 MB features request makes ~84 MB of short-lived buffers (the body, its long string, the decoded
-    base64, the unpacked tensors).  With glibc's defaults each one came from fresh pages: ~21,000 minor page
-    faults per request here, each inside a copy that holds the GIL: where a fault is slow (likely a freshly
-    booted VM whose memory the host has not backed yet) one CI run saw the event loop stall ~0.3 s a request.
-    One arena, large blocks from the heap (up to 32 MB, glibc's ceiling) and no trimming below 256 MB of free
-    heap: later requests reuse pages already faulted in (tests/e2e/test_loop_lag.py).  False where the C
-    library has no mallopt (musl)."""
-    try:
-        import ctypes
-
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return False
-    m_trim_threshold, m_mmap_threshold, m_arena_max = -1, -3, -8
-    return all(mallopt(option, value) == 1 for option, value in
-               ((m_arena_max, 1), (m_mmap_threshold, 32 << 20), (m_trim_threshold, 256 << 20)))
-
-
 def run_coordinator(config: EpdConfig) -> int:
-    keep_freed_memory()   # before any thread takes an arena of its own
+    keep_freed_memory()   # before any thread takes an arena of its own (services/heap.py)
     coordinator = CoordinatorApp(config)
     public = DrainingServer(uvicorn.Config(coordinator.build(), host=config.host, port=config.port,
                                            log_level="warning", timeout_graceful_shutdown=AFTER_DRAIN_S),

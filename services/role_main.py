@@ -43,6 +43,9 @@ def run(role: str, config: EpdConfig) -> int:
 
         return run_coordinator(config)
     if role == "render":
+        from .heap import keep_freed_memory
+
+        keep_freed_memory()  # before any thread takes an arena of its own (services/heap.py)
         # transformers imports torch whenever it is installed; render needs none of it (PIL processors).
         sys.modules.setdefault("torch", None)  # type: ignore[arg-type]
         # ...and then says "PyTorch was not found" (twice): expected here, so not said.

@@ -1,4 +1,4 @@
-"""coordinator.main.keep_freed_memory: MB-sized buffers freed by one request are reused by the next.
+"""services.heap.keep_freed_memory: MB-sized buffers freed by one request are reused by the next.
 
 Two fresh processes do the same work as a large features request does in the coordinator's worker
 threads (a 20 MB body copied, decoded, dropped, several times, from a thread pool); the one that called
@@ -17,7 +17,7 @@ WORK = """
 import resource, sys
 from concurrent.futures import ThreadPoolExecutor
 if sys.argv[1] == "keep":
-    from coordinator.main import keep_freed_memory
+    from services.heap import keep_freed_memory
     assert keep_freed_memory()
 
 def request(_):
