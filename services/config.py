@@ -115,9 +115,9 @@ class EpdConfig:
                              "one team, else libgomp's default; services/role_cpu.py) | N", roles="roles")
     omp_wait_policy: str = _f("", "OpenMP wait policy of model roles: passive (idle threads sleep, no spinning) "
                               "| active | '' (libgomp's default)", roles="roles")
-    role_nice: str = _f("auto", "niceness added per role at start, a session leader's autogroup's too ('decode=0,"
-                        "prefill=5'); auto: encode=5,prefill=5 under `epd serve` (prefill=10: decode TPOT flat under a "
-                        "long prompt, at its TTFT's cost), none for roles started alone", roles="roles")
+    role_nice: str = _f("auto", "niceness added per role, a session leader's autogroup's too ('decode=0,prefill=5'; "
+                        "prefill-long=N: prefill's while it runs a prompt chunked over max_num_batched_tokens); auto "
+                        "under `epd serve`: encode=5,prefill=5,prefill-long=10, none alone", roles="roles")
     decode_attention: str = _f("auto", "decode attention kernel: auto (the compiled C kernel where it applies) "
                                "| c | torch")
     decode_step: str = _f("eager", "decode step: eager (the default: no start-up cost) | compiled (torch.compile, "
@@ -230,15 +230,15 @@ class EpdConfig:
         _check(self.single_omp_team in ("on", "off"), "single_omp_team must be on or off")
         _check(self.omp_spin_count >= -1, "omp_spin_count must be -1 (auto) or a count >= 0")
         _check(self.omp_wait_policy in ("", "passive", "active"), "omp_wait_policy must be passive, active or ''")
-        for name, raw in (("role_threads", self.role_threads), ("role_nice", self.role_nice.replace("auto", ""))):
-            _check(_role_map_ok(raw), f"{name} must be N or role=N,role=N (roles: {', '.join(ROLES)})")
+        for name, raw, keys in (("role_threads", self.role_threads, ROLES), ("role_nice", self.role_nice.replace(
+                "auto", ""), (*ROLES, "prefill-long"))):
+            _check(_role_map_ok(raw, keys), f"{name} must be N or role=N,role=N (keys: {', '.join(keys)})")
         _check(self.decode_kv_wait_s >= 0, "decode_kv_wait_s must be >= 0")
         _check(self.device.split(":")[0] in DEVICES_PREFIXES, "device must be cpu, cuda or cuda:N")
         for name in ("encode_instances", "prefill_instances", "decode_instances", "decode_slots",
                      "max_model_len", "ec_capacity_mb", "kv_capacity_mb", "kv_cache_mb", "mm_capacity_mb",
-                     "max_images_per_request",
-                     "max_image_pixels", "max_image_bytes", "encode_max_batch_tokens", "max_inflight_requests",
-                     "prefill_max_queue", "encode_max_queue", "max_num_batched_tokens"):
+                     "max_images_per_request", "max_image_pixels", "max_image_bytes", "encode_max_batch_tokens",
+                     "max_inflight_requests", "prefill_max_queue", "encode_max_queue", "max_num_batched_tokens"):
             _check(getattr(self, name) >= 1, f"{name} must be >= 1")
         _check(self.prefix_cache_mb >= 0, "prefix_cache_mb must be >= 0")
         _check(min(self.render_workers, self.render_cache_mb) >= 0, "render_workers, render_cache_mb must be >= 0")
@@ -318,11 +318,11 @@ class ConfigError(ValueError):
     pass
 
 
-def _role_map_ok(raw: str) -> bool:
+def _role_map_ok(raw: str, keys: tuple[str, ...]) -> bool:
     parts = [p.strip() for p in raw.split(",") if p.strip()]
     if len(parts) == 1 and "=" not in parts[0]:
         return parts[0].lstrip("-").isdigit()
-    return all(p.partition("=")[0].strip() in ROLES and p.partition("=")[2].strip().lstrip("-").isdigit()
+    return all(p.partition("=")[0].strip() in keys and p.partition("=")[2].strip().lstrip("-").isdigit()
                for p in parts)
 
 

@@ -18,13 +18,14 @@ use.  The knobs, all flags (docs/configuration.md):
   instruction takes ~140 cycles) except 10000 for `epd serve`'s model roles with one OpenMP team each:
   between the parallel regions of a forward (tens of microseconds) a thread still catches the next
   region spinning, but an idle role no longer spins through the others' time;
-- `--role-nice`: niceness added per role; "auto" (default) is "encode=5,prefill=5" for the
+- `--role-nice`: niceness added per role; "auto" (default) is "encode=5,prefill=5,prefill-long=10" for the
   children of `epd serve` (one machine: decode's per-token latency wins when a long prefill
   competes for the same cores; the prefill engineer's TPOT-while-4k-prefill benchmark measures
   the effect) and nothing for a role started alone (its own pod or machine).  Raising niceness needs no privilege;
   a negative value needs CAP_SYS_NICE and is skipped with a warning otherwise.  A role that leads its own
   session (as under `epd serve`) also sets its autogroup's niceness: with session autogroups, niceness
-  alone does not weigh between processes of different sessions.
+  alone does not weigh between processes of different sessions.  `prefill-long=N` is prefill's autogroup
+  niceness while a forward carries a prompt longer than `--max-num-batched-tokens` (one that is chunked).
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ WAIT_POLICIES = ("", "passive", "active")
 SERVE_CHILD = "EPD_SERVE_CHILD"          # set by `epd serve` (services.launch) in its role processes
 MODEL_ROLES = ("encode", "prefill", "decode")   # the roles with torch engines (compute_threads.py)
 SERVE_SPIN = 10000   # --omp-spin-count auto under `epd serve` (benchmarks/omp_team.py measures it)
-SERVE_NICE = "encode=5,prefill=5"        # what role_nice "auto" means there
+SERVE_NICE = "encode=5,prefill=5,prefill-long=10"   # what role_nice "auto" means there
+_GROUP: dict[str, int] = {}   # prefill's autogroup niceness: "base", "long", "now" (set by apply, read per forward)
 
 
 def role_values(raw: str, role: str) -> int | None:
@@ -88,6 +90,18 @@ def _autogroup_nice(value: int) -> list[str]:
     return [f"autogroup nice={value}"]
 
 
+def long_prompt_running(running: bool) -> None:
+    """Prefill's engine, before each forward: its autogroup's niceness for a forward of a long (chunked)
+    prompt, or back to its base.  One write when it changes; nothing where apply set no long value.  A long
+    prompt's forwards yield the cores to decode (its TPOT stays flat) while short prompts keep prefill's
+    base share (c=16 throughput: docs/benchmarks.md, "Decode TPOT while a long prompt prefills")."""
+    if not _GROUP:
+        return
+    value = _GROUP["long"] if running else _GROUP["base"]
+    if value != _GROUP["now"] and _autogroup_nice(value):
+        _GROUP["now"] = value
+
+
 def apply(config: EpdConfig, role: str) -> str:
     """Set this process's threads, wait policy and niceness for `role`; returns a one-line summary."""
     done = []
@@ -113,8 +127,9 @@ def apply(config: EpdConfig, role: str) -> str:
         if "torch" in sys.modules and sys.modules["torch"] is not None:
             sys.modules["torch"].set_num_threads(threads)
         done.append(f"threads={threads}")
-    nice = role_values(SERVE_NICE if config.role_nice == "auto" and os.environ.get(SERVE_CHILD) else
-                       "" if config.role_nice == "auto" else config.role_nice, role)
+    raw_nice = (SERVE_NICE if config.role_nice == "auto" and os.environ.get(SERVE_CHILD) else
+                "" if config.role_nice == "auto" else config.role_nice)
+    nice = role_values(raw_nice, role)
     if nice:
         try:
             done.append(f"nice={os.nice(nice)}")
@@ -122,6 +137,10 @@ def apply(config: EpdConfig, role: str) -> str:
             logger.warning("could not change niceness by %d: %s", nice, exc)
         else:
             done.extend(_autogroup_nice(os.nice(0)))
+            longer = role_values(raw_nice, "prefill-long") if role == "prefill" else None
+            if done[-1].startswith("autogroup") and longer is not None:
+                _GROUP.update(base=os.nice(0), long=min(19, os.nice(0) - nice + longer), now=os.nice(0))
+                done.append(f"autogroup nice={_GROUP['long']} while a chunked prompt prefills")
     summary = f"{role} cpu policy: " + (", ".join(done) or "defaults")
     logger.info(summary)
     return summary

@@ -29,7 +29,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from services import compute_threads
+from services import compute_threads, role_cpu
 from services.compute_metrics import compute_timer
 from services.models.base import LanguageModel, MultiModalInput
 from services.prefill import attention, last_rows
@@ -169,6 +169,8 @@ class PrefillEngine:
         chunks = [Chunk(item.job.inputs, item.start, item.end, tuple(item.job.blocks))  # type: ignore[arg-type]
                   for item in batch]
         finishing = [index for index, item in enumerate(batch) if item.finishes]
+        # a chunked (long) prompt's forwards yield the cores to decode: --role-nice prefill-long (role_cpu.py)
+        role_cpu.long_prompt_running(any(item.job.num_tokens > self.max_num_batched_tokens for item in batch))
         try:
             with torch.no_grad(), compute_timer("prefill"):
                 hidden = forward_chunks(self.lm, self.pool, chunks, self._last_rows)

@@ -88,10 +88,39 @@ def test_a_session_leading_role_nices_its_autogroup_too():
     assert _probe("", "", "", "decode", session=True)["autogroup"] == "0"
 
 
+LONG_PROBE = """
+import json, os
+from services.config import EpdConfig
+from services import role_cpu
+def group():
+    return int(open("/proc/self/autogroup").read().split()[-1])
+summary = role_cpu.apply(EpdConfig(role_nice="prefill=3,prefill-long=9"), "prefill")
+seen = [group()]
+for running in (True, True, False):
+    role_cpu.long_prompt_running(running)
+    seen.append(group())
+print(json.dumps({"seen": seen, "summary": summary}))
+"""
+
+
+def test_prefill_yields_more_while_a_long_prompt_runs():
+    """prefill-long: prefill's autogroup niceness while its forward carries a chunked prompt, its base after."""
+    if not os.path.exists("/proc/self/autogroup"):
+        pytest.skip("this kernel has no session autogroups: niceness alone weighs between processes")
+    out = subprocess.run([sys.executable, "-c", LONG_PROBE], capture_output=True, text=True, timeout=120,
+                         check=True, start_new_session=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    base, long = os.nice(0) + _raised(3), min(19, os.nice(0) + 9)
+    assert got["seen"] == [base, long, long, base]
+    assert got["summary"].endswith(f"autogroup nice={long} while a chunked prompt prefills")
+
+
 def test_role_maps_parse_and_bad_ones_are_refused():
     assert role_values("", "decode") is None and role_values("3", "decode") == 3
     assert role_values("decode=2,prefill=1", "prefill") == 1 and role_values("decode=2", "encode") is None
-    for bad in ({"role_threads": "decoder=2"}, {"role_nice": "prefill=high"}, {"omp_wait_policy": "spin"}):
+    EpdConfig(role_nice="encode=5,prefill=5,prefill-long=10")
+    for bad in ({"role_threads": "decoder=2"}, {"role_nice": "prefill=high"}, {"omp_wait_policy": "spin"},
+                {"role_threads": "prefill-long=2"}, {"role_nice": "decode-long=3"}):
         with pytest.raises(ConfigError):
             EpdConfig(**bad)
 

@@ -111,6 +111,23 @@ def test_a_long_prompt_alone_is_chunked(parts, prompts, alone):
     assert [rows for _, rows in engine.recent_batches] == [100] * (len(ids) // 100) + [len(ids) % 100]
 
 
+def test_a_chunked_prompts_forwards_run_at_the_long_prompt_priority(parts, prompts, monkeypatch):
+    """The engine tells role_cpu which forwards carry a prompt over the budget (--role-nice prefill-long)."""
+    from services import role_cpu
+
+    seen: list[bool] = []
+    real = role_cpu.long_prompt_running
+    monkeypatch.setattr(role_cpu, "long_prompt_running", lambda running: (seen.append(running), real(running)))
+    ids, items = prompts[0]
+    engine = PrefillEngine(parts[2], prefix_cache_mb=0, max_num_batched_tokens=100)
+    engine.prefill(ids, items)
+    assert seen == [True] * -(-len(ids) // 100)
+    seen.clear()
+    short_ids, short_items = min(prompts, key=lambda p: len(p[0]))
+    PrefillEngine(parts[2], prefix_cache_mb=0, max_num_batched_tokens=len(short_ids)).prefill(short_ids, short_items)
+    assert seen == [False]
+
+
 def test_batch_matches_the_full_model(demo_model_path, parts, prompts):
     from transformers import Qwen2VLForConditionalGeneration
 
