@@ -7,7 +7,7 @@ and unmapped on free; free heap trimmed) each one lands on fresh pages, a minor 
 inside copies that hold the GIL.  Where a fresh page is slow, as in a VM whose host takes freed memory
 back (free page reporting), that is the request's time: on this project's machines a render worker's
 and render's own CPU per 1024x768 image tripled while another large process was resident (docs/
-benchmarks.md, "Render's page faults").  One arena, blocks up to 32 MB (glibc's ceiling) from the
+benchmarks.md, "Render's resize and page faults").  One arena, blocks up to 32 MB (glibc's ceiling) from the
 heap, no trimming below 256 MB of free heap: later requests reuse pages already faulted in.
 
 Applied by the coordinator and render's main and worker processes (not the model roles, whose compute
