@@ -1,6 +1,6 @@
 """Render throughput: images/s with 1 vs 2 worker processes, 448x448 images, interleaved rounds in one run.
 
-    python -m benchmarks.render_workers            # 8 rounds of 24 images per side, docs block refreshed
+    python -m benchmarks.render_workers            # 12 rounds of 96 images per side, docs block refreshed
     python -m benchmarks.render_workers --quick    # 2 rounds of 8 (smoke test; docs untouched)
 
 What is measured is render's image work as it runs in the render role: `ImageWorkers.process` (decode +
@@ -48,7 +48,7 @@ def _images(count: int, seed: int) -> list[bytes]:
 
 def _worker_cpu_s(workers: ImageWorkers) -> float:
     total = 0
-    for pid in getattr(workers._pool, "_processes", None) or {}:
+    for pid in workers.worker_pids():
         with open(f"/proc/{pid}/stat", encoding="ascii") as f:
             fields = f.read().rpartition(")")[2].split()
         total += int(fields[11]) + int(fields[12])  # utime + stime, in clock ticks
@@ -75,8 +75,10 @@ def one_round(workers: ImageWorkers, images: list[bytes], tag: str) -> Round:
 
 
 def measure(rounds: int, per_round: int) -> dict[int, list[Round]]:
+    from services.heap import keep_freed_memory
     from services.models.demo import demo_model_path
 
+    keep_freed_memory()   # as render's main process does (services/role_main.py)
     path = demo_model_path("tiny")
     pools = {n: ImageWorkers(path, None, MediaPolicy(), num_workers=n, cache_bytes=0) for n in (1, 2)}
     try:
@@ -117,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-docs", action="store_true", help="do not rewrite docs/benchmarks.md")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
-    rounds, per_round = (2, 8) if args.quick else (8, 24)
+    rounds, per_round = (2, 8) if args.quick else (12, 96)
     host = machine()
     result = figures(measure(rounds, per_round))
     print_figures(result, "render workers")

@@ -3,7 +3,8 @@
 `ImageWorkers.process(data)` turns one image's encoded bytes into its
 `ProcessedImage` (the processor arrays and its placeholder count).  With
 `num_workers >= 1` (render's default: `--render-workers`) the decode and the
-processor run in that many spawned processes, so several images and requests
+processor run in that many spawned processes (image_procs.py: the bytes in and
+the arrays out through shared memory), so several images and requests
 preprocess at once and the render event loop never waits on them (nor on the
 GIL they hold); with 0 they run on two threads in this process (tests, tools).
 Workers import no torch (the same block render's main process has) and load
@@ -11,8 +12,7 @@ the checkpoint's image processor once, at start.
 
 Errors a worker raises on purpose (a corrupt or oversized image) come back as
 (message, code) and are raised here as the same InvalidRequest; a worker that
-dies (OOM) breaks the pool, which is rebuilt for the next call and reported as
-a 503 for this one.
+dies (OOM) fails its image with a 503 and a new process takes its place.
 
 The cache maps an image's content key (the mm_hash of its bytes, model and
 processor settings: never a client uuid) to its ProcessedImage, bounded in
@@ -24,19 +24,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing
 import sys
 from collections import OrderedDict
-from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from prometheus_client import Counter
 
 from services.models.base import RenderSpec
-from services.protocol.errors import InvalidRequest, Unavailable
+from services.protocol.errors import InvalidRequest
 from services.render.image_decode import decode_image
+from services.render.image_procs import WorkerProcesses
 from services.render.media_policy import MediaPolicy
 from services.render.processor import ImageProcessor, ProcessedImage
 
@@ -116,46 +115,38 @@ class ImageWorkers:
         self._args = (str(model_path), spec, policy)
         self.cache = ProcessedCache(cache_bytes)
         self._local = ImageProcessor(model_path, spec) if num_workers == 0 else None
-        self._pool: Executor = self._make_pool()
+        self._threads = ThreadPoolExecutor(2, thread_name_prefix="render-proc") if num_workers == 0 else None
+        # image bytes in and arrays out through shared memory, not pickled through pipes (image_procs.py)
+        self._procs = (WorkerProcesses(num_workers, _init_worker, self._args, decode_and_process)
+                       if num_workers else None)
 
-    def _make_pool(self) -> Executor:
-        if self.num_workers == 0:
-            return ThreadPoolExecutor(2, thread_name_prefix="render-proc")
-        return ProcessPoolExecutor(self.num_workers, mp_context=multiprocessing.get_context("spawn"),
-                                   initializer=_init_worker, initargs=self._args)
+    def worker_pids(self) -> list[int]:
+        return self._procs.pids() if self._procs is not None else []
 
     def warm_up(self) -> None:
         """Start every worker now (each loads the image processor), not at the first request."""
-        if isinstance(self._pool, ProcessPoolExecutor):
-            for future in [self._pool.submit(_ping) for _ in range(self.num_workers)]:
-                future.result(timeout=120)
+        if self._procs is not None:
+            self._procs.warm_up()
 
     async def process(self, key: str, data: bytes) -> ProcessedImage:
         """The processed image of `data`, from the cache when its content `key` was seen."""
         cached = self.cache.get(key)
         if cached is not None:
             return cached
-        status, value = await self._submit(data)
-        if status == "invalid":
-            raise InvalidRequest(value[0], code=value[1])
+        if self._procs is not None:
+            value = await self._procs.run(data)
+        else:
+            assert self._local is not None
+            loop = asyncio.get_running_loop()
+            status, result = await loop.run_in_executor(self._threads, _run, self._local, self._args[2], data)
+            if status == "invalid":
+                raise InvalidRequest(result[0], code=result[1])
+            value = result
         self.cache.put(key, value)
         return value
 
-    async def _submit(self, data: bytes) -> tuple[str, Any]:
-        loop = asyncio.get_running_loop()
-        if self._local is not None:
-            return await loop.run_in_executor(self._pool, _run, self._local, self._args[2], data)
-        try:
-            return await loop.run_in_executor(self._pool, decode_and_process, data)
-        except BrokenProcessPool:
-            log.error("a render worker process died; starting a new pool")
-            self._pool = self._make_pool()
-            raise Unavailable("a render worker died while processing the image", code="render_worker_died") \
-                from None
-
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _ping() -> bool:
-    return _worker is not None
+        if self._procs is not None:
+            self._procs.close()
+        if self._threads is not None:
+            self._threads.shutdown(wait=False, cancel_futures=True)

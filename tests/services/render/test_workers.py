@@ -65,3 +65,76 @@ def test_the_cache_is_bounded_in_bytes_least_recently_used_out():
     cache.put("d", item())
     assert (cache.get("b"), len(cache), cache.bytes_used) == (None, 3, 3000)
     assert cache.get("a") is not None and cache.get("d") is not None
+
+
+def _io(pid: int) -> dict[str, int]:
+    with open(f"/proc/{pid}/io", encoding="ascii") as f:
+        return {k: int(v) for k, v in (line.split(": ") for line in f)}
+
+
+def test_images_and_arrays_cross_by_shared_memory_and_the_buffers_grow(workers, demo_model_path):
+    """A 1400x1400 noise PNG (~6 MB) and its ~12 MB of patches outgrow both 4 MB buffers: the arrays still
+    equal the in-process processor's, and the workers read and write only a few KB through their sockets."""
+    here = ImageProcessor(demo_model_path)
+    images = [noise_image(1400, 1400, seed=11), noise_image(300, 200, seed=12), noise_image(1400, 1400, seed=13)]
+    datas = [encode(image) for image in images]
+    assert len(datas[0]) > 4 << 20
+    before = {pid: _io(pid) for pid in workers.worker_pids()}
+    for i, (image, data) in enumerate(zip(images, datas, strict=True)):
+        there = asyncio.run(workers.process(f"grow-{i}", data))
+        expected = here.process(image).arrays
+        assert list(there.arrays) == list(expected)
+        for key in expected:
+            assert np.array_equal(there.arrays[key], expected[key]), (i, key)
+    after = {pid: _io(pid) for pid in workers.worker_pids()}
+    assert set(after) == set(before)  # the same processes did it
+    for pid in after:
+        assert after[pid]["rchar"] - before[pid]["rchar"] < 64 << 10, "image bytes went through a pipe"
+        assert after[pid]["wchar"] - before[pid]["wchar"] < 64 << 10, "arrays went through a pipe"
+
+
+def test_a_worker_killed_mid_image_is_a_503_and_a_new_process_takes_its_place(demo_model_path):
+    import os
+    import signal
+
+    from services.protocol.errors import Unavailable
+
+    pool = ImageWorkers(demo_model_path, None, MediaPolicy(), num_workers=1, cache_bytes=0)
+    try:
+        pool.warm_up()
+        [old] = pool.worker_pids()
+        big = encode(noise_image(2800, 2800, seed=3))   # ~1 s in the worker: killed while it works
+
+        async def run():
+            task = asyncio.ensure_future(pool.process("big", big))
+            await asyncio.sleep(0.3)
+            os.kill(old, signal.SIGKILL)
+            with pytest.raises(Unavailable) as caught:
+                await asyncio.wait_for(task, 30)
+            return caught.value
+
+        err = asyncio.run(run())
+        assert (err.code, err.status) == ("render_worker_died", 503)
+        [new] = pool.worker_pids()
+        assert new != old
+        done = asyncio.run(pool.process("after", encode(noise_image(448, 448, seed=4))))
+        assert done.num_tokens == 256
+    finally:
+        pool.close()
+
+
+def test_a_caller_that_leaves_mid_image_does_not_take_the_worker_with_it(workers):
+    """Cancelled callers: the worker's answer is still read and the worker serves the next images."""
+    datas = [encode(noise_image(448, 448, seed=20 + s)) for s in range(6)]
+
+    async def run():
+        left = [asyncio.ensure_future(workers.process(f"left-{i}", d)) for i, d in enumerate(datas[:3])]
+        await asyncio.sleep(0.005)
+        for task in left:
+            task.cancel()
+        await asyncio.gather(*left, return_exceptions=True)
+        return await asyncio.wait_for(asyncio.gather(*(workers.process(f"next-{i}", d)
+                                                       for i, d in enumerate(datas[3:]))), 30)
+
+    assert [p.num_tokens for p in asyncio.run(run())] == [256] * 3
+    assert workers._procs.idle() == 2 and not workers._procs._waiting
