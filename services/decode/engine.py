@@ -7,9 +7,10 @@ returned `DecodeStream`; `abort`, `stats` and `close` likewise.  `submit` also t
 tensor [num_layers, 2, num_kv_heads, prompt_len, head_dim] and does reserve + load itself
 (EngineFull when the pool has no room).
 
-One worker thread runs the loop.  Between steps it takes new requests (their first token goes
-through the stop checks at once, so max_tokens=1 or an EOS first token ends without a row),
-applies aborts, and admits waiting requests into free rows (FIFO, at most `num_slots` rows).
+`submit` emits the first token at once, on the caller's thread (it goes through the stop checks
+there, so max_tokens=1 or an EOS first token ends without a row and never waits for a step).
+One worker thread runs the loop.  Between steps it takes the new requests that go on, applies
+aborts, and admits waiting requests into free rows (FIFO, at most `num_slots` rows).
 A step is one paged forward for all active rows (services/decode/paged_forward.py); a row's
 attention reads only its own blocks, so a step costs the sum of the rows' lengths.  Active
 requests occupy rows 0..n-1; a leaving request's row is filled by the last one (its block
@@ -131,12 +132,17 @@ class DecodeEngine:
             with self._cond:
                 self._check_accept(request_id)
                 self._requests[request_id] = request
-                self._inbox.append(request)
-                self._cond.notify()
         except BaseException:
             if blocks is not None:
                 blocks.release()
             raise
+        # The first token (prefill sampled it) is judged and emitted here, on the caller's thread, so
+        # its event never waits for the step the worker thread is in the middle of (up to one TPOT).
+        # Under the lock: an abort of this id cannot end the request while its first token is judged.
+        with self._cond:
+            if self._emit_token(request, request.first_token) is None:
+                self._inbox.append(request)
+                self._cond.notify()
         return request.stream
 
     def _check_accept(self, request_id: str) -> None:
@@ -272,10 +278,8 @@ class DecodeEngine:
         return self._closed or bool(self._inbox or self._aborts or self._rows) or can_admit
 
     def _take(self, inbox: list[DecodeRequest]) -> None:
-        """New requests: judge the first token now; those that go on wait for a slot."""
-        for request in inbox:
-            if self._emit_token(request, request.first_token) is None:
-                self._waiting.append(request)
+        """New requests (their first token already emitted by `submit`) wait for a slot."""
+        self._waiting.extend(request for request in inbox if not request.finished)
 
     def _apply_aborts(self, aborts: set[str]) -> None:
         for request_id in aborts:
@@ -316,7 +320,8 @@ class DecodeEngine:
         except Exception as exc:
             logger.exception("processing a token of request %s failed", request.request_id)
             event = request.end(FINISH_ERROR, f"token processing failed: {type(exc).__name__}")
-        self._tokens += 1
+        with self._cond:   # submit's thread emits first tokens too
+            self._tokens += 1
         if event.finished:
             self._end(request, event)
             return event

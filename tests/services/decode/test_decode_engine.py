@@ -132,3 +132,36 @@ def test_one_slot_serialises(tiny, make_engine, num_slots, submit):
     for sink, p in zip(sinks, pre, strict=True):
         sink.wait_done()
         assert sink.token_ids == tiny.reference(p, 6)
+
+
+def test_a_new_requests_first_token_does_not_wait_for_the_running_step(tiny, make_engine):
+    """`submit` emits the first token (prefill sampled it) on the caller's thread: a request that
+    arrives while the worker thread is inside a step gets its first event at once, not after the step.
+    Fake, named: every step is slowed to 0.6 s (the tiny model's steps take ~1 ms; a medium model's at
+    16 rows ~80 ms, which every new request's TTFT used to wait for)."""
+    import threading
+
+    pre = tiny.prefill_text(tiny.chat_ids("Count to five."))
+    engine = make_engine(num_slots=2)
+    real_step, stepping = engine._runner.step, threading.Event()
+
+    def slow_step(*args, **kwargs):
+        stepping.set()
+        time.sleep(0.6)
+        return real_step(*args, **kwargs)
+
+    engine._runner.step = slow_step
+    running = engine.submit("running", pre.kv, pre.prompt_len, 0, pre.first_token,
+                            DecodeParams(max_tokens=3, **GREEDY))
+    assert stepping.wait(10)
+    started = time.monotonic()
+    stream = engine.submit("new", pre.kv, pre.prompt_len, 0, pre.first_token, DecodeParams(max_tokens=3, **GREEDY))
+    first = stream.get(timeout=10)
+    waited = time.monotonic() - started
+    assert first.token_ids == [pre.first_token] and not first.finished
+    assert waited < 0.3, f"the first token waited {waited:.3f} s (a step takes 0.6 s)"
+    expected = tiny.reference(pre, 3)
+    assert [first.token_ids[0], *(t for e in stream for t in e.token_ids)] == expected
+    assert [t for e in running for t in e.token_ids] == expected
+    stats = engine.stats()
+    assert (stats.active, stats.queued, stats.finished, stats.tokens) == (0, 0, 2, 6)
