@@ -117,7 +117,7 @@ class EpdConfig:
                               "| active | '' (libgomp's default)", roles="roles")
     role_nice: str = _f("auto", "niceness added per role, a session leader's autogroup's too ('decode=0,prefill=5'; "
                         "prefill-long=N: prefill's while it runs a prompt chunked over max_num_batched_tokens); auto "
-                        "under `epd serve`: encode=5,prefill=5,prefill-long=10, none alone", roles="roles")
+                        "under `epd serve`: decode=5,prefill-long=19, none alone", roles="roles")
     decode_attention: str = _f("auto", "decode attention kernel: auto (the compiled C kernel where it applies) "
                                "| c | torch")
     decode_step: str = _f("eager", "decode step: eager (the default: no start-up cost) | compiled (torch.compile, "

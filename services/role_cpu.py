@@ -18,10 +18,12 @@ use.  The knobs, all flags (docs/configuration.md):
   instruction takes ~140 cycles) except 10000 for `epd serve`'s model roles with one OpenMP team each:
   between the parallel regions of a forward (tens of microseconds) a thread still catches the next
   region spinning, but an idle role no longer spins through the others' time;
-- `--role-nice`: niceness added per role; "auto" (default) is "encode=5,prefill=5,prefill-long=10" for the
-  children of `epd serve` (one machine: decode's per-token latency wins when a long prefill
-  competes for the same cores; the prefill engineer's TPOT-while-4k-prefill benchmark measures
-  the effect) and nothing for a role started alone (its own pod or machine).  Raising niceness needs no privilege;
+- `--role-nice`: niceness added per role; "auto" (default) is "decode=5,prefill-long=19" for the
+  children of `epd serve` (one machine: a short prompt's encode and prefill run ahead of decode's
+  steps, so new requests join the decode batch sooner, +14% output tok/s at c=16; a long (chunked)
+  prompt's prefill runs behind them, so decode's per-token latency holds while it prefills; both
+  measured in docs/benchmarks.md, "Decode TPOT while a long prompt prefills") and nothing for a role
+  started alone (its own pod or machine).  Raising niceness needs no privilege;
   a negative value needs CAP_SYS_NICE and is skipped with a warning otherwise.  A role that leads its own
   session (as under `epd serve`) also sets its autogroup's niceness: with session autogroups, niceness
   alone does not weigh between processes of different sessions.  `prefill-long=N` is prefill's autogroup
@@ -42,7 +44,7 @@ WAIT_POLICIES = ("", "passive", "active")
 SERVE_CHILD = "EPD_SERVE_CHILD"          # set by `epd serve` (services.launch) in its role processes
 MODEL_ROLES = ("encode", "prefill", "decode")   # the roles with torch engines (compute_threads.py)
 SERVE_SPIN = 10000   # --omp-spin-count auto under `epd serve` (benchmarks/omp_team.py measures it)
-SERVE_NICE = "encode=5,prefill=5,prefill-long=10"   # what role_nice "auto" means there
+SERVE_NICE = "decode=5,prefill-long=19"   # what role_nice "auto" means there (docs/benchmarks.md says why)
 _GROUP: dict[str, int] = {}   # prefill's autogroup niceness: "base", "long", "now" (set by apply, read per forward)
 
 
@@ -129,16 +131,18 @@ def apply(config: EpdConfig, role: str) -> str:
         done.append(f"threads={threads}")
     raw_nice = (SERVE_NICE if config.role_nice == "auto" and os.environ.get(SERVE_CHILD) else
                 "" if config.role_nice == "auto" else config.role_nice)
-    nice = role_values(raw_nice, role)
-    if nice:
+    nice = role_values(raw_nice, role) or 0
+    longer = role_values(raw_nice, "prefill-long") if role == "prefill" else None
+    if nice or longer is not None:   # prefill-long applies with prefill's own niceness 0 too
         try:
-            done.append(f"nice={os.nice(nice)}")
+            if nice:
+                done.append(f"nice={os.nice(nice)}")
         except OSError as exc:
             logger.warning("could not change niceness by %d: %s", nice, exc)
         else:
-            done.extend(_autogroup_nice(os.nice(0)))
-            longer = role_values(raw_nice, "prefill-long") if role == "prefill" else None
-            if done[-1].startswith("autogroup") and longer is not None:
+            group = _autogroup_nice(os.nice(0))
+            done.extend(group)
+            if group and longer is not None:
                 _GROUP.update(base=os.nice(0), long=min(19, os.nice(0) - nice + longer), now=os.nice(0))
                 done.append(f"autogroup nice={_GROUP['long']} while a chunked prompt prefills")
     summary = f"{role} cpu policy: " + (", ".join(done) or "defaults")

@@ -69,9 +69,12 @@ def test_per_role_values_reach_torch_the_environment_and_the_scheduler():
 
 
 def test_auto_niceness_applies_only_under_epd_serve():
-    assert _probe("", "", "auto", "prefill", serve_child=True)["nice"] == _raised(5)
-    assert _probe("", "", "auto", "decode", serve_child=True)["nice"] == 0
-    assert _probe("", "", "auto", "prefill")["nice"] == 0
+    """auto under `epd serve`: decode=5,prefill-long=19 (short prompts' prefill and encode ahead of decode,
+    a chunked prompt's prefill behind it: docs/benchmarks.md, "Decode TPOT while a long prompt prefills")."""
+    assert _probe("", "", "auto", "decode", serve_child=True)["nice"] == _raised(5)
+    assert _probe("", "", "auto", "prefill", serve_child=True)["nice"] == 0
+    assert _probe("", "", "auto", "encode", serve_child=True)["nice"] == 0
+    assert _probe("", "", "auto", "decode")["nice"] == 0
 
 
 def test_a_session_leading_role_nices_its_autogroup_too():
@@ -90,12 +93,12 @@ def test_a_session_leading_role_nices_its_autogroup_too():
 
 
 LONG_PROBE = """
-import json, os
+import json, os, sys
 from services.config import EpdConfig
 from services import role_cpu
 def group():
     return int(open("/proc/self/autogroup").read().split()[-1])
-summary = role_cpu.apply(EpdConfig(role_nice="prefill=3,prefill-long=9"), "prefill")
+summary = role_cpu.apply(EpdConfig(role_nice=sys.argv[1]), "prefill")
 seen = [group()]
 for running in (True, True, False):
     role_cpu.long_prompt_running(running)
@@ -104,14 +107,17 @@ print(json.dumps({"seen": seen, "summary": summary}))
 """
 
 
-def test_prefill_yields_more_while_a_long_prompt_runs():
-    """prefill-long: prefill's autogroup niceness while its forward carries a chunked prompt, its base after."""
+@pytest.mark.parametrize(("role_nice", "raised", "longer"), [("prefill=3,prefill-long=9", 3, 9),
+                                                             ("decode=5,prefill-long=19", 0, 19)])
+def test_prefill_yields_more_while_a_long_prompt_runs(role_nice, raised, longer):
+    """prefill-long: prefill's autogroup niceness while its forward carries a chunked prompt, its base after;
+    also where prefill's own niceness is 0 (auto under `epd serve`)."""
     if not os.path.exists("/proc/self/autogroup"):
         pytest.skip("this kernel has no session autogroups: niceness alone weighs between processes")
-    out = subprocess.run([sys.executable, "-c", LONG_PROBE], capture_output=True, text=True, timeout=120,
-                         check=True, start_new_session=True)
+    out = subprocess.run([sys.executable, "-c", LONG_PROBE, role_nice], capture_output=True, text=True,
+                         timeout=120, check=True, start_new_session=True)
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    base, long = os.nice(0) + _raised(3), min(19, os.nice(0) + 9)
+    base, long = os.nice(0) + _raised(raised), min(19, os.nice(0) + longer)
     assert got["seen"] == [base, long, long, base]
     assert got["summary"].endswith(f"autogroup nice={long} while a chunked prompt prefills")
 
