@@ -19,11 +19,15 @@ import contextlib
 import json
 import logging
 import math
+import os
 import random
 import signal
 import socket
+import tempfile
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -51,6 +55,10 @@ SERVER_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 4000),
     ("grpc.http2.max_ping_strikes", 0),
+    # gRPC binds with SO_REUSEPORT by default: two servers handed the same port would both bind it and the
+    # kernel would spread one cluster's calls over the other's role ("Method not found!"; seen in CI, two
+    # clusters starting at once).  Without it the second bind fails loudly.
+    ("grpc.so_reuseport", 0),
 ]
 SHUTDOWN_GRACE_S = 3.0
 DEREGISTER_S = 1.0   # two coordinator probe intervals (coordinator/routing/pool.py PROBE_INTERVAL_S = 0.5)
@@ -65,12 +73,14 @@ def free_port(host: str = "127.0.0.1") -> int:
     Taken below the kernel's ephemeral range where there is room: a port from that range (what binding port
     0 gives) can be taken meanwhile by any outgoing connection's local end -- a test's HTTP client, a gRPC
     channel -- and the child then fails with "Address already in use" (seen in the suite).  Ports handed out
-    by this process are not handed out again."""
+    by this process are not handed out again, nor, for CLAIM_TTL_S, by another process of this user on this
+    machine (a claim file each): two `epd serve` starting at once handed the same port to two children, which
+    both bound it before `so_reuseport` was turned off."""
     low = _ephemeral_low()
     candidates = range(max(_MIN_PORT, low - _SPAN), low)
     if len(candidates) >= 1000:
         for port in _RNG.sample(candidates, 64):
-            if port not in _HANDED_OUT and _bindable(host, port):
+            if port not in _HANDED_OUT and _bindable(host, port) and _claim(port):
                 _HANDED_OUT.add(port)
                 return port
     with socket.socket() as s:
@@ -83,6 +93,47 @@ def free_port(host: str = "127.0.0.1") -> int:
 _MIN_PORT, _SPAN = 10000, 12000
 _HANDED_OUT: set[int] = set()
 _RNG = random.SystemRandom()   # not the global generator, which a test or a library may have seeded
+CLAIM_TTL_S = 600.0   # how long a port handed out by one process is not handed out by another
+CLAIM_DIR = Path(tempfile.gettempdir()) / f"epd-port-claims-{os.getuid()}"
+_MAX_CLAIMS = 512     # past this many claim files, the stale ones are removed (bounded directory)
+
+
+def _claim(port: int) -> bool:
+    """Claim `port` across this user's processes: False while another process's claim is fresh.  Where the
+    claim directory cannot be used (a read-only temp dir), True: this process's own bookkeeping remains."""
+    path = CLAIM_DIR / str(port)
+    try:
+        CLAIM_DIR.mkdir(mode=0o700, exist_ok=True)
+        for _ in range(2):
+            try:
+                os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+                return True
+            except FileExistsError:
+                try:
+                    if time.time() - path.stat().st_mtime < CLAIM_TTL_S:
+                        return False
+                    path.unlink()   # stale: claimed again below
+                except FileNotFoundError:
+                    pass
+        return False
+    except OSError:
+        return True
+    finally:
+        _prune_claims()
+
+
+def _prune_claims() -> None:
+    try:
+        names = os.listdir(CLAIM_DIR)
+        if len(names) <= _MAX_CLAIMS:
+            return
+        now = time.time()
+        for name in names:
+            with contextlib.suppress(OSError):
+                if now - (CLAIM_DIR / name).stat().st_mtime >= CLAIM_TTL_S:
+                    (CLAIM_DIR / name).unlink()
+    except OSError:
+        pass
 
 
 def _ephemeral_low() -> int:

@@ -41,3 +41,42 @@ def test_a_port_something_listens_on_is_not_handed_out():
     finally:
         for s in listeners:
             s.close()
+
+
+def test_another_process_does_not_hand_out_the_ports_this_one_did():
+    """Two `epd serve` starting at once pick their children's ports at the same moment, before any child
+    binds one: the claim files keep them apart (CI saw two clusters share a port)."""
+    import json
+    import subprocess
+    import sys
+
+    mine = {free_port() for _ in range(150)}
+    out = subprocess.run([sys.executable, "-c", "import json; from services.server import free_port; "
+                          "print(json.dumps([free_port() for _ in range(150)]))"],
+                         capture_output=True, text=True, timeout=120, check=True)
+    theirs = set(json.loads(out.stdout.strip().splitlines()[-1]))
+    assert len(theirs) == 150 and not mine & theirs
+
+
+def test_a_second_grpc_server_cannot_bind_a_port_a_role_holds():
+    """gRPC's default SO_REUSEPORT would let two roles bind one port and split the calls between them;
+    a role's server options turn it off, so the second bind fails."""
+    import asyncio
+
+    import grpc
+    import pytest
+
+    from services.server import SERVER_OPTIONS
+
+    async def bind_twice() -> None:
+        first = grpc.aio.server(options=SERVER_OPTIONS)
+        port = first.add_insecure_port("127.0.0.1:0")
+        await first.start()
+        try:
+            second = grpc.aio.server(options=SERVER_OPTIONS)
+            with pytest.raises(RuntimeError):
+                second.add_insecure_port(f"127.0.0.1:{port}")
+        finally:
+            await first.stop(None)
+
+    asyncio.run(bind_twice())

@@ -103,11 +103,16 @@ def test_a_worker_killed_mid_image_is_a_503_and_a_new_process_takes_its_place(de
     try:
         pool.warm_up()
         [old] = pool.worker_pids()
-        big = encode(noise_image(2800, 2800, seed=3))   # ~1 s in the worker: killed while it works
+        big = encode(noise_image(2800, 2800, seed=3))   # 0.2-1 s in the worker: killed while it works
+        [worker] = pool._procs._workers
 
         async def run():
             task = asyncio.ensure_future(pool.process("big", big))
-            await asyncio.sleep(0.3)
+            for _ in range(5000):   # killed as soon as the job is sent (a fixed sleep raced a fast machine)
+                if worker.pending:
+                    break
+                await asyncio.sleep(0.001)
+            assert worker.pending, "the job was never sent"
             os.kill(old, signal.SIGKILL)
             with pytest.raises(Unavailable) as caught:
                 await asyncio.wait_for(task, 30)
