@@ -18,6 +18,7 @@ so a token whose text is empty still counts).  The coordinator's own TTFT
     python -m benchmarks.overhead --quick    # 4 requests, docs untouched
     python -m benchmarks.overhead --model demo-medium   # the medium model's TTFT by stage (its own docs block)
     python -m benchmarks.overhead --model DIR --image-size 1024x768   # any checkpoint and image size (docs untouched)
+    python -m benchmarks.overhead --compare-ref HEAD~1   # this tree vs another version, rounds alternating
 
 Target: <= 3 ms p50 (issue 11; issue 4 asked for 5).  The full run writes its figure and the breakdown
 (where the rest sits: each hop, the coordinator outside them, the client side) between the
@@ -182,6 +183,28 @@ def run(quick: bool = False, server: Server | None = None, count: int | None = N
         return [figure_from(epd, epd.model_id(), count, label, image_size)]
 
 
+def compare(ref: str, model: str, count: int, rounds: int = 6) -> list[Figure]:
+    """This tree (A) and the version at git `ref` (B) as two clusters side by side, `count` requests each in
+    `rounds` rounds alternating A B / B A; the overhead and TTFT p50 of each and their ratios."""
+    from benchmarks.procs import tree_at
+
+    per_round = max(1, count // rounds)
+    with running(start_epd(model), start_epd(model, root=tree_at(ref))) as (a, b):
+        samples: dict[str, list[Sample]] = {"A": [], "B": []}
+        for index in range(rounds):
+            for side, server in ((("A", a), ("B", b)) if index % 2 == 0 else (("B", b), ("A", a))):
+                samples[side] += asyncio.run(measure(server, server.model_id(), per_round))
+    s = {side: summarize(got) for side, got in samples.items()}
+    figures = []
+    for key, what in (("overhead_ms", "orchestration overhead p50"), ("ttft_ms", "TTFT p50"),
+                      ("transfers_and_handlers_ms", "in-role transfers p50")):
+        figures.append(Figure(f"{what}, this tree / {ref} ({model}, one at a time)", s["A"][key] / s["B"][key],
+                              None, "le", unit="x", detail={"A": s["A"], "B": s["B"]},
+                              note=f"{s['A'][key]:.2f} vs {s['B'][key]:.2f} ms; {s['A']['requests']} requests each, "
+                                   f"{rounds} rounds alternating"))
+    return figures
+
+
 def breakdown_text(detail: dict[str, float]) -> str:
     """The breakdown as one line of p50s (each taken on its own: they need not add up)."""
     parts = {"render hop": "hop_render_ms", "encode hop": "hop_encode_ms", "prefill hop": "hop_prefill_ms",
@@ -202,8 +225,15 @@ def main(argv: list[str] | None = None) -> int:
                              "by stage, into its own docs block)")
     parser.add_argument("--image-size", default="224x224", help="WxH of each request's image (docs untouched "
                         "unless 224x224)")
+    parser.add_argument("--compare-ref", metavar="REF",
+                        help="measure this tree against the version at git REF side by side (docs untouched)")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
+    if args.compare_ref:
+        figures = compare(args.compare_ref, args.model, args.requests or (8 if args.quick else 60),
+                          rounds=2 if args.quick else 6)
+        print_figures(figures, f"this tree vs {args.compare_ref}")
+        return 0
     width, _, height = args.image_size.partition("x")
     image_size = (int(width), int(height))
     server = attach_epd(args.epd_url) if args.epd_url else None

@@ -105,32 +105,33 @@ def metric_sum(text: str, name: str, labels: str = "") -> float:
     return total
 
 
-def _env(threads: int | None, extra: dict[str, str] | None) -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+def _env(threads: int | None, extra: dict[str, str] | None, root: Path = ROOT) -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "PYTHONUNBUFFERED": "1", **(extra or {})}
     if threads:
         env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
     return env
 
 
-def _spawn(cmd: list[str], name: str, env: dict[str, str]) -> tuple[subprocess.Popen, Path]:
+def _spawn(cmd: list[str], name: str, env: dict[str, str], root: Path = ROOT) -> tuple[subprocess.Popen, Path]:
     log_path = Path(tempfile.mkstemp(prefix=f"epd-bench-{name}-", suffix=".log")[1])
     with open(log_path, "w") as log:
-        process = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+        process = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
                                    start_new_session=True)
     return process, log_path
 
 
 def start_epd(model: str, *flags: str, threads: int | None = None, timeout_s: float = 300.0,
-              env: dict[str, str] | None = None) -> Server:
-    """`epd serve --model MODEL FLAGS` on a free port; returns once it printed its ready line."""
+              env: dict[str, str] | None = None, root: Path = ROOT) -> Server:
+    """`epd serve --model MODEL FLAGS` on a free port; returns once it printed its ready line.  `root`: the
+    source tree it runs from (another version's, from `tree_at`; the same installed packages)."""
     port = free_port()
     # Under load on this CPU a request can take minutes: the default deadlines (30 s in a role, 60 s to the
     # first token, 30 s between tokens) would fail requests, not measure them (flags given later win).
     cmd = [sys.executable, "-m", "services.cli", "serve", "--model", model, "--port", str(port),
            "--log-level", "warning", "--request-timeout-s", "1800", "--ttft-timeout-s", "1800",
            "--stream-idle-timeout-s", "600", *flags]
-    process, log_path = _spawn(cmd, "epd", _env(threads, env))
+    process, log_path = _spawn(cmd, "epd", _env(threads, env, root), root)
     server = Server("epd", f"http://127.0.0.1:{port}", process, log_path)
     deadline = time.monotonic() + timeout_s
     try:
@@ -148,6 +149,20 @@ def start_epd(model: str, *flags: str, threads: int | None = None, timeout_s: fl
         raise
     server.stop()
     raise ServerError(f"epd serve did not become ready:\n{server.log_tail()}")
+
+
+def tree_at(ref: str) -> Path:
+    """The repository's files at git `ref` (a commit, a tag, HEAD~1), exported into a fresh folder: a baseline
+    version of epd to start beside this one (`start_epd(..., root=tree_at(ref))`)."""
+    from benchmarks.common import scratch_dir
+
+    out = scratch_dir("epd-bench-tree-") / ref.replace("/", "_")
+    if not out.exists():
+        out.mkdir(parents=True)
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", ref], check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(out)], input=archive, check=True)
+    return out
 
 
 def attach_epd(url: str) -> Server:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 ENV = "EPD_COMPUTE_THREADS"
@@ -95,10 +96,8 @@ def single() -> None:
         gomp.omp_set_num_threads(1)   # type: ignore[attr-defined]
 
 
-def helper_executor(max_workers: int | None = None) -> object:
+def helper_executor(max_workers: int | None = None) -> ThreadPoolExecutor:
     """A ThreadPoolExecutor whose threads are `single()` (the event loop's default executor in a role)."""
-    from concurrent.futures import ThreadPoolExecutor
-
     return ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="epd-helper", initializer=single)
 
 

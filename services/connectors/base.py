@@ -115,6 +115,9 @@ class TensorStore(ABC):
     that reaches the backend."""
 
     backend: str
+    local: bool = False
+    """Every operation touches only this host's memory (no I/O, no waiting on another process): a small one
+    may run on an event loop instead of paying two thread hand-offs (`services.connectors.wiring.run_op`)."""
 
     @abstractmethod
     def put(self, key: str, tensors: dict[str, Any]) -> dict[str, Any]:

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 class ShmTensorStore(TensorStore):
     backend = "shm"
+    local = True  # the pool segment and the index are this host's memory
 
     def __init__(self, config: StoreConfig) -> None:
         self.config = config

@@ -61,7 +61,7 @@ _IDLE_WAIT_S = 0.5   # the worker re-checks its flags at least this often when i
 class EngineStats:
     num_slots: int
     active: int       # requests holding a batch row
-    queued: int       # accepted, waiting for a row (their KV already in the pool)
+    queued: int       # accepted, waiting for a row (their KV in the pool, or being copied in)
     steps: int        # forwards run
     tokens: int       # output tokens emitted (first tokens from prefill included)
     finished: int     # requests ended, any reason
@@ -123,11 +123,31 @@ class DecodeEngine:
                prompt_token_ids: Sequence[int] | None = None) -> DecodeStream:
         """Queue a prefilled request (its KV in loaded `RequestBlocks`, or as a tensor to load now); its
         events (the first token's included) arrive on the stream.  On any error the blocks are released."""
+        request = self._open(request_id, kv, prompt_len, rope_delta, first_token, params, on_event,
+                             prompt_token_ids, loaded=True)
+        self.start(request)
+        return request.stream
+
+    def open(self, request_id: str, blocks: RequestBlocks, prompt_len: int, rope_delta: int, first_token: int,
+             params: DecodeParams | None = None, on_event: Callable[[DecodeEvent], None] | None = None,
+             prompt_token_ids: Sequence[int] | None = None) -> DecodeRequest:
+        """`submit` in two halves, for a caller that loads the KV after the first token is out: the request
+        is registered and its first token emitted now, on reserved (not yet loaded) `blocks`; `start` queues
+        it for steps once `blocks` hold the prompt (or `fail` ends it).  Until then it takes no row, and an
+        abort ends it only at `start`/`fail`, so its blocks are never freed while the caller writes them.
+        If the first token ends the request (`request.finished`), the blocks are already released and
+        nothing must be loaded."""
+        return self._open(request_id, blocks, prompt_len, rope_delta, first_token, params, on_event,
+                          prompt_token_ids, loaded=False)
+
+    def _open(self, request_id: str, kv: torch.Tensor | RequestBlocks, prompt_len: int, rope_delta: int,
+              first_token: int, params: DecodeParams | None, on_event: Callable[[DecodeEvent], None] | None,
+              prompt_token_ids: Sequence[int] | None, loaded: bool) -> DecodeRequest:
         params = params or DecodeParams()
         blocks = kv if isinstance(kv, RequestBlocks) else None
         try:
             request = self._build(request_id, kv, prompt_len, rope_delta, first_token, params, on_event,
-                                  prompt_token_ids)
+                                  prompt_token_ids, loaded)
             blocks = request.blocks
             with self._cond:
                 self._check_accept(request_id)
@@ -140,10 +160,33 @@ class DecodeEngine:
         # its event never waits for the step the worker thread is in the middle of (up to one TPOT).
         # Under the lock: an abort of this id cannot end the request while its first token is judged.
         with self._cond:
-            if self._emit_token(request, request.first_token) is None:
+            self._emit_token(request, request.first_token)
+        return request
+
+    def start(self, request: DecodeRequest) -> None:
+        """Queue an opened request for steps (its blocks now hold the prompt); a request that ended meanwhile
+        (its first token, or an abort asked for while it was loading) is ended here instead."""
+        if not request.finished and request.blocks.num_tokens != request.prompt_len:
+            self.fail(request, f"the loaded KV holds {request.blocks.num_tokens} tokens, prompt_len is "
+                               f"{request.prompt_len}")
+            return
+        with self._cond:
+            request.started = True
+            if request.finished:
+                return
+            if not request.abort_asked:
                 self._inbox.append(request)
                 self._cond.notify()
-        return request.stream
+                return
+        self._end(request, request.end(FINISH_ABORT))
+
+    def fail(self, request: DecodeRequest, message: str) -> None:
+        """End an opened request that will not start (its KV could not be loaded): an error event, blocks back."""
+        with self._cond:
+            request.started = True
+            if request.finished:
+                return
+        self._end(request, request.end(FINISH_ERROR, message))
 
     def _check_accept(self, request_id: str) -> None:
         if self._closed:
@@ -207,12 +250,12 @@ class DecodeEngine:
 
     def _build(self, request_id: str, kv: torch.Tensor | RequestBlocks, prompt_len: int, rope_delta: int,
                first_token: int, params: DecodeParams, on_event: Callable[[DecodeEvent], None] | None,
-               prompt_token_ids: Sequence[int] | None) -> DecodeRequest:
+               prompt_token_ids: Sequence[int] | None, loaded: bool = True) -> DecodeRequest:
         max_tokens = self._max_tokens(prompt_len, params)
         if not 0 <= first_token < self.lm.vocab_size:
             raise InvalidRequest(f"first_token {first_token} is outside the vocabulary")
         blocks = kv if isinstance(kv, RequestBlocks) else self._load(kv, prompt_len, params)
-        if blocks.num_tokens != prompt_len:
+        if loaded and blocks.num_tokens != prompt_len:
             raise InvalidRequest(f"the loaded KV holds {blocks.num_tokens} tokens, prompt_len is {prompt_len}",
                                  code="invalid_kv")
         decode = self._decoders[params.skip_special_tokens]
@@ -286,6 +329,10 @@ class DecodeEngine:
             request = self._requests.get(request_id)
             if request is None or request.finished:
                 continue
+            with self._cond:     # against `start`: the abort is applied here or there, never lost
+                if not request.started:  # its KV is being loaded into its blocks: `start`/`fail` end it
+                    request.abort_asked = True
+                    continue
             if request in self._rows:
                 self._release(self._rows.index(request))
             elif request in self._waiting:

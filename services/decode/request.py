@@ -41,6 +41,8 @@ class DecodeRequest:
         self.output_ids: list[int] = []
         self.last_token = first_token
         self.finished = False
+        self.started = False       # queued for steps (`DecodeEngine.start`); before that its KV may be loading
+        self.abort_asked = False   # an abort that came before `start`: applied there
 
     @property
     def num_output(self) -> int:

@@ -2,24 +2,29 @@
 
 Admission: the engine reserves the request's blocks in its KV pool first (waiting up to
 `kv_wait_s` for room, at most `max_waiting` requests at a time, else EngineFull -> 429, with
-the KV entry left in the store for another instance); then the entry is read through the
-store's view (zero-copy for shm; Redis falls back to a get) and copied once, straight into the
-blocks, and released so its producer can free it.  Leaving the stream early (client gone, call
-cancelled) aborts the request, which frees its row and blocks before the next step.
+the KV entry left in the store for another instance); then the entry is opened through the
+store's view (zero-copy for shm; Redis falls back to a get) and checked, the first token (which
+prefill sampled) is emitted at once, and the entry is copied once, straight into the blocks,
+beside it, then released so its producer can free it; only then does the request take a row.
+Leaving the stream early (client gone, call cancelled) aborts the request, which frees its row
+and blocks before the next step (or, while its KV is still being copied, right after the copy).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from prometheus_client import Counter
 
+from services.compute_threads import helper_executor
 from services.connectors.base import ConnectorError, TensorStore
-from services.connectors.wiring import as_epd_error
+from services.connectors.wiring import as_epd_error, runs_inline
 from services.owned_metrics import OwnedGauges
 from services.protocol.errors import InvalidRequest
 from services.protocol.logprobs import FLOOR, TokenLogprob
@@ -30,9 +35,11 @@ from .errors import EngineFull
 from .metrics import ENGINE_GAUGES, export_info
 from .params import DecodeParams
 from .params_from import decode_params
+from .request import DecodeRequest
 from .request_blocks import RequestBlocks
 from .stream import DecodeEvent
 
+log = logging.getLogger(__name__)
 _POLL_S = 0.005   # how often a request waiting for KV room looks again
 
 FINISHED = Counter("epd_decode_requests_finished", "Decode requests by finish reason", ["reason"])
@@ -55,15 +62,10 @@ def _transfer_fields(kv_params: Any) -> tuple[dict, int, int, int]:
                              code="invalid_kv_transfer_params") from None
 
 
-async def _uncancelled_thread(fn: Any, *args: Any) -> Any:
-    """`fn(*args)` in a worker thread; a cancelled caller still waits for the thread to finish (then
-    re-raises), so blocks are never released while the thread is still copying into them."""
-    task = asyncio.ensure_future(asyncio.to_thread(fn, *args))
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        await asyncio.wait([task])
-        raise
+def _entry_bytes(handle: dict) -> int:
+    """The payload size a handle names (an shm handle carries "length"); unknown counts as large."""
+    length = handle.get("length")
+    return length if isinstance(length, int) and length >= 0 else 1 << 62
 
 
 class DecodeService:
@@ -73,6 +75,8 @@ class DecodeService:
         self.kv_wait_s = kv_wait_s
         self.max_waiting = engine.max_queued if max_waiting is None else max_waiting
         self._num_waiting = 0
+        self._loading: set[asyncio.Future] = set()  # KV copies running beside their first tokens
+        self._copies = helper_executor(2)  # large KV copies (threads that run torch on one thread)
         # Read at scrape time: an aborted request's row and blocks show free as soon as the engine let them go.
         self.gauges = OwnedGauges(self, GAUGES)
         export_info(engine)
@@ -88,17 +92,26 @@ class DecodeService:
         handle, prompt_len, rope_delta, first_token = _transfer_fields(kv_params)
         self._check_room()  # before the KV is loaded (and released): a full instance leaves it for another
         blocks = await self._reserve(prompt_len, params)
+        views = contextlib.ExitStack()
         try:
-            await _uncancelled_thread(self._load, handle, blocks, prompt_len)
-            stream = self.engine.submit(request_id, blocks, prompt_len, rope_delta, first_token, params,
-                                        prompt_token_ids=prompt_token_ids or None)
+            # The entry is opened and checked before anything is emitted: a missing or malformed one is a typed
+            # error the coordinator can act on (kv_entry_missing: prefill again), not a stream that breaks.
+            kv = await self._open_entry(handle, prompt_len, views)
+            request = self.engine.open(request_id, blocks, prompt_len, rope_delta, first_token, params,
+                                       prompt_token_ids=prompt_token_ids or None)
         except BaseException:
+            with contextlib.suppress(ConnectorError):
+                views.close()
             blocks.release()
             raise
+        # The first token (prefill's) is on the stream already; the copy into the blocks runs beside it.
+        loading = asyncio.ensure_future(self._load_then_start(request, handle, kv, views))
+        self._loading.add(loading)
+        loading.add_done_callback(self._loading.discard)
         texts = _LogprobTexts(self.engine.tokenizer, kv_params, first_token) if params.logprobs is not None else None
         finished = False
         try:
-            async for event in stream.events():
+            async for event in request.stream.events():
                 if texts is not None:
                     event = texts.complete(event)
                 TOKENS.inc(len(event.token_ids))
@@ -108,8 +121,56 @@ class DecodeService:
                 yield event
         finally:
             if not finished:
-                self.engine.abort(request_id)
+                self.engine.abort(request_id)  # one still loading ends when its copy is done (engine.start)
                 FINISHED.labels("abort").inc()
+
+    async def _open_entry(self, handle: dict, prompt_len: int, views: contextlib.ExitStack) -> Any:
+        """The KV entry's tensor, open in `views` and checked against the prompt: a zero-copy view of a local
+        store's memory, opened on the loop (it copies nothing); a remote store's read runs in a thread."""
+        def open_checked() -> Any:
+            kv = views.enter_context(self.kv_store.view(handle))["kv"]
+            self.engine.check_prefill(kv, prompt_len)
+            return kv
+
+        try:
+            return open_checked() if self.kv_store.local else await asyncio.to_thread(open_checked)
+        except ConnectorError as exc:
+            raise as_epd_error(exc, "kv") from None
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidRequest(f"bad KV handle: {exc}", code="invalid_kv_handle") from None
+
+    async def _load_then_start(self, request: DecodeRequest, handle: dict, kv: Any,
+                               views: contextlib.ExitStack) -> None:
+        """Copy the entry into the request's blocks (the one copy), close the view (an entry overwritten
+        meanwhile fails the request, never a wrong KV), release the entry so its producer can free it, and
+        queue the request for steps.  On the loop when the store is local and the entry small, else in a
+        thread (a Redis release is a round trip).  Never raises: a failure ends the request with an error."""
+        def copy_and_release() -> None:
+            if not request.finished:  # its first token did not end it: the steps need the prompt's KV
+                self.engine.load(request.blocks, kv, request.prompt_len)
+            views.close()
+            try:
+                self.kv_store.release(handle)
+            except ConnectorError as exc:  # the KV is in the blocks already; the entry expires with its TTL
+                log.warning("releasing the KV entry of %s failed: %s", request.request_id, exc)
+
+        try:
+            if runs_inline(self.kv_store, _entry_bytes(handle)):
+                copy_and_release()
+            else:
+                copy = self._copies.submit(copy_and_release)
+                try:
+                    await asyncio.wrap_future(copy)
+                except asyncio.CancelledError:  # the loop is going away: end it once the copy lets go
+                    copy.add_done_callback(lambda _: self.engine.fail(request, "decode is shutting down"))
+                    raise
+        except ConnectorError as exc:
+            self.engine.fail(request, f"kv entry unusable: {exc}")
+        except Exception as exc:  # noqa: BLE001 - reported on the request's stream
+            log.exception("loading the KV of request %s failed", request.request_id)
+            self.engine.fail(request, f"loading the KV failed: {type(exc).__name__}")
+        else:
+            self.engine.start(request)
 
     async def _reserve(self, prompt_len: int, params: DecodeParams) -> RequestBlocks:
         """The request's blocks; waits (bounded in time and in waiters) while the pool is full."""
@@ -134,17 +195,6 @@ class DecodeService:
         kv = self.engine.stats().kv
         return EngineFull(f"decode KV pool is full ({kv.free_blocks} of {kv.num_blocks} blocks free) and {why}",
                           code="decode_kv_full")
-
-    def _load(self, handle: dict, blocks: RequestBlocks, prompt_len: int) -> None:
-        """Copy the entry from the store's view into `blocks` (one copy), then release the entry."""
-        try:
-            with self.kv_store.view(handle) as views:
-                self.engine.load(blocks, views["kv"], prompt_len)
-            self.kv_store.release(handle)
-        except ConnectorError as exc:
-            raise as_epd_error(exc, "kv") from None
-        except (KeyError, TypeError, ValueError) as exc:
-            raise InvalidRequest(f"bad KV handle: {exc}", code="invalid_kv_handle") from None
 
     def abort(self, request_ids: list[str]) -> int:
         return sum(self.engine.abort(r) for r in request_ids)

@@ -7,8 +7,9 @@ zero-copy views kept open through the forward, so the tower's own input copy
 is the only copy of its pixels; an entry evicted meanwhile fails the item
 (`mm_entry_missing`) instead of storing an embedding of torn bytes.  Items
 wait for the engine as futures (no thread each), so items of every request in
-flight batch together; the EC put runs in a thread while the engine already
-runs the next batch.
+flight batch together; the EC put runs while the engine already runs the next
+batch (on the event loop when small, services.connectors.wiring.run_op;
+else in a thread).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from services.admission import Admission
 from services.connectors.base import ConnectorError, TensorStore
 from services.connectors.ec import ec_key
 from services.connectors.mm import MmRef, open_item
-from services.connectors.wiring import as_epd_error
+from services.connectors.wiring import as_epd_error, run_op
 from services.owned_metrics import OwnedGauges
 from services.protocol.errors import DeadlineExceeded, InvalidRequest
 from services.protocol.items import Item
@@ -104,7 +105,7 @@ class EncodeService:
         except ConnectorError as exc:  # the mm entry is gone or was overwritten: the coordinator renders again
             raise as_epd_error(exc, "mm") from None
         try:
-            handle = await asyncio.to_thread(self.store.put, key, entry)
+            handle = await run_op(self.store, sum(t.nbytes for t in entry.values()), self.store.put, key, entry)
         except ConnectorError as exc:
             raise as_epd_error(exc, "ec") from None
         ITEMS.labels("encoded").inc()

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -91,11 +92,13 @@ class PrefillEngine:
         return sum(1 for job in list(self._scheduler.waiting) if job.blocks)
 
     def submit(self, token_ids: list[int], mm_items: list[MultiModalInput] | None = None,
-               cache_salt: str | None = None) -> Future[HeldPrefill]:
+               cache_salt: str | None = None,
+               on_finish: Callable[[HeldPrefill], None] | None = None) -> Future[HeldPrefill]:
         """Queue one prompt; the future resolves to its HeldPrefill (release it!) or to the error
-        (ValueError / InvalidMultiModalInput for items that do not fit the prompt)."""
+        (ValueError / InvalidMultiModalInput for items that do not fit the prompt).  `on_finish(held)`
+        runs on the engine thread first (an exception from it fails the future, the blocks released)."""
         self._check_length(token_ids)
-        job = PrefillJob(list(token_ids), list(mm_items or []), cache_salt)
+        job = PrefillJob(list(token_ids), list(mm_items or []), cache_salt, on_finish=on_finish)
         with self._cond:
             if self._closed:
                 raise RuntimeError("the prefill engine is closed")
@@ -187,7 +190,15 @@ class PrefillEngine:
         for row, index in enumerate(finishing):
             job = batch[index].job
             assert logits is not None
-            job.future.set_result(HeldPrefill(job, logits[row], self.pool, self._release))
+            held = HeldPrefill(job, logits[row], self.pool, self._release)
+            if job.on_finish is not None:
+                try:
+                    job.on_finish(held)
+                except Exception as exc:  # the caller hears of it; the blocks go back
+                    held.release()
+                    job.future.set_exception(exc)
+                    continue
+            job.future.set_result(held)
 
     def _count(self, batch: list[Scheduled], chunks: list[Chunk]) -> None:
         self.num_forwards += 1

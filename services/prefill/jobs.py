@@ -5,7 +5,10 @@
 the future its caller waits on.
 
 `HeldPrefill` is what a finished prompt resolves to: the first-token logits and position
-state, plus a *lease* on the prompt's blocks.  `fill(views)` copies the KV out of the blocks
+state, plus a *lease* on the prompt's blocks.  A job's `on_finish` runs on the engine
+thread right after the prompt's last forward, before its future resolves: the serving
+layer puts the KV into the store there (no thread hand-off between the forward and the
+put) and releases the blocks.  `fill(views)` copies the KV out of the blocks
 into a destination in the wire layout (the KV store's own memory via `put_into`: the
 hand-off's one copy); `release()` gives the blocks back (full ones stay in the prefix cache).
 A held result must be released, once; it is a context manager for that.
@@ -40,6 +43,7 @@ class PrefillJob:
     blocks: list[int] = field(default_factory=list)
     num_cached: int = 0    # leading tokens whose KV came from the prefix cache
     num_done: int = 0      # leading tokens whose KV is in the pool (cached included)
+    on_finish: Callable[[HeldPrefill], None] | None = None  # run on the engine thread before the future resolves
 
     @property
     def num_tokens(self) -> int:
@@ -63,6 +67,9 @@ class HeldPrefill:
         self._pool, self._blocks, self._release = pool, job.blocks, release
         self._lock = threading.Lock()
         self._released = False
+        # What the job's `on_finish` left here (the serving layer's KV put, on the engine thread).
+        self.kv_handle: dict[str, Any] | None = None
+        self.kv_error: Exception | None = None
 
     @property
     def blocks(self) -> tuple[int, ...]:

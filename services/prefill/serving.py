@@ -6,14 +6,16 @@ metadata (image_grid_thw).  Prompts wait for the engine as futures, not
 threads, so every prompt waiting joins the next batched forward.  The KV goes
 from the engine's blocks to the KV store under the request id with
 `put_into` (the store hands out its memory, the blocks are copied into it
-once); the answer (kv_transfer_params) carries its handle and the per-request
-position state (rope_delta) decode needs.
+once), on the engine thread as soon as the prompt's last forward ends; the
+answer (kv_transfer_params) carries its handle and the per-request position
+state (rope_delta) decode needs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,13 +97,17 @@ class PrefillService:
                        ec_params: dict[str, Any], sampling: dict[str, Any], cache_salt: str | None) -> PrefillOutcome:
         params = decode_params(sampling)
         self._check_ids(token_ids)
-        held = await self._forward(token_ids, items, ec_params, cache_salt)
+        key = kv_key(request_id)
+        held = await self._forward(token_ids, items, ec_params, cache_salt, key)
+        if held.kv_error is not None:
+            raise as_epd_error(held.kv_error, "kv") from None
+        handle = held.kv_handle
+        assert handle is not None
         try:
             first, logprobs = sample_first_logprobs(held.first_logits, params, 0, self.lm.eos_token_ids, token_ids)
         except BaseException:
-            held.release()
+            self._delete_quietly(key)  # nobody will read it
             raise
-        handle = await self._store_kv(kv_key(request_id), held)
         PROMPT_TOKENS.inc(held.num_prompt_tokens)
         CACHED_TOKENS.inc(held.num_cached_tokens)
         params_out = {"do_remote_prefill": True, "remote_engine_id": self.instance_id, "handle": handle,
@@ -112,16 +118,21 @@ class PrefillService:
         return PrefillOutcome(first, params_out, held.num_prompt_tokens, held.num_cached_tokens, logprobs)
 
     async def _forward(self, token_ids: list[int], items: list[PrefillItem], ec_params: dict[str, Any],
-                       cache_salt: str | None) -> HeldPrefill:
+                       cache_salt: str | None, key: str) -> HeldPrefill:
         """The prompt through the engine with each embedding read as a zero-copy view of the EC store, kept
         open until the forward is done: the scatter into the prompt's embeddings is the one copy.  An entry
-        evicted meanwhile fails the prompt (ec_entry_missing) rather than use bytes that changed under it."""
+        evicted meanwhile fails the prompt (ec_entry_missing) rather than use bytes that changed under it.
+        The views are opened on the loop when the EC store is local and nothing is encoded here (opening
+        one copies nothing); a Redis store's reads and an inline encode run in a thread."""
         views = contextlib.ExitStack()
         held: HeldPrefill | None = None
         try:
             with views:
-                mm_inputs = await asyncio.to_thread(self._load_embeddings, items, ec_params, views)
-                held = await self._run_engine(token_ids, mm_inputs, cache_salt)
+                if self.ec_store.local and all(isinstance(ec_params.get(i.mm_hash), dict) for i in items):
+                    mm_inputs = self._load_embeddings(items, ec_params, views)
+                else:
+                    mm_inputs = await asyncio.to_thread(self._load_embeddings, items, ec_params, views)
+                held = await self._run_engine(token_ids, mm_inputs, cache_salt, key)
         except ConnectorError as exc:
             if held is not None:
                 held.release()
@@ -129,37 +140,36 @@ class PrefillService:
         return held
 
     async def _run_engine(self, token_ids: list[int], mm_inputs: list[MultiModalInput],
-                          cache_salt: str | None) -> HeldPrefill:
-        """Wait for the engine without holding a thread (so every waiting prompt can join a batch);
-        a caller that gives up leaves the blocks to be released when the prompt finishes."""
-        future = self.engine.submit(token_ids, mm_inputs, cache_salt)
+                          cache_salt: str | None, key: str) -> HeldPrefill:
+        """Wait for the engine without holding a thread (so every waiting prompt can join a batch).  The
+        engine thread puts the KV into the store as soon as the prompt's last forward ends (`_put_kv`), so
+        the result comes back with its blocks already released.  A caller that gives up leaves the blocks
+        to be released, and the entry nobody will read to be deleted, when the prompt finishes."""
+        future = self.engine.submit(token_ids, mm_inputs, cache_salt,
+                                    on_finish=lambda held: self._put_kv(key, held))
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
             release_when_done(future)
+            future.add_done_callback(lambda done: self._drop_unread(done, key))
             raise
 
-    async def _store_kv(self, key: str, held: HeldPrefill) -> dict[str, Any]:
-        """Put the KV (one copy from the blocks into the store); the blocks go back when the put is done.
-        If the caller gives up meanwhile, the entry nobody will read is deleted at once."""
-        put = asyncio.ensure_future(asyncio.to_thread(self._put_kv, key, held))
+    def _put_kv(self, key: str, held: HeldPrefill) -> None:
+        """On the engine thread: the KV into the store (one copy from the blocks), then the blocks go back.
+        A store error is kept on `held` for the caller to raise as a kv_* error."""
         try:
-            return await asyncio.shield(put)
+            held.kv_handle = self.kv_store.put_into(key, held.kv_spec(), held.fill)
         except ConnectorError as exc:
-            raise as_epd_error(exc, "kv") from None
-        except asyncio.CancelledError:
-            put.add_done_callback(lambda done: self._drop_unread(done, key))
-            raise
-
-    def _put_kv(self, key: str, held: HeldPrefill) -> dict[str, Any]:
-        try:
-            return self.kv_store.put_into(key, held.kv_spec(), held.fill)
+            held.kv_error = exc
         finally:
             held.release()
 
-    def _drop_unread(self, put: asyncio.Future, key: str) -> None:
-        if put.cancelled() or put.exception() is not None:
+    def _drop_unread(self, done: Future, key: str) -> None:
+        if done.cancelled() or done.exception() is not None or done.result().kv_handle is None:
             return
+        self._delete_quietly(key)
+
+    def _delete_quietly(self, key: str) -> None:
         try:
             self.kv_store.delete(key)
         except ConnectorError:

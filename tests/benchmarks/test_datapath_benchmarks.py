@@ -45,3 +45,17 @@ def test_ttft_vs_vllm_measures_both_sizes_at_c1_and_tabulates_them():
                                   where, "python -m benchmarks.ttft_vs_vllm")
     assert table.splitlines()[-2:] == ["| a | 0.90x (45.0 vs 50.0 ms) | <= 1.0x | met |", "| b | n/a | <= 1.0x | n/a |"]
     assert "load average at start [1.0, 2.0, 3.0]" in table
+
+
+def test_tree_at_exports_the_version_at_a_git_ref():
+    """`--compare-ref` starts a baseline cluster from this: the files exactly as committed at the ref."""
+    import subprocess
+
+    from benchmarks.common import ROOT
+    from benchmarks.procs import tree_at
+
+    tree = tree_at("HEAD")
+    committed = subprocess.run(["git", "-C", str(ROOT), "show", "HEAD:services/cli.py"], check=True,
+                               capture_output=True).stdout
+    assert (tree / "services" / "cli.py").read_bytes() == committed
+    assert (tree / "services" / "rpc" / "v1" / "epd_pb2.py").is_file() and not (tree / ".git").exists()

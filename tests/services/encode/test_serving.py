@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from services.connectors import StoreConfig, create_store
+from services.connectors.wiring import INLINE_BYTES
 from services.encode.engine import EncodeEngine
 from services.encode.serving import EncodeService
 from services.protocol.items import FieldElem, FieldSpec
@@ -54,6 +55,8 @@ def store():
 
 class GatedPuts:
     """The real store, whose first put waits for `release` (a slow backend, made slow on purpose)."""
+
+    local = False  # a backend that can be slow (Redis): its puts run in a thread, never on the loop
 
     def __init__(self, inner) -> None:
         self.inner = inner
@@ -107,6 +110,38 @@ def test_the_next_forward_does_not_wait_for_the_ec_put(vision, items, store):
     for result, (_, tensors) in zip(results, items[:2], strict=True):
         torch.testing.assert_close(store.get(result.handle)["embedding"], vision.encode([tensors])[0],
                                    rtol=0, atol=1e-6)
+
+
+class ThreadOfPuts:
+    """The real store, noting which thread each put ran on."""
+
+    def __init__(self, inner, local: bool) -> None:
+        self.inner, self.local, self.threads = inner, local, []
+
+    def put(self, key, tensors):
+        self.threads.append(threading.get_ident())
+        return self.inner.put(key, tensors)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("local", [True, False])
+def test_a_small_entry_of_a_local_store_is_put_on_the_loop(vision, items, store, local):
+    """Two thread wake-ups cost more than copying a small entry: a local store's small put runs on the loop;
+    a store that does I/O is never called there."""
+    puts = ThreadOfPuts(store, local)
+
+    async def main(engine: EncodeEngine):
+        result = await EncodeService(engine, puts, "m", timeout_s=60).encode("h0", items[0][0])
+        return result, threading.get_ident()
+
+    with EncodeEngine(vision, max_batch_tokens=100_000) as engine:
+        result, loop_thread = asyncio.run(main(engine))
+    assert store.stats().bytes_copied <= INLINE_BYTES
+    assert (puts.threads == [loop_thread]) is local and len(puts.threads) == 1
+    torch.testing.assert_close(store.get(result.handle)["embedding"], vision.encode([items[0][1]])[0],
+                               rtol=0, atol=1e-6)
 
 
 def test_a_caller_that_gives_up_is_not_encoded(vision, items, store):

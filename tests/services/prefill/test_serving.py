@@ -5,6 +5,7 @@ comes back, also when a caller gives up."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
 
@@ -93,3 +94,56 @@ def test_a_caller_that_gives_up_leaves_no_blocks_held(lm, stores):
         time.sleep(0.01)
     assert engine.num_prefills == 0  # cancelled before its forward
     assert engine.blocks.num_free == engine.blocks.num_blocks and kv.stats().entries == 0
+
+
+def test_the_kv_is_put_on_the_engine_thread_right_after_the_forward(lm, stores):
+    """No thread hand-off between the forward and the put: the engine thread copies the blocks into the store
+    and gives them back before the caller's loop hears of the prompt."""
+    ec, kv = stores
+    engine = PrefillEngine(lm, prefix_cache_mb=0)
+    threads: list[str] = []
+    put_into = kv.put_into
+
+    def noting(key, specs, fill):
+        threads.append(threading.current_thread().name)
+        return put_into(key, specs, fill)
+
+    kv.put_into = noting
+    service = PrefillService(engine, lm, ec, kv, "p0")
+    outcome = asyncio.run(service.prefill("r1", PROMPTS[0], [], {}, {}, None))
+    assert threads == ["prefill-engine"]
+    handle = outcome.kv_transfer_params["handle"]
+    assert handle["key"].startswith("req|r1|") and kv.lookup(handle["key"]) is not None
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_a_caller_that_gives_up_during_the_forward_leaves_no_entry(lm, stores):
+    """The prompt's forward finishes and its KV is put after the caller left: the entry nobody will read is
+    deleted and every block comes back.  (The forward is held on purpose: a named fake for the timing.)"""
+    ec, kv = stores
+    engine = PrefillEngine(lm, prefix_cache_mb=0)
+    service = PrefillService(engine, lm, ec, kv, "p0")
+    entered, release = threading.Event(), threading.Event()
+    forward = engine._forward
+
+    def held_forward(batch):
+        entered.set()
+        assert release.wait(30)
+        forward(batch)
+
+    engine._forward = held_forward
+
+    async def main() -> None:
+        task = asyncio.create_task(service.prefill("r1", PROMPTS[1], [], {}, {}, None))
+        assert await asyncio.to_thread(entered.wait, 30)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        release.set()
+
+    asyncio.run(main())
+    deadline = time.monotonic() + 30
+    while engine.num_waiting or kv.stats().entries or engine.blocks.num_free != engine.blocks.num_blocks:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert engine.num_prefills == 1 and kv.stats().puts == 1  # it ran and was put, then dropped
