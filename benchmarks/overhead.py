@@ -185,15 +185,23 @@ def run(quick: bool = False, server: Server | None = None, count: int | None = N
 
 def compare(ref: str, model: str, count: int, rounds: int = 6) -> list[Figure]:
     """This tree (A) and the version at git `ref` (B) as two clusters side by side, `count` requests each in
-    `rounds` rounds alternating A B / B A; the overhead and TTFT p50 of each and their ratios."""
+    `rounds` rounds alternating A B / B A (half of them with A started first, half with B); the overhead and
+    TTFT p50 of each and their ratios."""
     from benchmarks.procs import tree_at
 
     per_round = max(1, count // rounds)
-    with running(start_epd(model), start_epd(model, root=tree_at(ref))) as (a, b):
-        samples: dict[str, list[Sample]] = {"A": [], "B": []}
-        for index in range(rounds):
-            for side, server in ((("A", a), ("B", b)) if index % 2 == 0 else (("B", b), ("A", a))):
-                samples[side] += asyncio.run(measure(server, server.model_id(), per_round))
+    tree = tree_at(ref)
+    samples: dict[str, list[Sample]] = {"A": [], "B": []}
+    # The cluster started first measured a few % slower compute and overhead with the same code on both sides
+    # (2026-12-04): so each half of the rounds runs on a fresh pair, started in the other order.
+    for half, first in enumerate(("A", "B")):
+        starts = {"A": lambda: start_epd(model), "B": lambda: start_epd(model, root=tree)}
+        order = (first, "B" if first == "A" else "A")
+        with running(starts[order[0]](), starts[order[1]]()) as servers:
+            by_side = dict(zip(order, servers, strict=True))
+            for index in range(half * rounds // 2, (half + 1) * rounds // 2):
+                for side in (("A", "B") if index % 2 == 0 else ("B", "A")):
+                    samples[side] += asyncio.run(measure(by_side[side], by_side[side].model_id(), per_round))
     s = {side: summarize(got) for side, got in samples.items()}
     figures = []
     for key, what in (("overhead_ms", "orchestration overhead p50"), ("ttft_ms", "TTFT p50"),
