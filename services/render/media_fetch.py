@@ -31,7 +31,6 @@ import aiohttp
 from aiohttp.abc import AbstractResolver, ResolveResult
 from yarl import URL
 
-from services.protocol.b64 import PIECE as OFF_LOOP_CHARS
 from services.protocol.b64 import b64decode_strict
 from services.protocol.errors import InvalidRequest
 from services.render.media_policy import (
@@ -114,7 +113,7 @@ async def fetch_media(url: str, policy: MediaPolicy, session: aiohttp.ClientSess
         raise InvalidRequest("media URL has no scheme (expected http(s): or data:)", code=INVALID_URL)
     scheme = match.group(1).lower()
     check_scheme(scheme, policy)
-    if scheme == "data":  # MBs of base64: decoded in a thread, in pieces (services/protocol/b64.py)
+    if scheme == "data":  # SIMD base64 (services/protocol/b64.py): only a very long URL goes to a thread
         return decode_data_url(url, policy) if len(url) <= OFF_LOOP_CHARS else \
             await asyncio.to_thread(decode_data_url, url, policy)
     if scheme == "file":
@@ -143,18 +142,27 @@ def _parse_url(url: str) -> URL:
     return parsed
 
 
+OFF_LOOP_CHARS = 4 << 20   # a data URL longer than this is decoded in a thread (~0.15 ms per 4 MiB here)
+
+
 def decode_data_url(url: str, policy: MediaPolicy) -> bytes:
     """The payload of `data:<mime>[;params];base64,<payload>`; only base64 data URLs are accepted."""
     header, comma, payload = url[len("data:"):].partition(",")
     if not comma or header.rsplit(";", 1)[-1].strip().lower() != "base64":
         raise InvalidRequest("data URL must look like data:<mime>;base64,<payload>", code="invalid_data_url")
-    payload = "".join(payload.split())  # clients wrap long base64 lines
-    if len(payload) > 4 * -(-policy.max_bytes // 3):
-        raise InvalidRequest(f"data URL payload exceeds {policy.max_bytes} bytes", code=TOO_LARGE)
+    limit = 4 * -(-policy.max_bytes // 3)
+    if len(payload) > limit:
+        payload = "".join(payload.split())  # lines a client wrapped the base64 in may be what makes it long
+        if len(payload) > limit:
+            raise InvalidRequest(f"data URL payload exceeds {policy.max_bytes} bytes", code=TOO_LARGE)
     try:
-        data = bytes(b64decode_strict(payload))
+        data = b64decode_strict(payload)
     except (binascii.Error, ValueError):
-        raise InvalidRequest("data URL payload is not valid base64", code="invalid_data_url") from None
+        # Clients may wrap long base64 in lines: only then is the whitespace taken out (a copy of the URL).
+        try:
+            data = b64decode_strict("".join(payload.split()))
+        except (binascii.Error, ValueError):
+            raise InvalidRequest("data URL payload is not valid base64", code="invalid_data_url") from None
     if not data:
         raise InvalidRequest("data URL payload is empty", code="invalid_data_url")
     if len(data) > policy.max_bytes:

@@ -59,3 +59,14 @@ def test_tree_at_exports_the_version_at_a_git_ref():
                                capture_output=True).stdout
     assert (tree / "services" / "cli.py").read_bytes() == committed
     assert (tree / "services" / "rpc" / "v1" / "epd_pb2.py").is_file() and not (tree / ".git").exists()
+
+
+def test_hop_latency_measures_grpc_and_tcp_round_trips_hot_and_after_idle():
+    """The floor under the overhead's hops (docs/benchmarks.md cites it): both cases measured, in ms."""
+    from benchmarks import hop_latency
+
+    figures = hop_latency.run(count=20, idle_ms=5.0)
+    assert [f.name.split(" round trip")[0] for f in figures] == ["grpc.aio unary call", "asyncio TCP echo"]
+    for figure in figures:
+        assert 0 < figure.detail["hot_ms"] < 100 and 0 < figure.detail["idle_ms"] < 100
+        assert figure.value == figure.detail["idle_ms"] / figure.detail["hot_ms"]

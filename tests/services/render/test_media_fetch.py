@@ -215,6 +215,16 @@ def test_data_urls(media_images) -> None:
     assert fetch(f"  DATA:image/png;name=a.png;base64,{wrapped}  ", MediaPolicy()) == media_images["png"]
 
 
+def test_a_wrapped_data_url_at_the_size_limit_is_taken(media_images) -> None:
+    """The limit is on the bytes: the newlines of a wrapped payload do not count against it."""
+    data = media_images["png"]
+    payload = base64.b64encode(data).decode()
+    wrapped = "\r\n".join(payload[i : i + 60] for i in range(0, len(payload), 60))
+    assert fetch(f"data:image/png;base64,{wrapped}", MediaPolicy(max_bytes=len(data))) == data
+    assert refused(f"data:image/png;base64,{wrapped}", MediaPolicy(max_bytes=len(data) - 3)).code == \
+        "media_too_large"
+
+
 @pytest.mark.parametrize(
     "url, code",
     [("data:image/png;base64,!!!notbase64", "invalid_data_url"),
