@@ -64,6 +64,20 @@ def all_back(engine) -> bool:
     return (kv.used_blocks, kv.reserved_blocks) == (0, 0)
 
 
+def hold_loads(engine) -> tuple[threading.Event, threading.Event]:
+    """The engine's KV copies wait for `release` (a named fake for the timing); `entered` says one began."""
+    entered, release = threading.Event(), threading.Event()
+    load = engine.load
+
+    def held_load(*args):
+        entered.set()
+        assert release.wait(30)
+        load(*args)
+
+    engine.load = held_load
+    return entered, release
+
+
 def wait_until(check, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not check():
@@ -100,14 +114,7 @@ def test_the_first_token_goes_out_before_the_kv_is_copied(tiny, make_engine, sto
     follow once the copy is done, equal to Hugging Face's."""
     monkeypatch.setattr(wiring, "INLINE_BYTES", 0)  # the copy in a thread, so it can be held
     engine = make_engine(num_slots=2)
-    release = threading.Event()
-    load = engine.load
-
-    def held_load(*args):
-        assert release.wait(30)
-        load(*args)
-
-    engine.load = held_load
+    _, release = hold_loads(engine)
     service = DecodeService(engine, store)
 
     async def main():
@@ -127,15 +134,7 @@ def test_the_first_token_goes_out_before_the_kv_is_copied(tiny, make_engine, sto
 def test_a_request_that_leaves_while_its_kv_is_copied_frees_everything(make_engine, story, store, monkeypatch):
     monkeypatch.setattr(wiring, "INLINE_BYTES", 0)
     engine = make_engine(num_slots=2)
-    entered, release = threading.Event(), threading.Event()
-    load = engine.load
-
-    def held_load(*args):
-        entered.set()
-        assert release.wait(30)
-        load(*args)
-
-    engine.load = held_load
+    entered, release = hold_loads(engine)
     service = DecodeService(engine, store)
 
     async def main():
