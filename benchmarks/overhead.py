@@ -183,7 +183,8 @@ def run(quick: bool = False, server: Server | None = None, count: int | None = N
         return [figure_from(epd, epd.model_id(), count, label, image_size)]
 
 
-def compare(ref: str, model: str, count: int, rounds: int = 6) -> list[Figure]:
+def compare(ref: str, model: str, count: int, rounds: int = 6,
+            image_size: tuple[int, int] = (224, 224)) -> list[Figure]:
     """This tree (A) and the version at git `ref` (B) as two clusters side by side, `count` requests each in
     `rounds` rounds alternating A B / B A (half of them with A started first, half with B); the overhead and
     TTFT p50 of each and their ratios."""
@@ -201,11 +202,12 @@ def compare(ref: str, model: str, count: int, rounds: int = 6) -> list[Figure]:
             by_side = dict(zip(order, servers, strict=True))
             for index in range(half * rounds // 2, (half + 1) * rounds // 2):
                 for side in (("A", "B") if index % 2 == 0 else ("B", "A")):
-                    samples[side] += asyncio.run(measure(by_side[side], by_side[side].model_id(), per_round))
+                    samples[side] += asyncio.run(measure(by_side[side], by_side[side].model_id(), per_round,
+                                                         image_size=image_size))
     s = {side: summarize(got) for side, got in samples.items()}
     figures = []
     for key, what in (("overhead_ms", "orchestration overhead p50"), ("ttft_ms", "TTFT p50"),
-                      ("transfers_and_handlers_ms", "in-role transfers p50")):
+                      ("transfers_and_handlers_ms", "in-role transfers p50"), ("render_ms", "render p50")):
         figures.append(Figure(f"{what}, this tree / {ref} ({model}, one at a time)", s["A"][key] / s["B"][key],
                               None, "le", unit="x", detail={"A": s["A"], "B": s["B"]},
                               note=f"{s['A'][key]:.2f} vs {s['B'][key]:.2f} ms; {s['A']['requests']} requests each, "
@@ -237,13 +239,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="measure this tree against the version at git REF side by side (docs untouched)")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
-    if args.compare_ref:
-        figures = compare(args.compare_ref, args.model, args.requests or (8 if args.quick else 60),
-                          rounds=2 if args.quick else 6)
-        print_figures(figures, f"this tree vs {args.compare_ref}")
-        return 0
     width, _, height = args.image_size.partition("x")
     image_size = (int(width), int(height))
+    if args.compare_ref:
+        figures = compare(args.compare_ref, args.model, args.requests or (8 if args.quick else 60),
+                          rounds=2 if args.quick else 6, image_size=image_size)
+        print_figures(figures, f"this tree vs {args.compare_ref}")
+        return 0
     server = attach_epd(args.epd_url) if args.epd_url else None
     figures = run(args.quick, server, args.requests, args.model, image_size)
     print_figures(figures, "orchestration overhead")
