@@ -32,16 +32,16 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from services import compute_threads
-from services.decode.block_pool import BlockPool, PoolStats
+from services.decode.block_pool import BlockPool
 from services.decode.compiled import StepReport
 from services.decode.detokenizer import IncrementalDetokenizer, decode_function
 from services.decode.errors import ContextTooLong, EngineClosed, EngineFull
+from services.decode.metrics import EngineStats
 from services.decode.params import DecodeParams
 from services.decode.request import DecodeRequest
 from services.decode.request_blocks import RequestBlocks
@@ -55,22 +55,6 @@ from services.protocol.errors import InvalidRequest
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.5   # the worker re-checks its flags at least this often when idle
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    num_slots: int
-    active: int       # requests holding a batch row
-    queued: int       # accepted, waiting for a row (their KV in the pool, or being copied in)
-    steps: int        # forwards run
-    tokens: int       # output tokens emitted (first tokens from prefill included)
-    finished: int     # requests ended, any reason
-    kv: PoolStats     # the block pool: blocks total/used/reserved, tokens and bytes held
-    kv_bytes_copied: int = 0      # prompt KV bytes copied into the pool (one copy per request)
-    attention_kernel: str = ""    # "c" | "torch" (services/decode/attention.py)
-    step_mode: str = "eager"      # how the step runs: fused | compiled | eager (runner.py)
-    compiled_steps: int = 0       # steps that ran a compiled graph (the rest of `steps` ran eager)
-    serial_steps: int = 0         # steps of at most `serial_rows` rows, run on one thread (runner.py)
 
 
 class DecodeEngine:
@@ -123,26 +107,21 @@ class DecodeEngine:
                prompt_token_ids: Sequence[int] | None = None) -> DecodeStream:
         """Queue a prefilled request (its KV in loaded `RequestBlocks`, or as a tensor to load now); its
         events (the first token's included) arrive on the stream.  On any error the blocks are released."""
-        request = self._open(request_id, kv, prompt_len, rope_delta, first_token, params, on_event,
-                             prompt_token_ids, loaded=True)
+        request = self.open(request_id, kv, prompt_len, rope_delta, first_token, params, on_event,
+                            prompt_token_ids, loaded=True)
         self.start(request)
         return request.stream
 
-    def open(self, request_id: str, blocks: RequestBlocks, prompt_len: int, rope_delta: int, first_token: int,
-             params: DecodeParams | None = None, on_event: Callable[[DecodeEvent], None] | None = None,
-             prompt_token_ids: Sequence[int] | None = None) -> DecodeRequest:
+    def open(self, request_id: str, kv: torch.Tensor | RequestBlocks, prompt_len: int, rope_delta: int,
+             first_token: int, params: DecodeParams | None = None,
+             on_event: Callable[[DecodeEvent], None] | None = None, prompt_token_ids: Sequence[int] | None = None,
+             loaded: bool = False) -> DecodeRequest:
         """`submit` in two halves, for a caller that loads the KV after the first token is out: the request
-        is registered and its first token emitted now, on reserved (not yet loaded) `blocks`; `start` queues
-        it for steps once `blocks` hold the prompt (or `fail` ends it).  Until then it takes no row, and an
+        is registered and its first token emitted now, on reserved (not yet loaded) blocks; `start` queues
+        it for steps once the blocks hold the prompt (or `fail` ends it).  Until then it takes no row, and an
         abort ends it only at `start`/`fail`, so its blocks are never freed while the caller writes them.
         If the first token ends the request (`request.finished`), the blocks are already released and
         nothing must be loaded."""
-        return self._open(request_id, blocks, prompt_len, rope_delta, first_token, params, on_event,
-                          prompt_token_ids, loaded=False)
-
-    def _open(self, request_id: str, kv: torch.Tensor | RequestBlocks, prompt_len: int, rope_delta: int,
-              first_token: int, params: DecodeParams | None, on_event: Callable[[DecodeEvent], None] | None,
-              prompt_token_ids: Sequence[int] | None, loaded: bool) -> DecodeRequest:
         params = params or DecodeParams()
         blocks = kv if isinstance(kv, RequestBlocks) else None
         try:

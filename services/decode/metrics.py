@@ -10,16 +10,36 @@ epd's; the vLLM-named aliases (vllm:kv_cache_usage_perc etc.) are built on the s
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import Gauge
 
 if TYPE_CHECKING:
-    from .engine import DecodeEngine, EngineStats
+    from .block_pool import PoolStats
+    from .engine import DecodeEngine
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_slots: int
+    active: int       # requests holding a batch row
+    queued: int       # accepted, waiting for a row (their KV in the pool, or being copied in)
+    steps: int        # forwards run
+    tokens: int       # output tokens emitted (first tokens from prefill included)
+    finished: int     # requests ended, any reason
+    kv: PoolStats     # the block pool: blocks total/used/reserved, tokens and bytes held
+    kv_bytes_copied: int = 0      # prompt KV bytes copied into the pool (one copy per request)
+    attention_kernel: str = ""    # "c" | "torch" (services/decode/attention.py)
+    step_mode: str = "eager"      # how the step runs: fused | compiled | eager (runner.py)
+    compiled_steps: int = 0       # steps that ran a compiled graph (the rest of `steps` ran eager)
+    serial_steps: int = 0         # steps of at most `serial_rows` rows, run on one thread (runner.py)
+
 
 ENGINE_GAUGES: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
     "epd_decode_slots_used": ("Batch rows (slots) in use", lambda s: s.active),
-    "epd_decode_queued": ("Requests whose KV is in the pool, waiting for a batch row", lambda s: s.queued),
+    "epd_decode_queued": ("Requests accepted, waiting for a batch row (their KV in the pool, or being copied in)",
+                          lambda s: s.queued),
     "epd_decode_kv_blocks": ("KV blocks in the decode pool (all of them)", lambda s: s.kv.num_blocks),
     "epd_decode_kv_blocks_used": ("KV blocks holding tokens", lambda s: s.kv.used_blocks),
     "epd_decode_kv_blocks_reserved": ("KV blocks promised to admitted requests, not yet holding tokens",

@@ -99,6 +99,8 @@ class PrefillService:
         self._check_ids(token_ids)
         key = kv_key(request_id)
         held = await self._forward(token_ids, items, ec_params, cache_salt, key)
+        if not self.kv_store.local:
+            await self._put_remote(key, held)
         if held.kv_error is not None:
             raise as_epd_error(held.kv_error, "kv") from None
         handle = held.kv_handle
@@ -141,12 +143,13 @@ class PrefillService:
 
     async def _run_engine(self, token_ids: list[int], mm_inputs: list[MultiModalInput],
                           cache_salt: str | None, key: str) -> HeldPrefill:
-        """Wait for the engine without holding a thread (so every waiting prompt can join a batch).  The
-        engine thread puts the KV into the store as soon as the prompt's last forward ends (`_put_kv`), so
-        the result comes back with its blocks already released.  A caller that gives up leaves the blocks
-        to be released, and the entry nobody will read to be deleted, when the prompt finishes."""
-        future = self.engine.submit(token_ids, mm_inputs, cache_salt,
-                                    on_finish=lambda held: self._put_kv(key, held))
+        """Wait for the engine without holding a thread (so every waiting prompt can join a batch).  With a
+        local store the engine thread puts the KV into it as soon as the prompt's last forward ends
+        (`_put_kv`: a memcpy), so the result comes back with its blocks already released.  A caller that gives
+        up leaves the blocks to be released, and the entry nobody will read to be deleted, when the prompt
+        finishes."""
+        on_finish = (lambda held: self._put_kv(key, held)) if self.kv_store.local else None
+        future = self.engine.submit(token_ids, mm_inputs, cache_salt, on_finish=on_finish)
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
@@ -154,9 +157,24 @@ class PrefillService:
             future.add_done_callback(lambda done: self._drop_unread(done, key))
             raise
 
+    async def _put_remote(self, key: str, held: HeldPrefill) -> None:
+        """A store that does I/O (Redis): the put runs in a thread, so the engine's next forward never waits on
+        the network.  If the caller gives up meanwhile, the entry nobody will read is deleted once written."""
+        put = asyncio.ensure_future(asyncio.to_thread(self._put_kv, key, held))
+        try:
+            await asyncio.shield(put)
+        except asyncio.CancelledError:
+            def drop(_: asyncio.Future) -> None:
+                if held.kv_handle is not None:
+                    self._delete_quietly(key)
+
+            put.add_done_callback(drop)
+            raise
+
     def _put_kv(self, key: str, held: HeldPrefill) -> None:
-        """On the engine thread: the KV into the store (one copy from the blocks), then the blocks go back.
-        A store error is kept on `held` for the caller to raise as a kv_* error."""
+        """On the engine thread (a local store) or a worker thread (`_put_remote`): the KV into the store (one
+        copy from the blocks), then the blocks go back.  A store error is kept on `held` for the caller to
+        raise as a kv_* error."""
         try:
             held.kv_handle = self.kv_store.put_into(key, held.kv_spec(), held.fill)
         except ConnectorError as exc:

@@ -96,9 +96,11 @@ def test_a_caller_that_gives_up_leaves_no_blocks_held(lm, stores):
     assert engine.blocks.num_free == engine.blocks.num_blocks and kv.stats().entries == 0
 
 
-def test_the_kv_is_put_on_the_engine_thread_right_after_the_forward(lm, stores):
-    """No thread hand-off between the forward and the put: the engine thread copies the blocks into the store
-    and gives them back before the caller's loop hears of the prompt."""
+@pytest.mark.parametrize("local", [True, False])
+def test_the_kv_is_put_on_the_engine_thread_right_after_the_forward(lm, stores, local):
+    """No thread hand-off between the forward and the put: the engine thread copies the blocks into a local
+    store and gives them back before the caller's loop hears of the prompt.  A store that does I/O (Redis) is
+    written from a worker thread instead, so the engine's next forward never waits on the network."""
     ec, kv = stores
     engine = PrefillEngine(lm, prefix_cache_mb=0)
     threads: list[str] = []
@@ -109,9 +111,10 @@ def test_the_kv_is_put_on_the_engine_thread_right_after_the_forward(lm, stores):
         return put_into(key, specs, fill)
 
     kv.put_into = noting
+    kv.local = local
     service = PrefillService(engine, lm, ec, kv, "p0")
     outcome = asyncio.run(service.prefill("r1", PROMPTS[0], [], {}, {}, None))
-    assert threads == ["prefill-engine"]
+    assert len(threads) == 1 and (threads[0] == "prefill-engine") is local
     handle = outcome.kv_transfer_params["handle"]
     assert handle["key"].startswith("req|r1|") and kv.lookup(handle["key"]) is not None
     assert engine.blocks.num_free == engine.blocks.num_blocks
