@@ -27,6 +27,8 @@
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #define NR 16
 #define MAX_MR 6
@@ -116,10 +118,11 @@ static inline __attribute__((always_inline)) void wide(const float *x, const wt_
 }
 
 #ifdef __AVX512F__
-/* With AVX-512 a tile is up to 12 rows x one 16-wide zmm per row: half the FMA instructions of the AVX2
- * tile per output and twice its rows per read of the panel (the many-row steps are bound by the FMAs,
- * not by the weights' bytes).  Each output is the same in-order float32 sum over k, bit for bit. */
-#define MAX_MR16 12
+/* With AVX-512 a tile is up to 16 rows x one 16-wide zmm per row (16 accumulators of the 32 registers):
+ * half the FMA instructions of the AVX2 tile per output and more rows per read of the panel (the
+ * many-row steps are bound by the FMAs, not by the weights' bytes), so a 16-row decode step runs as one
+ * tile, not 12 + 4.  Each output is the same in-order float32 sum over k, bit for bit. */
+#define MAX_MR16 16
 static inline __m512 load16(const wt_t *p) {
 #ifdef EPD_PANEL_BF16
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
@@ -139,16 +142,55 @@ static inline __attribute__((always_inline)) void tile16(const float *x, int64_t
                                                          float *y, int64_t ldy, const float *bias, int N, int q,
                                                          const int MR, const int prefetch) {
     __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0, c8 = c0;
-    __m512 c9 = c0, c10 = c0, c11 = c0;
+    __m512 c9 = c0, c10 = c0, c11 = c0, c12 = c0, c13 = c0, c14 = c0, c15 = c0;
     const wt_t *w = panels + (int64_t)q * K * NR, *next = w + (int64_t)K * NR;
     for (int k = 0; k < K; k++) {
         if (prefetch) _mm_prefetch((const char *)(next + (int64_t)k * NR), _MM_HINT_T0);
         const __m512 w16 = load16(w + (int64_t)k * NR);
-        ROW_FMA16(0) ROW_FMA16(1) ROW_FMA16(2) ROW_FMA16(3) ROW_FMA16(4) ROW_FMA16(5) ROW_FMA16(6) ROW_FMA16(7) ROW_FMA16(8) ROW_FMA16(9) ROW_FMA16(10) ROW_FMA16(11) 
+        ROW_FMA16(0) ROW_FMA16(1) ROW_FMA16(2) ROW_FMA16(3) ROW_FMA16(4) ROW_FMA16(5) ROW_FMA16(6) ROW_FMA16(7) ROW_FMA16(8) ROW_FMA16(9) ROW_FMA16(10) ROW_FMA16(11)
+        ROW_FMA16(12) ROW_FMA16(13) ROW_FMA16(14) ROW_FMA16(15)
     }
     const int n0 = q * NR, width = N - n0 < NR ? N - n0 : NR;
     float out[NR];
-    ROW_STORE16(0) ROW_STORE16(1) ROW_STORE16(2) ROW_STORE16(3) ROW_STORE16(4) ROW_STORE16(5) ROW_STORE16(6) ROW_STORE16(7) ROW_STORE16(8) ROW_STORE16(9) ROW_STORE16(10) ROW_STORE16(11) 
+    ROW_STORE16(0) ROW_STORE16(1) ROW_STORE16(2) ROW_STORE16(3) ROW_STORE16(4) ROW_STORE16(5) ROW_STORE16(6) ROW_STORE16(7) ROW_STORE16(8) ROW_STORE16(9) ROW_STORE16(10) ROW_STORE16(11)
+    ROW_STORE16(12) ROW_STORE16(13) ROW_STORE16(14) ROW_STORE16(15)
+}
+#endif
+
+/* A tile reads its rows' x[m, k] for each k from as many cache lines.  When the rows lie a multiple of
+ * 1 KiB apart (a hidden size of 256 * j floats) the lines of more than 8 rows share L1 sets, and an
+ * 8-way L1 evicts them on every k: a 16-row tile then ran at half speed.  Such rows are copied first
+ * into this thread's buffer 64 bytes further apart (grown on demand, kept for the thread's life;
+ * bounded by the largest M x K it has seen). */
+static __thread float *pad_buf;
+static __thread size_t pad_cap;
+
+static __attribute__((noinline)) const float *padded_rows(const float *x, int64_t *ldx, int M, int K) {
+    const int64_t ld = (int64_t)K + 16;
+    const size_t need = (size_t)M * (size_t)ld;
+    if (need > pad_cap) {
+        free(pad_buf);
+        pad_buf = aligned_alloc(64, (need * sizeof(float) + 63) / 64 * 64);
+        pad_cap = pad_buf ? need : 0;
+        if (!pad_buf) return x;
+    }
+    for (int m = 0; m < M; m++) memcpy(pad_buf + m * ld, x + m * *ldx, sizeof(float) * K);
+    *ldx = ld;
+    return pad_buf;
+}
+
+#ifdef __AVX512F__
+/* Tiles of 13-16 rows, kept out of panel_range's body: inlined there they changed the code of the
+ * smaller tiles' loops enough to cost 4-8 rows a few % (benchmarks.panel_ref). */
+static __attribute__((noinline)) void big_tile(const float *x, int64_t ldx, const wt_t *panels, int K, float *y,
+                                               int64_t ldy, const float *bias, int N, int q, int MR, int prefetch) {
+    switch (MR) {
+        case 16: tile16(x, ldx, panels, K, y, ldy, bias, N, q, 16, prefetch); break;
+        case 15: tile16(x, ldx, panels, K, y, ldy, bias, N, q, 15, prefetch); break;
+        case 14: tile16(x, ldx, panels, K, y, ldy, bias, N, q, 14, prefetch); break;
+        case 13: tile16(x, ldx, panels, K, y, ldy, bias, N, q, 13, prefetch); break;
+        default: break;
+    }
 }
 #endif
 
@@ -156,6 +198,7 @@ static inline __attribute__((always_inline)) void tile16(const float *x, int64_t
 static void panel_range(const float *x, int64_t ldx, int M, const wt_t *panels, int K, float *y, int64_t ldy,
                         const float *bias, int N, int q0, int q1) {
     int q = q0;
+    if (M > 8 && ldx % 256 == 0) x = padded_rows(x, &ldx, M, K);
     if (M == 1) {
         for (; q + 4 <= q1; q += 4) wide(x, panels, K, y, bias, N, q, 4);
         for (; q < q1; q++) wide(x, panels, K, y, bias, N, q, 1);
@@ -166,10 +209,15 @@ static void panel_range(const float *x, int64_t ldx, int M, const wt_t *panels, 
         const int prefetch = q + 1 < q1;
 #ifdef __AVX512F__
         for (; m + MAX_MR16 <= M; m += MAX_MR16)
-            tile16(x + m * ldx, ldx, panels, K, y + m * ldy, ldy, bias, N, q, MAX_MR16, prefetch);
+            big_tile(x + m * ldx, ldx, panels, K, y + m * ldy, ldy, bias, N, q, MAX_MR16, prefetch);
         const float *xm = x + m * ldx;
         float *ym = y + m * ldy;
+        if (M - m > 12) {
+            big_tile(xm, ldx, panels, K, ym, ldy, bias, N, q, M - m, prefetch);
+            continue;
+        }
         switch (M - m) {
+            case 12: tile16(xm, ldx, panels, K, ym, ldy, bias, N, q, 12, prefetch); break;
             case 11: tile16(xm, ldx, panels, K, ym, ldy, bias, N, q, 11, prefetch); break;
             case 10: tile16(xm, ldx, panels, K, ym, ldy, bias, N, q, 10, prefetch); break;
             case 9: tile16(xm, ldx, panels, K, ym, ldy, bias, N, q, 9, prefetch); break;

@@ -34,6 +34,22 @@ def test_outputs_match_f_linear_for_every_batch_size(out_features, in_features, 
         assert float((got - want).abs().max() / want.abs().max()) <= 1e-5, rows
 
 
+@pytest.mark.parametrize("in_features", [256, 1024, 1040])
+@torch.inference_mode()
+def test_every_tile_split_gives_the_same_bits(in_features):
+    """Rows 9-33 run as tiles of up to 16 rows (copied 64 bytes apart first when their stride is a multiple of
+    1 KiB, 256 and 1024 here); each output is the same in-order sum whichever tile holds its row, so a batch
+    equals its rows computed one by one, bit for bit, and a strided view equals its contiguous copy."""
+    torch.manual_seed(in_features)
+    panel = PanelLinear(nn.Linear(in_features, 70, bias=True))
+    for rows in (9, 12, 15, 16, 17, 28, 33):
+        x = torch.randn(rows, in_features)
+        alone = torch.cat([panel(x[i:i + 1]) for i in range(rows)])
+        assert torch.equal(panel(x), alone), rows
+        strided = torch.randn(rows, in_features + 256)[:, :in_features]
+        assert torch.equal(panel(strided), panel(strided.contiguous())), rows
+
+
 @torch.inference_mode()
 def test_leading_dimensions_strides_and_empty_batches():
     linear = nn.Linear(64, 40)
