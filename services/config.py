@@ -116,8 +116,9 @@ class EpdConfig:
     omp_wait_policy: str = _f("", "OpenMP wait policy of model roles: passive (idle threads sleep, no spinning) "
                               "| active | '' (libgomp's default)", roles="roles")
     role_nice: str = _f("auto", "niceness added per role, a session leader's autogroup's too ('decode=0,prefill=5'; "
-                        "prefill-long=N: prefill's while it runs a prompt chunked over max_num_batched_tokens); auto "
-                        "under `epd serve`: decode=5,prefill-long=19, none alone", roles="roles")
+                        "prefill-long=N: prefill's while it runs a prompt chunked over max_num_batched_tokens; "
+                        "decode-long=N: decode's meanwhile, under `epd serve`); auto under `epd serve`: "
+                        "decode=15,decode-long=5,prefill-long=19, none alone", roles="roles")
     decode_attention: str = _f("auto", "decode attention kernel: auto (the compiled C kernel where it applies) "
                                "| c | torch")
     decode_step: str = _f("eager", "decode step: eager (the default: no start-up cost) | compiled (torch.compile, "
@@ -231,7 +232,7 @@ class EpdConfig:
         _check(self.omp_spin_count >= -1, "omp_spin_count must be -1 (auto) or a count >= 0")
         _check(self.omp_wait_policy in ("", "passive", "active"), "omp_wait_policy must be passive, active or ''")
         for name, raw, keys in (("role_threads", self.role_threads, ROLES), ("role_nice", self.role_nice.replace(
-                "auto", ""), (*ROLES, "prefill-long"))):
+                "auto", ""), (*ROLES, "prefill-long", "decode-long"))):
             _check(_role_map_ok(raw, keys), f"{name} must be N or role=N,role=N (keys: {', '.join(keys)})")
         _check(self.decode_kv_wait_s >= 0, "decode_kv_wait_s must be >= 0")
         _check(self.device.split(":")[0] in DEVICES_PREFIXES, "device must be cpu, cuda or cuda:N")

@@ -176,6 +176,20 @@ def print_ready(config: EpdConfig, children: list[Child], has_vision: bool = Tru
     print("try:\n" + curl_example(url, config.served_model_id(), has_vision, bool(config.api_key)), flush=True)
 
 
+def long_prefill_env(config: EpdConfig, children: list[Child]) -> dict[str, dict[str, str]]:
+    """The flag board through which decode follows prefill's long prompts (services/role_cpu.py): created in
+    /dev/shm under this cluster's instance id (remove_segments removes it), a byte per prefill instance."""
+    from .role_cpu import LONG_BOARD_BYTES, LONG_BOARD_ENV, LONG_SLOT_ENV, create_long_board
+
+    prefills = [c for c in children if c.role == "prefill"]
+    if not os.path.isdir("/dev/shm") or not prefills or len(prefills) > LONG_BOARD_BYTES:
+        return {}
+    path = create_long_board(os.path.join("/dev/shm", f"epd-long-{config.instance_id}"))
+    env = {c.instance_id: {LONG_BOARD_ENV: path} for c in children if c.role == "decode"}
+    env.update({c.instance_id: {LONG_BOARD_ENV: path, LONG_SLOT_ENV: str(slot)} for slot, c in enumerate(prefills)})
+    return env
+
+
 def serve(config: EpdConfig) -> int:
     from .connectors.registry import sweep_stale_segments
     from .models.registry import adapter_for, resolve_model
@@ -197,9 +211,10 @@ def serve(config: EpdConfig) -> int:
     try:
         # encode, prefill and decode render llm-d's OpenAI-format calls on the render instance
         renders = {"EPD_OPENAI_RENDER_URLS": _http_urls(roles, "render", config.host)}
+        long_board = long_prefill_env(config, roles)
         for child in roles:
             spawn(child, config, {"EPD_MODEL": model_path, "EPD_SERVED_MODEL_NAME": config.served_model_id(),
-                                  **(renders if child.role != "render" else {})})
+                                  **(renders if child.role != "render" else {}), **long_board.get(child.instance_id, {})})
         wait_ready(roles, config.host, time.monotonic() + STARTUP_TIMEOUT_S)
         spawn(coordinator, config, {"EPD_SERVED_MODEL_NAME": config.served_model_id(),
                                     **{f"EPD_{r.upper()}_URLS": _urls(roles, r)

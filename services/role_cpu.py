@@ -18,21 +18,28 @@ use.  The knobs, all flags (docs/configuration.md):
   instruction takes ~140 cycles) except 10000 for `epd serve`'s model roles with one OpenMP team each:
   between the parallel regions of a forward (tens of microseconds) a thread still catches the next
   region spinning, but an idle role no longer spins through the others' time;
-- `--role-nice`: niceness added per role; "auto" (default) is "decode=5,prefill-long=19" for the
-  children of `epd serve` (one machine: a short prompt's encode and prefill run ahead of decode's
-  steps, so new requests join the decode batch sooner, +14% output tok/s at c=16; a long (chunked)
-  prompt's prefill runs behind them, so decode's per-token latency holds while it prefills; both
-  measured in docs/benchmarks.md, "Decode TPOT while a long prompt prefills") and nothing for a role
-  started alone (its own pod or machine).  Raising niceness needs no privilege;
-  a negative value needs CAP_SYS_NICE and is skipped with a warning otherwise.  A role that leads its own
-  session (as under `epd serve`) also sets its autogroup's niceness: with session autogroups, niceness
-  alone does not weigh between processes of different sessions.  `prefill-long=N` is prefill's autogroup
-  niceness while a forward carries a prompt longer than `--max-num-batched-tokens` (one that is chunked).
+- `--role-nice`: niceness added per role; "auto" (default) is "decode=15,decode-long=5,prefill-long=19"
+  for the children of `epd serve` (one machine: short prompts' encode and prefill run well ahead of
+  decode's steps, so new requests join the decode batch sooner and steps carry more rows, 1.17x output
+  tok/s at c=16 against decode=5; while a long (chunked) prompt prefills, decode's group goes back to 5
+  and the prefill's to 19, so decode's per-token latency holds; both measured in docs/benchmarks.md,
+  "Decode TPOT while a long prompt prefills") and nothing for a role started alone (its own pod or
+  machine).  Raising niceness needs no privilege; a negative value needs CAP_SYS_NICE and is skipped
+  with a warning otherwise.  A role that leads its own session (as under `epd serve`) also sets its
+  autogroup's niceness: with session autogroups, niceness alone does not weigh between processes of
+  different sessions.  `prefill-long=N` is prefill's autogroup niceness while a forward carries a prompt
+  longer than `--max-num-batched-tokens` (one that is chunked); `decode-long=N` is decode's while any
+  prefill of the cluster does, which decode reads before each step from a flag board `epd serve` puts in
+  /dev/shm (a byte per prefill instance).  A group's niceness between 0 and 19 may move either way
+  without privilege; the kernel takes one change per 100 ms (EAGAIN otherwise: the role tries again at
+  its next forward or step).
 """
 
 from __future__ import annotations
 
+import errno
 import logging
+import mmap
 import os
 import sys
 
@@ -44,8 +51,15 @@ WAIT_POLICIES = ("", "passive", "active")
 SERVE_CHILD = "EPD_SERVE_CHILD"          # set by `epd serve` (services.launch) in its role processes
 MODEL_ROLES = ("encode", "prefill", "decode")   # the roles with torch engines (compute_threads.py)
 SERVE_SPIN = 10000   # --omp-spin-count auto under `epd serve` (benchmarks/omp_team.py measures it)
-SERVE_NICE = "decode=5,prefill-long=19"   # what role_nice "auto" means there (docs/benchmarks.md says why)
-_GROUP: dict[str, int] = {}   # prefill's autogroup niceness: "base", "long", "now" (set by apply, read per forward)
+SERVE_NICE = "decode=15,decode-long=5,prefill-long=19"   # role_nice "auto" there (docs/benchmarks.md says why)
+NICE_KEYS = ("render", "encode", "prefill", "decode", "prefill-long", "decode-long")
+LONG_BOARD_ENV = "EPD_LONG_PREFILL_BOARD"   # `epd serve`'s flag file: which prefill runs a chunked prompt
+LONG_SLOT_ENV = "EPD_LONG_PREFILL_SLOT"     # this prefill's byte in it
+LONG_BOARD_BYTES = 64
+# this role's autogroup niceness: "base", "long" (prefill: while its forward carries a chunked prompt; decode:
+# while any prefill's does), "now"; set by apply, read per forward or step
+_GROUP: dict[str, int] = {}
+_LONG: dict[str, object] = {}     # the flag board: "map" (mmap), "slot" (prefill's byte)
 
 
 def role_values(raw: str, role: str) -> int | None:
@@ -86,8 +100,9 @@ def _autogroup_nice(value: int) -> list[str]:
     try:
         with open(path, "w") as group:
             group.write(str(value))
-    except OSError as exc:  # lowering a group's priority needs no privilege; raising one does
-        logger.warning("could not set this role's autogroup niceness to %d: %s", value, exc)
+    except OSError as exc:  # a value >= 0 needs no privilege; a negative one needs CAP_SYS_NICE
+        if exc.errno != errno.EAGAIN:   # EAGAIN: the kernel takes one change per 100 ms; the caller tries again
+            logger.warning("could not set this role's autogroup niceness to %d: %s", value, exc)
         return []
     return [f"autogroup nice={value}"]
 
@@ -97,11 +112,48 @@ def long_prompt_running(running: bool) -> None:
     prompt, or back to its base.  One write when it changes; nothing where apply set no long value.  A long
     prompt's forwards yield the cores to decode (its TPOT stays flat) while short prompts keep prefill's
     base share (c=16 throughput: docs/benchmarks.md, "Decode TPOT while a long prompt prefills")."""
+    board, slot = _LONG.get("map"), _LONG.get("slot")
+    if board is not None and isinstance(slot, int):
+        board[slot] = 1 if running else 0   # decode follows it (follow_long_prefill)
     if not _GROUP:
         return
     value = _GROUP["long"] if running else _GROUP["base"]
     if value != _GROUP["now"] and _autogroup_nice(value):
         _GROUP["now"] = value
+
+
+def follow_long_prefill() -> None:
+    """Decode's engine, before each step: its autogroup's niceness back to decode-long while any prefill of the
+    cluster runs a chunked prompt (that prefill's own group is at prefill-long then), to its base after.  So
+    short prompts' encode and prefill run ahead of decode (base 15: new requests join the batch sooner), and a
+    long prompt's prefill behind it (decode-long 5 against prefill-long 19: its per-token latency holds)."""
+    board = _LONG.get("map")
+    if board is None or not _GROUP:
+        return
+    running = any(board[:LONG_BOARD_BYTES])   # type: ignore[index]
+    value = _GROUP["long"] if running else _GROUP["base"]
+    if value != _GROUP["now"] and _autogroup_nice(value):
+        _GROUP["now"] = value
+
+
+def create_long_board(path: str) -> str:
+    """`epd serve`'s flag file (one byte per prefill instance), zeroed."""
+    with open(path, "wb") as file:
+        file.write(bytes(LONG_BOARD_BYTES))
+    return path
+
+
+def _open_long_board(role: str) -> None:
+    path = os.environ.get(LONG_BOARD_ENV, "")
+    slot = os.environ.get(LONG_SLOT_ENV, "")
+    if not path or role not in ("prefill", "decode") or not os.path.exists(path):
+        return
+    if role == "prefill" and not (slot.isdigit() and int(slot) < LONG_BOARD_BYTES):
+        return
+    with open(path, "r+b") as file:
+        _LONG["map"] = mmap.mmap(file.fileno(), LONG_BOARD_BYTES)
+    if role == "prefill":
+        _LONG["slot"] = int(slot)
 
 
 def apply(config: EpdConfig, role: str) -> str:
@@ -132,7 +184,9 @@ def apply(config: EpdConfig, role: str) -> str:
     raw_nice = (SERVE_NICE if config.role_nice == "auto" and os.environ.get(SERVE_CHILD) else
                 "" if config.role_nice == "auto" else config.role_nice)
     nice = role_values(raw_nice, role) or 0
-    longer = role_values(raw_nice, "prefill-long") if role == "prefill" else None
+    longer = role_values(raw_nice, f"{role}-long") if role in ("prefill", "decode") else None
+    if longer is not None:
+        _open_long_board(role)
     if nice or longer is not None:   # prefill-long applies with prefill's own niceness 0 too
         try:
             if nice:
@@ -143,7 +197,7 @@ def apply(config: EpdConfig, role: str) -> str:
             group = _autogroup_nice(os.nice(0))
             done.extend(group)
             if group and longer is not None:
-                _GROUP.update(base=os.nice(0), long=min(19, os.nice(0) - nice + longer), now=os.nice(0))
+                _GROUP.update(base=os.nice(0), long=max(0, min(19, os.nice(0) - nice + longer)), now=os.nice(0))
                 done.append(f"autogroup nice={_GROUP['long']} while a chunked prompt prefills")
     summary = f"{role} cpu policy: " + (", ".join(done) or "defaults")
     logger.info(summary)

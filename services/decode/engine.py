@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from services import compute_threads
+from services import compute_threads, role_cpu
 from services.decode.block_pool import BlockPool
 from services.decode.compiled import StepReport
 from services.decode.detokenizer import IncrementalDetokenizer, decode_function
@@ -293,6 +293,7 @@ class DecodeEngine:
         self._apply_aborts(aborts)
         self._admit()
         if self._rows:
+            role_cpu.follow_long_prefill()   # decode's niceness while a long prompt prefills (role_cpu.py)
             self._step()
 
     def _has_work(self) -> bool:

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from services.config import ConfigError, EpdConfig
+from services import role_cpu
 from services.role_cpu import role_values
 
 PROBE = """
@@ -69,9 +70,10 @@ def test_per_role_values_reach_torch_the_environment_and_the_scheduler():
 
 
 def test_auto_niceness_applies_only_under_epd_serve():
-    """auto under `epd serve`: decode=5,prefill-long=19 (short prompts' prefill and encode ahead of decode,
-    a chunked prompt's prefill behind it: docs/benchmarks.md, "Decode TPOT while a long prompt prefills")."""
-    assert _probe("", "", "auto", "decode", serve_child=True)["nice"] == _raised(5)
+    """auto under `epd serve`: decode=15,decode-long=5,prefill-long=19 (short prompts' prefill and encode ahead
+    of decode, a chunked prompt's prefill behind it: docs/benchmarks.md, "Decode TPOT while a long prompt
+    prefills")."""
+    assert _probe("", "", "auto", "decode", serve_child=True)["nice"] == _raised(15)
     assert _probe("", "", "auto", "prefill", serve_child=True)["nice"] == 0
     assert _probe("", "", "auto", "encode", serve_child=True)["nice"] == 0
     assert _probe("", "", "auto", "decode")["nice"] == 0
@@ -108,7 +110,7 @@ print(json.dumps({"seen": seen, "summary": summary}))
 
 
 @pytest.mark.parametrize(("role_nice", "raised", "longer"), [("prefill=3,prefill-long=9", 3, 9),
-                                                             ("decode=5,prefill-long=19", 0, 19)])
+                                                             ("decode=15,decode-long=5,prefill-long=19", 0, 19)])
 def test_prefill_yields_more_while_a_long_prompt_runs(role_nice, raised, longer):
     """prefill-long: prefill's autogroup niceness while its forward carries a chunked prompt, its base after;
     also where prefill's own niceness is 0 (auto under `epd serve`)."""
@@ -122,12 +124,57 @@ def test_prefill_yields_more_while_a_long_prompt_runs(role_nice, raised, longer)
     assert got["summary"].endswith(f"autogroup nice={long} while a chunked prompt prefills")
 
 
+FOLLOW_PROBE = """
+import json, os, sys
+from services.config import EpdConfig
+from services import role_cpu
+def group():
+    return int(open("/proc/self/autogroup").read().split()[-1])
+summary = role_cpu.apply(EpdConfig(role_nice=sys.argv[1]), "decode")
+board = open(os.environ["EPD_LONG_PREFILL_BOARD"], "r+b")
+seen = [group()]
+for flags in (b"\\x00\\x00", b"\\x00\\x01", b"\\x00\\x01", b"\\x00\\x00"):   # prefill 1 starts, goes on, ends
+    board.seek(0); board.write(flags); board.flush()
+    role_cpu.follow_long_prefill()
+    seen.append(group())
+print(json.dumps({"seen": seen, "summary": summary}))
+"""
+
+
+def test_decode_follows_a_long_prompt_on_the_board(tmp_path):
+    """decode-long: decode's autogroup niceness while any prefill of the cluster marks a chunked prompt on
+    `epd serve`'s flag board (prefill writes its byte in long_prompt_running), its base after."""
+    if not os.path.exists("/proc/self/autogroup"):
+        pytest.skip("this kernel has no session autogroups: niceness alone weighs between processes")
+    board = role_cpu.create_long_board(str(tmp_path / "board"))
+    env = {**os.environ, role_cpu.LONG_BOARD_ENV: board}
+    out = subprocess.run([sys.executable, "-c", FOLLOW_PROBE, "decode=15,decode-long=5,prefill-long=19"], env=env,
+                         capture_output=True, text=True, timeout=120, check=True, start_new_session=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    base, long = os.nice(0) + _raised(15), max(0, min(19, os.nice(0) + 5))
+    assert got["seen"] == [base, base, long, long, base]
+    assert got["summary"].endswith(f"autogroup nice={long} while a chunked prompt prefills")
+
+
+def test_prefill_marks_its_long_prompts_on_the_board(tmp_path, monkeypatch):
+    board = role_cpu.create_long_board(str(tmp_path / "board"))
+    monkeypatch.setenv(role_cpu.LONG_BOARD_ENV, board)
+    monkeypatch.setenv(role_cpu.LONG_SLOT_ENV, "3")
+    monkeypatch.setattr(role_cpu, "_LONG", {})
+    monkeypatch.setattr(role_cpu, "_GROUP", {})
+    role_cpu._open_long_board("prefill")
+    role_cpu.long_prompt_running(True)
+    assert open(board, "rb").read()[:5] == b"\x00\x00\x00\x01\x00"
+    role_cpu.long_prompt_running(False)
+    assert open(board, "rb").read() == bytes(role_cpu.LONG_BOARD_BYTES)
+
+
 def test_role_maps_parse_and_bad_ones_are_refused():
     assert role_values("", "decode") is None and role_values("3", "decode") == 3
     assert role_values("decode=2,prefill=1", "prefill") == 1 and role_values("decode=2", "encode") is None
-    EpdConfig(role_nice="encode=5,prefill=5,prefill-long=10")
+    EpdConfig(role_nice="encode=5,prefill=5,prefill-long=10,decode-long=2")
     for bad in ({"role_threads": "decoder=2"}, {"role_nice": "prefill=high"}, {"omp_wait_policy": "spin"},
-                {"role_threads": "prefill-long=2"}, {"role_nice": "decode-long=3"}):
+                {"role_threads": "prefill-long=2"}, {"role_nice": "encode-long=3"}):
         with pytest.raises(ConfigError):
             EpdConfig(**bad)
 
