@@ -2,6 +2,7 @@
 
     python -m benchmarks.ttft_vs_vllm            # 12 requests per side per image size, after 2 warm-up
     python -m benchmarks.ttft_vs_vllm --quick    # 4 per side (smoke: still starts vLLM, minutes)
+    python -m benchmarks.ttft_vs_vllm --epd-flag=--role-nice=decode=5   # a variant (its own JSON, docs untouched)
 
 The small checkpoint (benchmarks.peers.vllm_checkpoints "qwen2_vl": hidden 128, head_dim 32, the smallest
 vLLM's CPU attention accepts) makes compute small, so the figure is mostly what each system spends around
@@ -28,14 +29,14 @@ DOC = ROOT / "docs" / "benchmarks.md"
 SIZES = ((224, 224), (1024, 768))
 
 
-def setups(requests: int) -> list[VsVllm]:
-    base = VsVllm(model="hd32", levels=((1, requests),), input_len=32, output_len=8, warmup=2)
+def setups(requests: int, epd_flags: tuple[str, ...] = ()) -> list[VsVllm]:
+    base = VsVllm(model="hd32", levels=((1, requests),), input_len=32, output_len=8, warmup=2, epd_flags=epd_flags)
     return [dataclasses.replace(base, image_size=size) for size in SIZES]
 
 
-def measure(requests: int) -> tuple[list[Figure], dict[str, Any]]:
+def measure(requests: int, epd_flags: tuple[str, ...] = ()) -> tuple[list[Figure], dict[str, Any]]:
     where = machine()
-    runs = setups(requests)
+    runs = setups(requests, epd_flags)
     servers = start_both(runs[0])
     out: dict[str, Any] = {"machine": where, "sizes": {}}
     figures = []
@@ -69,13 +70,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--requests", type=int, help="measured requests per side per size (default 12)")
     parser.add_argument("--no-docs", action="store_true")
+    parser.add_argument("--epd-flag", action="append", default=[], help="extra `epd serve` flag (repeatable; "
+                        "docs untouched)")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     exit_on_sigterm()
-    figures, doc = measure(args.requests or (4 if args.quick else 12))
+    figures, doc = measure(args.requests or (4 if args.quick else 12), tuple(args.epd_flag))
     print_figures(figures, "TTFT epd vs vLLM CPU (small checkpoint)")
-    write_json({"figures": figures, "bench": doc}, results_dir(args.quick) / "ttft_vs_vllm.json")
-    if not (args.quick or args.no_docs):
+    name = "ttft_vs_vllm_flags.json" if args.epd_flag else "ttft_vs_vllm.json"
+    write_json({"figures": figures, "bench": doc, "epd_flags": args.epd_flag}, results_dir(args.quick) / name)
+    if not (args.quick or args.no_docs or args.epd_flag):
         replace_block(DOC, "datapath-ttft", markdown(figures, doc["machine"],
                                                      ("python -m benchmarks.ttft_vs_vllm " + " ".join(argv)).strip()))
     return 0
