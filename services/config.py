@@ -115,9 +115,8 @@ class EpdConfig:
                              "one team, else libgomp's default; services/role_cpu.py) | N", roles="roles")
     omp_wait_policy: str = _f("", "OpenMP wait policy of model roles: passive (idle threads sleep, no spinning) "
                               "| active | '' (libgomp's default)", roles="roles")
-    role_nice: str = _f("auto", "niceness added per role, a session leader's autogroup's too ('decode=0,prefill=5'; "
-                        "prefill-long=N: prefill's while it runs a prompt chunked over max_num_batched_tokens; "
-                        "decode-long=N: decode's meanwhile, under `epd serve`); auto under `epd serve`: "
+    role_nice: str = _f("auto", "niceness per role and its autogroup ('decode=0,prefill=5'; prefill-long=N: prefill's "
+                        "while it runs a chunked prompt, decode-long=N: decode's meanwhile); auto under `epd serve`: "
                         "decode=15,decode-long=5,prefill-long=19, none alone", roles="roles")
     decode_attention: str = _f("auto", "decode attention kernel: auto (the compiled C kernel where it applies) "
                                "| c | torch")
