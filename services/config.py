@@ -97,12 +97,9 @@ class EpdConfig:
                             "fastest) | panel | prepacked | default")
     max_model_len: int = _f(8192, "context length (prompt + output tokens)")
     decode_slots: int = _f(16, "concurrent sequences one decode instance runs (continuous batching)")
-    decode_serial_rows: int = _f(-1, "decode steps of at most this many rows run on one thread, larger ones on torch's "
-                                  "thread count; -1 (auto): none when the fused step runs (measured on 2 cores: its "
-                                  "one OpenMP region on both wins at every batch size); unfused, steps of up to 4 "
-                                  "rows when the decode process may use at most 2 cores (one thread wins there for "
-                                  "small batches: the rest of the pipeline needs the other core for every token), "
-                                  "else 1 row; 0: never")
+    decode_serial_rows: int = _f(-1, "decode steps of at most this many rows run on one thread; -1 (auto): none for "
+                                  "the fused step (its one OpenMP region wins at every batch size on 2 cores); "
+                                  "unfused, 4 rows where decode may use at most 2 cores, else 1; 0: never")
     decode_queue: int = _f(64, "requests waiting for a decode slot before new ones are refused")
     kv_cache_mb: int = _f(1024, "bytes (MiB) of one decode instance's KV block pool; running and waiting "
                           "requests share it (each reserves prompt + max_tokens at admission)")
@@ -128,6 +125,8 @@ class EpdConfig:
                            "linears, Llama/Qwen-shaped layers): auto (wherever it applies, unless --decode-step "
                            "compiled; with --linear-kernel auto the decoder stack then uses the panel kernel) | on "
                            "(refuse to start where it does not apply) | off", roles="decode")
+    lm_head_screen: str = _f("auto", "greedy tokens from a bfloat16 copy of a float32 panel LM head, decided exactly "
+                             "in float32 on the few candidates a proven bound leaves: auto | on | off", roles="decode")
     decode_step_buckets: str = _f("", "batch sizes the compiled decode step has graphs for, comma-separated (a "
                                   "step pads its rows up to the next one; larger counts run eager); default 1, "
                                   "2, 4, ... and --decode-slots", roles="decode")
@@ -221,7 +220,8 @@ class EpdConfig:
         _check(self.decode_attention in ATTENTION_KERNELS,
                f"decode_attention must be one of {', '.join(ATTENTION_KERNELS)}")
         _check(self.decode_step in DECODE_STEPS, f"decode_step must be one of {', '.join(DECODE_STEPS)}")
-        _check(self.decode_fused in ("auto", "on", "off"), "decode_fused must be one of auto, on, off")
+        for name in ("decode_fused", "lm_head_screen"):
+            _check(getattr(self, name) in ("auto", "on", "off"), f"{name} must be one of auto, on, off")
         _check(self.decode_compile_budget_s >= 0, "decode_compile_budget_s must be >= 0")
         _check(self.decode_serial_rows >= -1, "decode_serial_rows must be -1 (auto), 0 or more")
         _check(_int_list_ok(self.decode_step_buckets, 1, self.decode_slots),
@@ -244,8 +244,8 @@ class EpdConfig:
         _check(min(self.render_workers, self.render_cache_mb) >= 0, "render_workers, render_cache_mb must be >= 0")
         _check(0 <= self.port < 65536 and 0 <= self.grpc_port < 65536 and 0 <= self.http_port < 65536,
                "ports must be in 0..65535")
-        _check(self.request_timeout_s > 0 and self.media_timeout_s > 0, "timeouts must be > 0")
-        for name in ("ttft_timeout_s", "stream_idle_timeout_s", "max_request_timeout_s", "body_read_timeout_s"):
+        for name in ("request_timeout_s", "media_timeout_s", "ttft_timeout_s", "stream_idle_timeout_s",
+                     "max_request_timeout_s", "body_read_timeout_s"):
             _check(getattr(self, name) > 0, f"{name} must be > 0")
         _check(self.max_request_bytes >= 1024, "max_request_bytes must be >= 1024")
         _check(self.max_retries >= 0, "max_retries must be >= 0")

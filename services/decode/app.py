@@ -93,7 +93,8 @@ async def build(config: EpdConfig) -> RoleServer:
                           attention=config.decode_attention, step=config.decode_step,
                           compile_budget_s=config.decode_compile_budget_s,
                           step_buckets=int_list(config.decode_step_buckets) or None,
-                          serial_rows=serial, fused=config.decode_fused, fused_serial_rows=fused_serial)
+                          serial_rows=serial, fused=config.decode_fused, fused_serial_rows=fused_serial,
+                          lm_head_screen=config.lm_head_screen)
     logger.info("decode engine: %s", engine.describe())
     kv_store = open_store(config, "kv", producer=False)
     service = DecodeService(engine, kv_store, kv_wait_s=config.decode_kv_wait_s)

@@ -63,7 +63,7 @@ class DecodeEngine:
                  seed: int | None = None, kv_cache_bytes: int | None = None, block_size: int = 16,
                  attention: str = "auto", step: str = "eager", compile_budget_s: float = 120.0,
                  step_buckets: Sequence[int] | None = None, serial_rows: int = 0, fused: str = "auto",
-                 fused_serial_rows: int | None = None) -> None:
+                 fused_serial_rows: int | None = None, lm_head_screen: str = "auto") -> None:
         if num_slots < 1 or max_model_len < 2:
             raise ValueError(f"need num_slots >= 1 and max_model_len >= 2, got {num_slots}, {max_model_len}")
         if max_model_len > lm.layout.max_model_len:
@@ -76,7 +76,8 @@ class DecodeEngine:
             kv_cache_bytes = num_slots * -(-max_model_len // block_size) * _block_bytes(lm, block_size)
         self.pool = BlockPool(lm.layout, kv_cache_bytes, block_size, device=lm.device or "cpu")
         self._runner = DecodeRunner(lm, self.pool, num_slots, max_model_len, Sampler(seed), attention, step,
-                                    compile_budget_s, step_buckets, serial_rows, fused, fused_serial_rows)
+                                    compile_budget_s, step_buckets, serial_rows, fused, fused_serial_rows,
+                                    lm_head_screen)
         self._bytes_copied = 0
         self._decoders = {skip: decode_function(tokenizer, skip) for skip in (True, False)}
         self._cond = threading.Condition()
@@ -190,7 +191,7 @@ class DecodeEngine:
             return EngineStats(self.num_slots, active, len(self._requests) - active, self._steps,
                                self._tokens, self._finished, self.pool.stats(), self._bytes_copied,
                                self._runner.attention_kernel, self._runner.step_mode, self._runner.compiled_steps,
-                               self._runner.serial_steps)
+                               self._runner.serial_steps, *self._runner.screen_counts)
 
     @property
     def step_report(self) -> StepReport:
@@ -202,7 +203,8 @@ class DecodeEngine:
         kv, stats = self.pool.stats(), self.stats()
         return (f"{kv.num_blocks} KV blocks of {kv.block_size} tokens ({kv.num_blocks * kv.block_bytes / 2**20:.0f} "
                 f"MiB), {self.num_slots} rows, attention {stats.attention_kernel}, {self._runner.threads} threads "
-                f"(steps of <= {self._runner.serial_rows} rows on 1); {self.step_report.line()}")
+                f"(steps of <= {self._runner.serial_rows} rows on 1); {self.step_report.line()}; "
+                f"{self._runner.describe_screen().line()}")
 
     def close(self, timeout: float = 5.0) -> None:
         """Stops the worker (unfinished requests end with "abort"); waits at most `timeout` s."""

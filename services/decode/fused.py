@@ -171,7 +171,9 @@ class FusedStep:
 
     @torch.inference_mode()
     def __call__(self, token_ids: torch.Tensor, positions: torch.Tensor, write_blocks: torch.Tensor,
-                 write_offsets: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+                 write_offsets: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, head: bool = True
+                 ) -> torch.Tensor:
+        """Logits [B, vocab]; with `head=False` the final-normed hidden states [B, hidden] instead."""
         rows = token_ids.shape[0]
         if rows > self.max_rows:
             raise ValueError(f"a fused step takes at most {self.max_rows} rows, got {rows}")
@@ -191,7 +193,8 @@ class FusedStep:
                           torch.get_num_threads())
         if status:
             raise ValueError(f"the fused decode kernel refused a step of {rows} rows")
-        return decoder.lm.lm_head(decoder.norm(hidden))
+        hidden = decoder.norm(hidden)
+        return decoder.lm.lm_head(hidden) if head else hidden
 
 
 def choose_fused(decoder: PagedDecoder, mode: str, max_rows: int) -> tuple[FusedStep | None, str]:

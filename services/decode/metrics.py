@@ -34,6 +34,9 @@ class EngineStats:
     step_mode: str = "eager"      # how the step runs: fused | compiled | eager (runner.py)
     compiled_steps: int = 0       # steps that ran a compiled graph (the rest of `steps` ran eager)
     serial_steps: int = 0         # steps of at most `serial_rows` rows, run on one thread (runner.py)
+    screened_rows: int = 0        # rows whose token the LM head screen decided (services/models/head_screen.py)
+    screen_full_rows: int = 0     # rows the screen sent back to the full head
+    screen_candidates: int = 0    # float32 logits the screen computed for its candidates
 
 
 ENGINE_GAUGES: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
@@ -55,6 +58,12 @@ ENGINE_GAUGES: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
                                   "other steps ran eager", lambda s: s.compiled_steps),
     "epd_decode_serial_steps": ("Decode steps of at most --decode-serial-rows rows, run on one thread",
                                 lambda s: s.serial_steps),
+    "epd_decode_lm_head_screened_rows_total": ("Greedy rows whose token the bfloat16 LM head screen decided "
+                                               "exactly (services/models/head_screen.py)", lambda s: s.screened_rows),
+    "epd_decode_lm_head_screen_full_rows_total": ("Rows the LM head screen sent back to the full float32 head",
+                                                  lambda s: s.screen_full_rows),
+    "epd_decode_lm_head_screen_candidates_total": ("float32 logits the LM head screen computed for its candidates",
+                                                   lambda s: s.screen_candidates),
     "epd_decode_kv_copied_bytes_total": ("Prompt KV bytes copied into the pool (one copy per request)",
                                    lambda s: s.kv_bytes_copied),
 }

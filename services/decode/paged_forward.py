@@ -84,8 +84,9 @@ class PagedDecoder:
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, write_blocks: torch.Tensor,
                 write_offsets: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
-                num_blocks: list[int] | None = None) -> torch.Tensor:
-        """Logits [B, vocab] of one decode step (the new tokens' K/V are written into the pool)."""
+                num_blocks: list[int] | None = None, head: bool = True) -> torch.Tensor:
+        """Logits [B, vocab] of one decode step (the new tokens' K/V are written into the pool); with
+        `head=False` the final-normed hidden states [B, hidden] (the LM head screen takes them)."""
         rows = token_ids.shape[0]
         hidden = self.lm.embed(token_ids[:, None])[:, 0]
         cos, sin = self.rope(positions)
@@ -106,7 +107,8 @@ class PagedDecoder:
                 out = self.write_and_attend(index, q, k, v, write_blocks, write_offsets, tables, lens, num_blocks)
             hidden = hidden + attn.o_proj(out.reshape(rows, self.num_heads * self.head_dim))
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        return self.lm.lm_head(self.norm(hidden))
+        hidden = self.norm(hidden)
+        return self.lm.lm_head(hidden) if head else hidden
 
     def write_and_attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          write_blocks: torch.Tensor, write_offsets: torch.Tensor, tables: torch.Tensor,

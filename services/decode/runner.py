@@ -50,6 +50,12 @@ from services.decode.paged_forward import PagedDecoder
 from services.decode.request_blocks import RequestBlocks
 from services.decode.sampler import RowSampling, Sampler
 from services.models.base import LanguageModel
+from services.models.head_screen import HeadScreen, ScreenReport, build_screen
+
+# Steps of more rows than this run the full LM head: a 16-row step multiplies as many floats as it reads, so
+# bfloat16 panels gain nothing there (medium head 151936x1024: 1 row 12.1 -> 7.2 ms, 8 rows 23.8 -> 14.5 ms,
+# 16 rows 32.2 -> 30.5 ms; docs/benchmarks.md "LM head screen")
+SCREEN_MAX_ROWS = 12
 
 # a prefilled KV of these dtypes widens exactly into blocks of those (prefill in bfloat16 beside a decode
 # that keeps float32 activations over bfloat16 weights: services/decode/app.py bf16_weights)
@@ -60,7 +66,8 @@ class DecodeRunner:
     def __init__(self, lm: LanguageModel, pool: BlockPool, max_rows: int, max_model_len: int, sampler: Sampler,
                  attention: str = "auto", step: str = "eager", compile_budget_s: float = 120.0,
                  buckets: Sequence[int] | None = None, serial_rows: int = 0, fused: str = "auto",
-                 fused_serial_rows: int | None = None) -> None:
+                 fused_serial_rows: int | None = None, lm_head_screen: str = "auto",
+                 screen_max_rows: int = SCREEN_MAX_ROWS) -> None:
         self.lm, self.pool, self.sampler = lm, pool, sampler
         self.threads, self.serial_rows = compute_threads.count(), serial_rows
         self.serial_steps = 0       # steps that ran on one thread (engine stats, /metrics)
@@ -90,6 +97,9 @@ class DecodeRunner:
             self.step_report.reason = f"--decode-fused {fused}: the decoder stack in one C call"
         elif fused != "off" and step != "compiled":
             self.step_report.reason = "; ".join(r for r in (self.step_report.reason, f"not fused: {why_not}") if r)
+        # greedy rows' tokens from a bfloat16 screen of the head, decided in float32 (services/models/head_screen.py)
+        self.screen, self.screen_report = build_screen(lm.lm_head, lm_head_screen)
+        self.screen_max_rows = screen_max_rows
 
     @property
     def step_mode(self) -> str:
@@ -150,16 +160,46 @@ class DecodeRunner:
             buf[BLOCK, row], buf[OFFSET, row] = block, offset
             lens[row] = seq.num_tokens
             num_blocks.append(len(seq.blocks))
+        screen = self._screen_for(rows)
         if self.fused is not None:
-            return self.sampler.sample(self.fused(*self._inputs(count))[:count], rows, inplace=True)
+            return self._pick(self.fused(*self._inputs(count), head=screen is None)[:count], rows, screen)
         logits = None
         bucket = self.compiled.bucket_for(count)
         if bucket is not None:
             logits = self.compiled(*self._inputs(self._pad(count, bucket)))
             self.compiled_steps += logits is not None
         if logits is None:   # eager (or the compiled step just failed: it is off now, this step reruns eager)
-            logits = self.decoder.forward(*self._inputs(count), num_blocks)
+            out = self.decoder.forward(*self._inputs(count), num_blocks, head=screen is None)
+            return self._pick(out[:count], rows, screen)
         return self.sampler.sample(logits[:count], rows, inplace=True)
+
+    def _screen_for(self, rows: Sequence[RowSampling]) -> HeadScreen | None:
+        """The screen when this step may use it: few enough rows, every one plain greedy."""
+        if self.screen is None or len(rows) > self.screen_max_rows:
+            return None
+        return self.screen if all(row.plain_greedy for row in rows) else None
+
+    def _pick(self, out: torch.Tensor, rows: Sequence[RowSampling], screen: HeadScreen | None) -> list[int]:
+        """Tokens from the step's logits, or from its normed hidden states through `screen`; a row the
+        screen cannot decide runs the full head."""
+        if screen is None:
+            return self.sampler.sample(out, rows, inplace=True)
+        tokens = screen.argmax(out)
+        full = [i for i, token in enumerate(tokens) if token < 0]
+        if full:
+            picked = self.sampler.sample(self.lm.lm_head(out[full]), [rows[i] for i in full], inplace=True)
+            for i, token in zip(full, picked, strict=True):
+                tokens[i] = token
+        return tokens
+
+    @property
+    def screen_counts(self) -> tuple[int, int, int]:
+        """(rows the screen decided, rows sent to the full head, float32 logits computed for candidates)."""
+        s = self.screen
+        return (s.rows_screened, s.rows_full, s.candidates) if s is not None else (0, 0, 0)
+
+    def describe_screen(self) -> ScreenReport:
+        return self.screen_report
 
     def _pad(self, count: int, bucket: int) -> int:
         """Rows count..bucket-1 become padding: they write and read only the scratch block."""

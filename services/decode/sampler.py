@@ -63,6 +63,11 @@ class RowSampling:
     def needs_adjust(self) -> bool:
         return self.penalties is not None or (bool(self.suppressed) and self.index < self.params.min_tokens)
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing that needs every logit (logprobs, penalties, suppression): the LM head screen's."""
+        return self.params.is_greedy and self.params.logprobs is None and not self.needs_adjust
+
     def adjust(self, row: torch.Tensor) -> None:
         """Penalties and min_tokens suppression on one row of logits [vocab], in place."""
         if self.penalties is not None:

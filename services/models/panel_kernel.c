@@ -25,6 +25,7 @@
 #error "the panel linear kernel needs AVX2 and FMA"
 #endif
 #include <immintrin.h>
+#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -264,3 +265,65 @@ int epd_panel_linear(const float *x, int64_t ldx, int M, const wt_t *panels, int
     }
     return 0;
 }
+
+#ifndef EPD_PANEL_BF16
+/* Greedy tokens of a float32 panel LM head, decided from a cheaper screen (services/models/head_screen.py).
+ *
+ * s [R, N] (row stride lds): the screen's logits of each row (the same head over bfloat16 panels);
+ * eps[R]: a proven bound on |screen - float32 logit| for every column of the row.  The float32 argmax
+ * j* has l(j*) >= l(j_s) for the screen's own argmax j_s, so s(j*) >= max(s) - 2 eps: every column whose
+ * screen value reaches that threshold is a candidate, and only the candidates' float32 logits are
+ * computed, each as this kernel's tiles compute it (one in-order fmaf chain over k from 0, then + 0.f:
+ * the same bits).  The first candidate with the largest logit wins, as the full row's argmax picks the
+ * first index among ties.  tokens[r] = -1 (the caller runs the full head) when the row's screen holds a
+ * NaN or an infinity, its bound is not finite, a candidate's logit is NaN, or more than `cap` columns are
+ * candidates.  counts[r]: the candidates seen (up to cap + 1). */
+/* The largest float below f (f finite). */
+static float next_down(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if (f == 0.f) bits = 0x80000001u;
+    else if (f > 0.f) bits -= 1;
+    else bits += 1;
+    memcpy(&f, &bits, sizeof bits);
+    return f;
+}
+
+int epd_screen_argmax(const float *s, int64_t lds, int R, int N, const double *eps, const float *x, int64_t ldx,
+                      const float *panels, int K, int cap, int64_t *tokens, int64_t *counts, int threads) {
+    if (R <= 0 || N <= 0 || K <= 0 || lds < N || ldx < K || cap <= 0 || threads <= 0) return 1;
+#pragma omp parallel for num_threads(threads < R ? threads : R) schedule(static)
+    for (int r = 0; r < R; r++) {
+        const float *row = s + (int64_t)r * lds, *xr = x + (int64_t)r * ldx;
+        float top = -INFINITY;
+        int finite = 1;
+        for (int j = 0; j < N; j++) {
+            const float v = row[j];
+            finite &= isfinite(v);
+            top = v > top ? v : top;
+        }
+        tokens[r] = -1;
+        counts[r] = 0;
+        if (!finite || !isfinite(eps[r]) || !(eps[r] >= 0.0)) continue;
+        const double bound = (double)top - 2.0 * eps[r];
+        float threshold = (float)bound;
+        if ((double)threshold > bound) threshold = next_down(threshold);
+        int64_t count = 0, best = -1;
+        float best_logit = 0.f;
+        int ok = 1;
+        for (int j = 0; j < N && ok; j++) {
+            if (row[j] < threshold) continue;
+            if (++count > cap) { ok = 0; break; }
+            const float *w = panels + (int64_t)(j / NR) * K * NR + j % NR;
+            float c = 0.f;
+            for (int k = 0; k < K; k++) c = fmaf(w[(int64_t)k * NR], xr[k], c);
+            c = c + 0.f;
+            if (c != c) { ok = 0; break; }
+            if (best < 0 || c > best_logit) { best = j; best_logit = c; }
+        }
+        counts[r] = count;
+        if (ok) tokens[r] = best;
+    }
+    return 0;
+}
+#endif

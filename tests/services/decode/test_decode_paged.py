@@ -151,7 +151,7 @@ def test_steps_of_serial_rows_run_on_one_thread_and_the_rest_on_all(tiny, make_e
     hook = tiny.lm.lm_head.register_forward_hook(
         lambda module, args, out: seen.append((args[0].shape[0], torch.get_num_threads())))
     try:
-        engine = make_engine(num_slots=4, serial_rows=1)
+        engine = make_engine(num_slots=4, serial_rows=1, lm_head_screen="off")   # every step through the hooked head
         alone = submit(engine, "alone", prefilled[1], max_tokens=6, ignore_eos=True, **GREEDY).wait_done()
         both = [submit(engine, f"pair{i}", prefilled[i], max_tokens=12, ignore_eos=True, **GREEDY) for i in (0, 2)]
         for sink in both:

@@ -1,0 +1,162 @@
+"""Greedy tokens of a float32 LM head at about half its bytes: a bfloat16 screen, then float32 on a few columns.
+
+A decode step's LM head reads the whole [vocab, hidden] weight (622 MB for a 151,936 x 1,024 float32
+head) to pick one token per greedy row.  `HeadScreen` keeps a second copy of the head in bfloat16
+panels (half the bytes; services/models/panel_kernel.c widens them exactly, so the arithmetic stays
+float32 over the activations as they are), runs that screen instead of the head, and decides the
+token exactly:
+
+- For every column j, |screen_j - logit_j| <= eps = ||x||_2 * c, where
+  c = max_j (||W_j - bf16(W_j)||_2 + gamma_K (||bf16(W_j)||_2 + ||W_j||_2)), gamma_K = K u / (1 - K u),
+  u = 2^-24 (Cauchy-Schwarz on the rounded weights, plus the standard bound of an in-order float32
+  sum of K fused products, once for each side).  c is computed at start-up in float64.
+- The float32 argmax j* has logit_j* >= logit_js for the screen's own argmax js, so
+  screen_j* >= max(screen) - 2 eps.  Every column that reaches that threshold is a candidate; only
+  the candidates' float32 logits are computed, each exactly as the head's panel kernel computes it
+  (one in-order fused multiply-add chain: the same bits), and the first largest wins, as the full
+  row's argmax picks the first index among ties.
+
+So the token is the float32 head's token, by proof rather than by tolerance; tests check it against
+the full head on random and adversarial rows (exact ties, near-ties below bfloat16's resolution), and
+that a bound of zero would pick wrong tokens there.  A row whose screen holds a NaN or an infinity,
+or with more than `cap` candidates, answers -1 and the caller runs the full head for it.
+
+Applies to rows that are plain greedy (no logprobs, penalties or min_tokens suppression: they need
+every logit) and to heads swapped to float32 panels without a bias (services/models/prepack.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from services.models import panel_linear
+from services.models.panel_linear import NR, PanelLinear
+
+log = logging.getLogger(__name__)
+
+MODES = ("auto", "on", "off")
+CAP = 64              # candidates per row before the row falls back to the full head
+_U = 2.0 ** -24       # float32 unit roundoff
+_CHUNK = 8192         # vocab rows per float64 chunk when the bound is computed
+
+
+@dataclass
+class ScreenReport:
+    """What start-up decided (the decode log line and /metrics)."""
+    mode: str
+    enabled: bool
+    reason: str
+    extra_bytes: int = 0
+    bound: float = 0.0
+
+    def line(self) -> str:
+        if not self.enabled:
+            return f"lm head screen off ({self.reason})"
+        return (f"lm head screen on: bfloat16 panels (+{self.extra_bytes / 2**20:.0f} MiB), float32 on the "
+                f"candidates within 2 x {self.bound:.3g} x ||x|| of the top ({self.reason})")
+
+
+def unpanelize(panels: torch.Tensor, out_features: int) -> torch.Tensor:
+    """`panel_linear.panelize`'s inverse: [ceil(N/16), K, 16] -> [N, K] (a new tensor)."""
+    groups, in_features, width = panels.shape
+    return panels.permute(0, 2, 1).reshape(groups * width, in_features)[:out_features].contiguous()
+
+
+def weight_bound(panels: torch.Tensor, screen: torch.Tensor) -> float:
+    """c: |screen . x - weight . x| <= c ||x||_2 for every output, both sums in order in float32 (see above).
+
+    From the panels as they are ([Q, K, 16], float32 and its bfloat16 rounding).  W - bf16(W) is exact in
+    float32; the float32 norms carry a relative error below K u (< 1e-3 for any K under 16,000), covered
+    by the factor 1.001."""
+    in_features = panels.shape[1]
+    if in_features * _U > 1e-3:
+        raise ValueError(f"hidden size {in_features} is too large for the screen's bound")
+    gamma = in_features * _U / (1.0 - in_features * _U)
+    worst = 0.0
+    step = max(1, _CHUNK // NR)
+    for start in range(0, panels.shape[0], step):
+        exact = panels[start:start + step]
+        diff = exact - screen[start:start + step].float()
+        rows = diff.norm(dim=1) + gamma * (2.0 + 2.0 ** -8) * exact.norm(dim=1)   # ||bf16(W)|| <= (1 + 2^-8) ||W||
+        worst = max(worst, float(rows.max()))
+    if not worst < float("inf"):
+        raise ValueError("the head's weights are too large for the screen's bound")
+    return worst * 1.001
+
+
+class HeadScreen:
+    """The screen of one float32 `PanelLinear` head (which it reads, never changes)."""
+
+    def __init__(self, head: PanelLinear, cap: int = CAP) -> None:
+        if not isinstance(head, PanelLinear) or head.weight.dtype != torch.float32:
+            raise ValueError("the LM head screen needs a float32 panel head")
+        if head.bias is not None:
+            raise ValueError("the LM head screen needs a head without a bias")
+        lib = panel_linear._kernel(torch.float32)
+        if lib is None or not panel_linear.available(torch.bfloat16):
+            raise OSError(f"panel kernels unavailable: {panel_linear.unavailable_reason()}")
+        self.head, self.cap = head, cap
+        # panelize(W) rounded = panelize(W rounded): the bfloat16 panels come straight from the float32 ones
+        rounded = head.weight.to(torch.bfloat16)
+        if not torch.isfinite(rounded).all():
+            raise ValueError("the head's weights do not fit bfloat16")
+        self.bound = weight_bound(head.weight, rounded)
+        self.screen = PanelLinear.from_panels(rounded, head.out_features)
+        self.extra_bytes = self.screen.weight.numel() * self.screen.weight.element_size()
+        fn = lib.epd_screen_argmax
+        ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+        fn.argtypes = [ptr, i64, i32, i32, ptr, ptr, i64, ptr, i32, i32, ptr, ptr, i32]
+        fn.restype = i32
+        self._fn = fn
+        self.rows_screened = 0       # rows whose token the screen decided
+        self.rows_full = 0           # rows sent back to the full head
+        self.candidates = 0          # float32 logits computed for screened rows
+
+    @torch.inference_mode()
+    def argmax(self, hidden: torch.Tensor, bound_scale: float = 1.0) -> list[int]:
+        """Greedy token of each row of `hidden` [R, K] (float32), or -1 where the full head must decide.
+
+        `bound_scale` exists for the tests' negative control only (0: trust the screen blindly)."""
+        if hidden.dtype != torch.float32 or hidden.dim() != 2 or hidden.shape[1] != self.head.in_features:
+            raise TypeError(f"hidden must be float32 [R, {self.head.in_features}], got {hidden.dtype} "
+                            f"{tuple(hidden.shape)}")
+        x = hidden.contiguous()
+        rows = x.shape[0]
+        screen = self.screen(x)
+        eps = (x.double().norm(dim=1) * (self.bound * bound_scale)).contiguous()
+        tokens = torch.empty(rows, dtype=torch.int64)
+        counts = torch.empty(rows, dtype=torch.int64)
+        status = self._fn(screen.data_ptr(), screen.stride(0), rows, self.head.out_features, eps.data_ptr(),
+                          x.data_ptr(), x.stride(0), self.head.weight.data_ptr(), self.head.in_features,
+                          self.cap, tokens.data_ptr(), counts.data_ptr(), torch.get_num_threads())
+        if status:
+            raise ValueError(f"the screen refused hidden {tuple(hidden.shape)}")
+        picked = tokens.tolist()
+        full = sum(1 for token in picked if token < 0)
+        self.rows_full += full
+        self.rows_screened += rows - full
+        self.candidates += int(counts[tokens >= 0].sum())
+        return picked
+
+
+def build_screen(head: object, mode: str) -> tuple[HeadScreen | None, ScreenReport]:
+    """The screen for `head` under --lm-head-screen `mode`; "on" raises ValueError where it cannot apply."""
+    if mode not in MODES:
+        raise ValueError(f"unknown --lm-head-screen {mode!r}; supported: {', '.join(MODES)}")
+    if mode == "off":
+        return None, ScreenReport(mode, False, "--lm-head-screen off")
+    try:
+        screen = HeadScreen(head)  # type: ignore[arg-type]
+    except (ValueError, OSError) as exc:
+        if mode == "on":
+            raise ValueError(f"--lm-head-screen on: {exc}") from None
+        return None, ScreenReport(mode, False, str(exc))
+    report = ScreenReport(mode, True, f"--lm-head-screen {mode}", screen.extra_bytes, screen.bound)
+    return screen, report
+
+
+__all__ = ["CAP", "MODES", "NR", "HeadScreen", "ScreenReport", "build_screen", "unpanelize", "weight_bound"]

@@ -1,0 +1,57 @@
+"""Decode steps through the LM head screen (services/decode/runner.py): greedy rows take the screen, and get
+Hugging Face generate's tokens; a step with a row that needs every logit (logprobs, a penalty) or with more rows
+than the screen's limit runs the full head; `--lm-head-screen off` gives the same tokens without it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+GREEDY = {"temperature": 0.0}
+PROMPTS = ["hi", "Tell me a long story about cats and dogs living together in a small house.",
+           "Translate to French: the weather is nice today, let us go for a walk in the park."]
+
+
+@pytest.fixture(scope="module")
+def prefilled(tiny):
+    return [tiny.prefill_text(tiny.chat_ids(p)) for p in PROMPTS]
+
+
+def test_greedy_rows_take_the_screen_and_get_generate_tokens(tiny, make_engine, prefilled, submit):
+    if torch.get_num_threads() < 2:
+        torch.set_num_threads(2)
+    engine = make_engine(num_slots=4, block_size=8)
+    assert "lm head screen on: bfloat16 panels" in engine.describe()
+    sinks = [submit(engine, f"s{i}", p, max_tokens=20, **GREEDY) for i, p in enumerate(prefilled)]
+    for sink, pre in zip(sinks, prefilled, strict=True):
+        sink.wait_done()
+        assert sink.token_ids == tiny.reference(pre, 20)
+    stats = engine.stats()
+    assert stats.screened_rows >= 3 * 19 and stats.screen_full_rows == 0   # every decode step's every row
+    assert stats.screened_rows <= stats.screen_candidates
+
+
+def test_rows_needing_every_logit_or_too_many_rows_run_the_full_head(tiny, make_engine, prefilled, submit):
+    engine = make_engine(num_slots=4, block_size=8)
+    logprobs = submit(engine, "lp", prefilled[0], max_tokens=6, logprobs=2, **GREEDY)
+    logprobs.wait_done()
+    penalty = submit(engine, "rp", prefilled[1], max_tokens=6, repetition_penalty=1.3, **GREEDY)
+    penalty.wait_done()
+    assert logprobs.token_ids == tiny.reference(prefilled[0], 6)
+    assert engine.stats().screened_rows == 0                  # both ran alone: every step on the full head
+    engine._runner.screen_max_rows = 2
+    wide = [submit(engine, f"w{i}", p, max_tokens=8, **GREEDY) for i, p in enumerate(prefilled)]
+    for sink, pre in zip(wide, prefilled, strict=True):
+        sink.wait_done()
+        assert sink.token_ids == tiny.reference(pre, 8)
+    assert engine.stats().screened_rows < 3 * 7              # the 3-row steps ran the full head
+
+
+def test_screen_off_gives_the_same_tokens_without_it(tiny, make_engine, prefilled, submit):
+    engine = make_engine(num_slots=4, block_size=8, lm_head_screen="off")
+    assert "lm head screen off (--lm-head-screen off)" in engine.describe()
+    sinks = [submit(engine, f"o{i}", p, max_tokens=12, **GREEDY) for i, p in enumerate(prefilled)]
+    for sink, pre in zip(sinks, prefilled, strict=True):
+        sink.wait_done()
+        assert sink.token_ids == tiny.reference(pre, 12)
+    assert engine.stats().screened_rows == 0

@@ -1,0 +1,89 @@
+"""The LM head screen (services/models/head_screen.py): the float32 head's greedy token on every row, by its
+proven bound rather than a tolerance; rows it cannot decide go back to the full head; and the negative control
+(the same screen trusting its bfloat16 values, bound 0) picks wrong tokens on adversarial rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from services.models.head_screen import CAP, HeadScreen, build_screen, unpanelize
+from services.models.panel_linear import PanelLinear, panelize
+
+
+def _linear(vocab: int, hidden: int, seed: int, std: float = 0.1) -> nn.Linear:
+    torch.manual_seed(seed)
+    linear = nn.Linear(hidden, vocab, bias=False)
+    nn.init.normal_(linear.weight, std=std)
+    return linear
+
+
+def _full_argmax(head: PanelLinear, x: torch.Tensor) -> list[int]:
+    return head(x).max(dim=-1).indices.tolist()   # the first index among ties
+
+
+@pytest.mark.parametrize("vocab, hidden", [(5003, 256), (49152, 576)])
+@torch.inference_mode()
+def test_every_row_gets_the_float32_heads_token(vocab, hidden):
+    head = PanelLinear(_linear(vocab, hidden, seed=vocab))
+    screen = HeadScreen(head)
+    for rows in (1, 3, 8, 16):
+        for scale in (0.1, 1.0, 30.0):
+            x = torch.randn(rows, hidden) * scale
+            assert screen.argmax(x) == _full_argmax(head, x), (rows, scale)
+    assert (screen.rows_screened, screen.rows_full) == (3 * (1 + 3 + 8 + 16), 0)
+    assert screen.rows_screened <= screen.candidates <= 4 * screen.rows_screened   # a few float32 logits per row
+    assert screen.extra_bytes == head.weight.numel() * 2                      # one bfloat16 copy of the head
+
+
+@torch.inference_mode()
+def test_ties_go_to_the_first_index_and_a_near_tie_below_bfloat16_is_decided_in_float32():
+    linear = _linear(4000, 64, seed=1, std=0.01)
+    w = linear.weight
+    w[2500] = w[100] = w[3900] = torch.linspace(-1, 1, 64)        # three identical rows: an exact tie
+    # rows 700 and 1800 differ only below bfloat16's resolution, in opposite directions: 700 rounds up
+    # (1 + 2^-8 + 2^-12 -> 1 + 2^-7) and 1800 down, so the screen ranks 700 first while float32 ranks 1800
+    # first (1800's second weight, 0.5 + 3 * 2^-12, rounds to 0.5)
+    w[700] = w[1800] = 0.0
+    w[700, 0], w[700, 1] = 1 + 2 ** -8 + 2 ** -12, 0.5
+    w[1800, 0], w[1800, 1] = 1 + 2 ** -8 - 2 ** -12, 0.5 + 3 * 2 ** -12
+    head = PanelLinear(linear)
+    screen = HeadScreen(head)
+    tie = torch.linspace(-1, 1, 64)[None] * 3
+    near = torch.zeros(1, 64)
+    near[0, :2] = 1.0
+    x = torch.cat([tie, near])
+    assert _full_argmax(head, x) == [100, 1800]
+    assert screen.argmax(x) == [100, 1800]
+    # negative control: trusting the bfloat16 values (no bound) takes the screen's own favourite
+    assert screen.argmax(near, bound_scale=0.0) == [700]
+
+
+@torch.inference_mode()
+def test_rows_it_cannot_decide_go_back_to_the_full_head():
+    linear = _linear(3000, 32, seed=2)
+    linear.weight[:CAP + 1] = linear.weight[0]                     # CAP + 1 identical rows: too many candidates
+    screen = HeadScreen(PanelLinear(linear))
+    crowded = linear.weight[0][None].clone() * 10
+    bad = torch.randn(2, 32)
+    bad[0, 3], bad[1, 5] = float("nan"), float("inf")
+    assert screen.argmax(torch.cat([crowded, bad])) == [-1, -1, -1]
+    assert (screen.rows_screened, screen.rows_full) == (0, 3)
+
+
+def test_it_applies_to_float32_panel_heads_without_a_bias_and_says_why_not():
+    linear = _linear(100, 16, seed=3)
+    assert torch.equal(unpanelize(panelize(linear.weight.detach()), 100), linear.weight.detach())
+    screen, report = build_screen(PanelLinear(linear), "auto")
+    assert screen is not None and report.enabled and "bfloat16 panels" in report.line()
+    assert build_screen(PanelLinear(linear), "off")[1].line() == "lm head screen off (--lm-head-screen off)"
+    for head, why in ((linear, "the LM head screen needs a float32 panel head"),
+                      (PanelLinear(linear, torch.bfloat16), "the LM head screen needs a float32 panel head"),
+                      (PanelLinear(nn.Linear(16, 100)), "the LM head screen needs a head without a bias")):
+        screen, report = build_screen(head, "auto")
+        assert screen is None and report.line() == f"lm head screen off ({why})"
+        with pytest.raises(ValueError, match=f"--lm-head-screen on: {why}"):
+            build_screen(head, "on")
+    with pytest.raises(ValueError, match="unknown --lm-head-screen 'fast'; supported: auto, on, off"):
+        build_screen(linear, "fast")
