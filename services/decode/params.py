@@ -68,6 +68,12 @@ class DecodeParams:
         return self.temperature < SAMPLING_EPS
 
     @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing that needs every logit of its first token (logprobs, penalties, min_tokens):
+        the LM head screen may pick it (services/models/head_screen.py)."""
+        return self.is_greedy and self.logprobs is None and not self.has_penalties and not self.min_tokens
+
+    @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 

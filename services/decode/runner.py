@@ -52,11 +52,6 @@ from services.decode.sampler import RowSampling, Sampler
 from services.models.base import LanguageModel
 from services.models.head_screen import HeadScreen, ScreenReport, build_screen
 
-# Steps of more rows than this run the full LM head: a 16-row step multiplies as many floats as it reads, so
-# bfloat16 panels gain nothing there (medium head 151936x1024: 1 row 12.1 -> 7.2 ms, 8 rows 23.8 -> 14.5 ms,
-# 16 rows 32.2 -> 30.5 ms; docs/benchmarks.md "LM head screen")
-SCREEN_MAX_ROWS = 12
-
 # a prefilled KV of these dtypes widens exactly into blocks of those (prefill in bfloat16 beside a decode
 # that keeps float32 activations over bfloat16 weights: services/decode/app.py bf16_weights)
 _WIDENS = {(torch.bfloat16, torch.float32), (torch.float16, torch.float32)}
@@ -66,8 +61,7 @@ class DecodeRunner:
     def __init__(self, lm: LanguageModel, pool: BlockPool, max_rows: int, max_model_len: int, sampler: Sampler,
                  attention: str = "auto", step: str = "eager", compile_budget_s: float = 120.0,
                  buckets: Sequence[int] | None = None, serial_rows: int = 0, fused: str = "auto",
-                 fused_serial_rows: int | None = None, lm_head_screen: str = "auto",
-                 screen_max_rows: int = SCREEN_MAX_ROWS) -> None:
+                 fused_serial_rows: int | None = None, lm_head_screen: str = "auto") -> None:
         self.lm, self.pool, self.sampler = lm, pool, sampler
         self.threads, self.serial_rows = compute_threads.count(), serial_rows
         self.serial_steps = 0       # steps that ran on one thread (engine stats, /metrics)
@@ -99,7 +93,6 @@ class DecodeRunner:
             self.step_report.reason = "; ".join(r for r in (self.step_report.reason, f"not fused: {why_not}") if r)
         # greedy rows' tokens from a bfloat16 screen of the head, decided in float32 (services/models/head_screen.py)
         self.screen, self.screen_report = build_screen(lm.lm_head, lm_head_screen)
-        self.screen_max_rows = screen_max_rows
 
     @property
     def step_mode(self) -> str:
@@ -174,8 +167,8 @@ class DecodeRunner:
         return self.sampler.sample(logits[:count], rows, inplace=True)
 
     def _screen_for(self, rows: Sequence[RowSampling]) -> HeadScreen | None:
-        """The screen when this step may use it: few enough rows, every one plain greedy."""
-        if self.screen is None or len(rows) > self.screen_max_rows:
+        """The screen when this step may use it: every row plain greedy."""
+        if self.screen is None:
             return None
         return self.screen if all(row.plain_greedy for row in rows) else None
 

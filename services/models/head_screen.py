@@ -52,12 +52,13 @@ class ScreenReport:
     reason: str
     extra_bytes: int = 0
     bound: float = 0.0
+    kernel: str = ""
 
     def line(self) -> str:
         if not self.enabled:
             return f"lm head screen off ({self.reason})"
-        return (f"lm head screen on: bfloat16 panels (+{self.extra_bytes / 2**20:.0f} MiB), float32 on the "
-                f"candidates within 2 x {self.bound:.3g} x ||x|| of the top ({self.reason})")
+        return (f"lm head screen on: bfloat16 panels, {self.kernel} (+{self.extra_bytes / 2**20:.0f} MiB), float32 "
+                f"on the candidates within 2 x {self.bound:.3g} x ||x|| of the top ({self.reason})")
 
 
 def unpanelize(panels: torch.Tensor, out_features: int) -> torch.Tensor:
@@ -66,47 +67,98 @@ def unpanelize(panels: torch.Tensor, out_features: int) -> torch.Tensor:
     return panels.permute(0, 2, 1).reshape(groups * width, in_features)[:out_features].contiguous()
 
 
-def weight_bound(panels: torch.Tensor, screen: torch.Tensor) -> float:
-    """c: |screen . x - weight . x| <= c ||x||_2 for every output, both sums in order in float32 (see above).
+@dataclass
+class Bounds:
+    """Per-weight constants of the screen's bound (see the module docstring), computed once in float64 terms.
 
-    From the panels as they are ([Q, K, 16], float32 and its bfloat16 rounding).  W - bf16(W) is exact in
-    float32; the float32 norms carry a relative error below K u (< 1e-3 for any K under 16,000), covered
-    by the factor 1.001."""
+    widened: |s - l| <= widened ||x|| when the screen multiplies float32 x by bfloat16 weights (in-order sums);
+    pairs: |s - l| <= pairs ||x|| + w_max ||x - bf16(x)|| + tiny when x is rounded to bfloat16 too and the
+    products are summed in any order (vdpbf16ps)."""
+    widened: float
+    pairs: float
+    w_max: float
+
+
+def weight_bounds(panels: torch.Tensor, screen: torch.Tensor) -> Bounds:
+    """The bound's constants from the panels as they are ([Q, K, 16], float32 and its bfloat16 rounding).
+
+    W - bf16(W) is exact in float32; the float32 norms carry a relative error below K u (< 1e-3 for any K
+    under 16,000), covered by the factor 1.001.  ||bf16(v)|| <= (1 + 2^-8) ||v|| for any v."""
     in_features = panels.shape[1]
     if in_features * _U > 1e-3:
         raise ValueError(f"hidden size {in_features} is too large for the screen's bound")
     gamma = in_features * _U / (1.0 - in_features * _U)
-    worst = 0.0
+    grow = 1.0 + 2.0 ** -8
+    widened = pairs = w_max = 0.0
     step = max(1, _CHUNK // NR)
     for start in range(0, panels.shape[0], step):
         exact = panels[start:start + step]
-        diff = exact - screen[start:start + step].float()
-        rows = diff.norm(dim=1) + gamma * (2.0 + 2.0 ** -8) * exact.norm(dim=1)   # ||bf16(W)|| <= (1 + 2^-8) ||W||
-        worst = max(worst, float(rows.max()))
-    if not worst < float("inf"):
+        diff = (exact - screen[start:start + step].float()).norm(dim=1)
+        norm = exact.norm(dim=1)
+        widened = max(widened, float((diff + gamma * (1.0 + grow) * norm).max()))
+        pairs = max(pairs, float((diff + gamma * (1.0 + grow * grow) * norm).max()))
+        w_max = max(w_max, float(norm.max()))
+    if not max(widened, pairs, w_max) < float("inf"):
         raise ValueError("the head's weights are too large for the screen's bound")
-    return worst * 1.001
+    return Bounds(widened * 1.001, pairs * 1.001, w_max * grow * 1.001)
+
+
+def pair_panels(rounded: torch.Tensor) -> torch.Tensor:
+    """bfloat16 panels [Q, K, 16] -> [Q, ceil(K/2), 16] int32: the k-pairs vdpbf16ps multiplies (k even low)."""
+    groups, in_features, width = rounded.shape
+    if in_features % 2:
+        rounded = torch.cat([rounded, rounded.new_zeros(groups, 1, width)], dim=1)
+    pairs = rounded.view(groups, -1, 2, width).transpose(2, 3).contiguous().view(torch.int32)
+    return pairs.view(groups, -1, width)
+
+
+def pair_rows(x: torch.Tensor) -> torch.Tensor:
+    """float32 rows [R, K] -> bfloat16 pairs [R, ceil(K/2)] int32."""
+    rounded = x.to(torch.bfloat16)
+    if x.shape[1] % 2:
+        rounded = torch.cat([rounded, rounded.new_zeros(x.shape[0], 1)], dim=1)
+    return rounded.contiguous().view(torch.int32)
 
 
 class HeadScreen:
-    """The screen of one float32 `PanelLinear` head (which it reads, never changes)."""
+    """The screen of one float32 `PanelLinear` head (which it reads, never changes).
 
-    def __init__(self, head: PanelLinear, cap: int = CAP) -> None:
+    `kernel` "pairs" (vdpbf16ps over bfloat16 x and weights: AVX512-BF16) where the CPU has it, else
+    "widened" (float32 x over bfloat16 panels)."""
+
+    def __init__(self, head: PanelLinear, cap: int = CAP, kernel: str = "auto") -> None:
         if not isinstance(head, PanelLinear) or head.weight.dtype != torch.float32:
             raise ValueError("the LM head screen needs a float32 panel head")
         if head.bias is not None:
             raise ValueError("the LM head screen needs a head without a bias")
-        lib = panel_linear._kernel(torch.float32)
-        if lib is None or not panel_linear.available(torch.bfloat16):
+        lib, bf16 = panel_linear._kernel(torch.float32), panel_linear._kernel(torch.bfloat16)
+        if lib is None or bf16 is None:
             raise OSError(f"panel kernels unavailable: {panel_linear.unavailable_reason()}")
         self.head, self.cap = head, cap
         # panelize(W) rounded = panelize(W rounded): the bfloat16 panels come straight from the float32 ones
         rounded = head.weight.to(torch.bfloat16)
         if not torch.isfinite(rounded).all():
             raise ValueError("the head's weights do not fit bfloat16")
-        self.bound = weight_bound(head.weight, rounded)
-        self.screen = PanelLinear.from_panels(rounded, head.out_features)
-        self.extra_bytes = self.screen.weight.numel() * self.screen.weight.element_size()
+        self.bounds = weight_bounds(head.weight, rounded)
+        has_pairs = hasattr(bf16, "epd_panel_dp")
+        if kernel not in ("auto", "pairs", "widened") or (kernel == "pairs" and not has_pairs):
+            raise ValueError(f"screen kernel {kernel!r} is not available here")
+        self.kernel = "pairs" if kernel == "pairs" or (kernel == "auto" and has_pairs) else "widened"
+        if self.kernel == "pairs":
+            self.weights = pair_panels(rounded)
+            del rounded
+            if self.weights.data_ptr() % 64:
+                raise ValueError("pair panels must be 64-byte aligned")
+            self._dp = bf16.epd_panel_dp
+            ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+            self._dp.argtypes = [ptr, i64, i32, ptr, i32, i32, ptr, i64, i32]
+            self._dp.restype = i32
+            self.bound = self.bounds.pairs
+        else:
+            self.screen = PanelLinear.from_panels(rounded, head.out_features)
+            self.weights = self.screen.weight
+            self.bound = self.bounds.widened
+        self.extra_bytes = self.weights.numel() * self.weights.element_size()
         fn = lib.epd_screen_argmax
         ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
         fn.argtypes = [ptr, i64, i32, i32, ptr, ptr, i64, ptr, i32, i32, ptr, ptr, i32]
@@ -115,6 +167,22 @@ class HeadScreen:
         self.rows_screened = 0       # rows whose token the screen decided
         self.rows_full = 0           # rows sent back to the full head
         self.candidates = 0          # float32 logits computed for screened rows
+
+    def values(self, x: torch.Tensor, bound_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The screen's logits [R, N] of contiguous float32 rows, and each row's bound eps [R] (float64)."""
+        norms = x.double().norm(dim=1)
+        if self.kernel == "widened":
+            return self.screen(x), (norms * (self.bounds.widened * bound_scale)).contiguous()
+        pairs = pair_rows(x)
+        rows, out_features = x.shape[0], self.head.out_features
+        out = torch.empty(rows, out_features, dtype=torch.float32)
+        if self._dp(pairs.data_ptr(), pairs.stride(0), rows, self.weights.data_ptr(), out_features,
+                    self.weights.shape[1], out.data_ptr(), out.stride(0), torch.get_num_threads()):
+            raise ValueError(f"the pair kernel refused x {tuple(x.shape)}")
+        rounding = (x.double() - pairs.view(torch.bfloat16)[:, :x.shape[1]].double()).norm(dim=1)
+        tiny = 2.0 ** -120 * x.shape[1] * (1.0 + norms) * (1.0 + self.bounds.w_max)   # flushed denormals
+        eps = norms * self.bounds.pairs + rounding * self.bounds.w_max + tiny
+        return out, (eps * bound_scale).contiguous()
 
     @torch.inference_mode()
     def argmax(self, hidden: torch.Tensor, bound_scale: float = 1.0) -> list[int]:
@@ -126,8 +194,7 @@ class HeadScreen:
                             f"{tuple(hidden.shape)}")
         x = hidden.contiguous()
         rows = x.shape[0]
-        screen = self.screen(x)
-        eps = (x.double().norm(dim=1) * (self.bound * bound_scale)).contiguous()
+        screen, eps = self.values(x, bound_scale)
         tokens = torch.empty(rows, dtype=torch.int64)
         counts = torch.empty(rows, dtype=torch.int64)
         status = self._fn(screen.data_ptr(), screen.stride(0), rows, self.head.out_features, eps.data_ptr(),
@@ -155,8 +222,9 @@ def build_screen(head: object, mode: str) -> tuple[HeadScreen | None, ScreenRepo
         if mode == "on":
             raise ValueError(f"--lm-head-screen on: {exc}") from None
         return None, ScreenReport(mode, False, str(exc))
-    report = ScreenReport(mode, True, f"--lm-head-screen {mode}", screen.extra_bytes, screen.bound)
+    report = ScreenReport(mode, True, f"--lm-head-screen {mode}", screen.extra_bytes, screen.bound, screen.kernel)
     return screen, report
 
 
-__all__ = ["CAP", "MODES", "NR", "HeadScreen", "ScreenReport", "build_screen", "unpanelize", "weight_bound"]
+__all__ = ["CAP", "MODES", "NR", "Bounds", "HeadScreen", "ScreenReport", "build_screen", "pair_panels", "pair_rows",
+           "unpanelize", "weight_bounds"]

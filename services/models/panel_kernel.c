@@ -327,3 +327,103 @@ int epd_screen_argmax(const float *s, int64_t lds, int R, int N, const double *e
     return 0;
 }
 #endif
+
+#if defined(EPD_PANEL_BF16) && defined(__AVX512BF16__)
+/* bfloat16 x bfloat16 panels for the LM head screen (services/models/head_screen.py) at many rows.
+ *
+ * pairs [Q, K2, 16] uint32: panel q, k-pair p, output lane j holds W[16q + j, 2p] (low half) and
+ * W[16q + j, 2p + 1] (high half) as bfloat16; xp [M, K2] uint32: each row's x rounded to bfloat16, in the
+ * same pairs.  One vdpbf16ps per (row, panel, k-pair) adds both products into a float32 lane: half the
+ * instructions of the float32 FMA tiles, whose many-row steps are bound by their FMAs.  The sums are not
+ * float32's (x is rounded, and the pair sums in an unspecified order): the screen's bound accounts for
+ * both.  Tiles: MR rows x NP panels of accumulators (MR * NP <= 16), NP = 4 for 1-4 rows and 2 for 5-8
+ * rows, so enough independent chains hide the instruction's latency. */
+#define DP(i)                                                                                     \
+    if ((i) < MR * NP)                                                                            \
+        c##i = _mm512_dpbf16_ps(c##i, (__m512bh)((i) % NP == 0 ? w0 : (i) % NP == 1 ? w1 : (i) % NP == 2 ? w2 : w3), \
+                                (__m512bh)_mm512_set1_epi32((int)xp[(int64_t)((i) / NP) * ldx + k]));
+#define DP_STORE(i)                                                                               \
+    if ((i) < MR * NP) {                                                                          \
+        const int n0 = (q + (i) % NP) * NR, width = N - n0 < NR ? N - n0 : NR;                    \
+        _mm512_storeu_ps(out, c##i);                                                              \
+        float *row = y + (int64_t)((i) / NP) * ldy + n0;                                          \
+        for (int j = 0; j < width; j++) row[j] = out[j];                                          \
+    }
+
+static inline __attribute__((always_inline)) void dp_tile(const uint32_t *xp, int64_t ldx, const uint32_t *pairs,
+                                                          int K2, float *y, int64_t ldy, int N, int q,
+                                                          const int MR, const int NP) {
+    __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0, c8 = c0;
+    __m512 c9 = c0, c10 = c0, c11 = c0, c12 = c0, c13 = c0, c14 = c0, c15 = c0;
+    const int64_t stride = (int64_t)K2 * NR;
+    const uint32_t *w = pairs + (int64_t)q * stride;
+    for (int k = 0; k < K2; k++) {
+        const uint32_t *wk = w + (int64_t)k * NR;
+        const __m512i w0 = _mm512_load_si512((const void *)wk);
+        const __m512i w1 = NP > 1 ? _mm512_load_si512((const void *)(wk + stride)) : w0;
+        const __m512i w2 = NP > 2 ? _mm512_load_si512((const void *)(wk + 2 * stride)) : w0;
+        const __m512i w3 = NP > 3 ? _mm512_load_si512((const void *)(wk + 3 * stride)) : w0;
+        DP(0) DP(1) DP(2) DP(3) DP(4) DP(5) DP(6) DP(7) DP(8) DP(9) DP(10) DP(11) DP(12) DP(13) DP(14) DP(15)
+    }
+    float out[NR];
+    DP_STORE(0) DP_STORE(1) DP_STORE(2) DP_STORE(3) DP_STORE(4) DP_STORE(5) DP_STORE(6) DP_STORE(7)
+    DP_STORE(8) DP_STORE(9) DP_STORE(10) DP_STORE(11) DP_STORE(12) DP_STORE(13) DP_STORE(14) DP_STORE(15)
+}
+
+/* Rows m0.. (at most 16) against panels [q0, q1). */
+static __attribute__((noinline)) void dp_range(const uint32_t *xp, int64_t ldx, int M, const uint32_t *pairs, int K2,
+                                               float *y, int64_t ldy, int N, int q0, int q1) {
+    int q = q0;
+    if (M <= 4) {
+        for (; q + 4 <= q1; q += 4) switch (M) {
+            case 1: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 1, 4); break;
+            case 2: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 2, 4); break;
+            case 3: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 3, 4); break;
+            default: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 4, 4); break;
+        }
+    } else if (M <= 8) {
+        for (; q + 2 <= q1; q += 2) switch (M) {
+            case 5: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 5, 2); break;
+            case 6: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 6, 2); break;
+            case 7: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 7, 2); break;
+            default: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 8, 2); break;
+        }
+    }
+    for (; q < q1; q++) switch (M) {
+        case 1: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 1, 1); break;
+        case 2: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 2, 1); break;
+        case 3: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 3, 1); break;
+        case 4: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 4, 1); break;
+        case 5: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 5, 1); break;
+        case 6: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 6, 1); break;
+        case 7: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 7, 1); break;
+        case 8: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 8, 1); break;
+        case 9: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 9, 1); break;
+        case 10: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 10, 1); break;
+        case 11: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 11, 1); break;
+        case 12: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 12, 1); break;
+        case 13: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 13, 1); break;
+        case 14: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 14, 1); break;
+        case 15: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 15, 1); break;
+        default: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 16, 1); break;
+    }
+}
+
+/* y[M, N] from bfloat16 pairs; 0, or 1 for shapes it refuses.  pairs 64-byte aligned. */
+int epd_panel_dp(const uint32_t *xp, int64_t ldx, int M, const uint32_t *pairs, int N, int K2, float *y, int64_t ldy,
+                 int threads) {
+    if (M <= 0 || N <= 0 || K2 <= 0 || threads <= 0 || ldx < K2 || ldy < N || ((uintptr_t)pairs % 64)) return 1;
+    const int Q = (N + NR - 1) / NR;
+    const int T = threads < Q ? threads : 1;
+#pragma omp parallel num_threads(T)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int per = ((Q + nt - 1) / nt + 3) / 4 * 4;
+        const int q0 = t * per, q1 = q0 + per > Q ? Q : q0 + per;
+        for (int m = 0; m < M && q0 < q1; m += 16)
+            dp_range(xp + (int64_t)m * ldx, ldx, M - m < 16 ? M - m : 16, pairs, K2, y + (int64_t)m * ldy, ldy, N,
+                     q0, q1);
+    }
+    return 0;
+}
+#endif

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 
 from services.config import EpdConfig
 from services.server import RoleServer
+
+logger = logging.getLogger(__name__)
 
 
 async def build(config: EpdConfig) -> RoleServer:
@@ -25,7 +29,8 @@ async def build(config: EpdConfig) -> RoleServer:
     # prompts, not single rows, go through prefill's layers (its LM head sees one row per prompt)
     export(prepack_language(lm, config.linear_kernel, rows=(256, 1024), head_rows=(1, 16), fuse=True), "language")
     engine = PrefillEngine(lm, max_num_batched_tokens=config.max_num_batched_tokens,
-                           prefix_cache_mb=config.prefix_cache_mb)
+                           prefix_cache_mb=config.prefix_cache_mb, lm_head_screen=config.lm_head_screen)
+    logger.info("prefill engine: %s", engine.screen_report.line())
     ec_store = open_store(config, "ec", producer=False)
     kv_store = open_store(config, "kv")
     inline = InlineEncoder(adapter, path, config.device, config.dtype) if config.prefill_inline_encode else None

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 from services import compute_threads, role_cpu
 from services.compute_metrics import compute_timer
 from services.models.base import LanguageModel, MultiModalInput
+from services.models.head_screen import build_screen
 from services.prefill import attention, last_rows
 from services.prefill.blocks import BlockManager
 from services.prefill.jobs import HeldPrefill, PrefillJob, release_when_done
@@ -63,8 +64,10 @@ class PrefillEngine:
 
     def __init__(self, lm: LanguageModel, max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
                  prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB, block_size: int = BLOCK_SIZE,
-                 idle_exit_s: float = 5.0) -> None:
+                 idle_exit_s: float = 5.0, lm_head_screen: str = "auto") -> None:
         attention.install(lm)
+        # greedy prompts' first tokens from a bfloat16 screen of the head, decided in float32
+        self.screen, self.screen_report = build_screen(lm.lm_head, lm_head_screen)
         self._last_rows = last_rows.install(lm)
         self.lm, self.block_size, self.idle_exit_s = lm, block_size, idle_exit_s
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -93,12 +96,14 @@ class PrefillEngine:
 
     def submit(self, token_ids: list[int], mm_items: list[MultiModalInput] | None = None,
                cache_salt: str | None = None,
-               on_finish: Callable[[HeldPrefill], None] | None = None) -> Future[HeldPrefill]:
+               on_finish: Callable[[HeldPrefill], None] | None = None, greedy: bool = False) -> Future[HeldPrefill]:
         """Queue one prompt; the future resolves to its HeldPrefill (release it!) or to the error
         (ValueError / InvalidMultiModalInput for items that do not fit the prompt).  `on_finish(held)`
-        runs on the engine thread first (an exception from it fails the future, the blocks released)."""
+        runs on the engine thread first (an exception from it fails the future, the blocks released).
+        `greedy`: the caller takes the first token's plain argmax, so `HeldPrefill.first_token` may carry it
+        (decided by the LM head screen) instead of `first_logits`."""
         self._check_length(token_ids)
-        job = PrefillJob(list(token_ids), list(mm_items or []), cache_salt, on_finish=on_finish)
+        job = PrefillJob(list(token_ids), list(mm_items or []), cache_salt, on_finish=on_finish, greedy=greedy)
         with self._cond:
             if self._closed:
                 raise RuntimeError("the prefill engine is closed")
@@ -177,7 +182,7 @@ class PrefillEngine:
         try:
             with torch.no_grad(), compute_timer("prefill"):
                 hidden = forward_chunks(self.lm, self.pool, chunks, self._last_rows)
-                logits = self.lm.lm_head(hidden[finishing]).float() if finishing else None
+                tokens, logits = self._first_tokens(hidden[finishing], [batch[i].job for i in finishing])
         except Exception as exc:  # every prompt of the batch hears of it; the engine carries on
             log.exception("prefill forward of %d chunks failed", len(batch))
             with self._cond:
@@ -189,8 +194,9 @@ class PrefillEngine:
         self._count(batch, chunks)
         for row, index in enumerate(finishing):
             job = batch[index].job
-            assert logits is not None
-            held = HeldPrefill(job, logits[row], self.pool, self._release)
+            token = tokens[row]
+            held = HeldPrefill(job, None if token >= 0 else logits[row], self.pool, self._release,
+                               token if token >= 0 else None)
             if job.on_finish is not None:
                 try:
                     job.on_finish(held)
@@ -199,6 +205,23 @@ class PrefillEngine:
                     job.future.set_exception(exc)
                     continue
             job.future.set_result(held)
+
+    def _first_tokens(self, rows: torch.Tensor, jobs: list[PrefillJob]) -> tuple[list[int], list[torch.Tensor | None]]:
+        """Per finishing prompt: its greedy token as the LM head screen decided it (-1: none), and else its
+        logits [vocab] from the full head."""
+        tokens = [-1] * len(jobs)
+        if self.screen is not None:
+            pick = [row for row, job in enumerate(jobs) if job.greedy]
+            if pick:
+                for row, token in zip(pick, self.screen.argmax(rows[pick]), strict=True):
+                    tokens[row] = token
+        logits: list[torch.Tensor | None] = [None] * len(jobs)
+        full = [row for row, token in enumerate(tokens) if token < 0]
+        if full:
+            for row, values in zip(full, self.lm.lm_head(rows[full] if len(full) < len(jobs) else rows).float(),
+                                   strict=True):
+                logits[row] = values
+        return tokens, logits
 
     def _count(self, batch: list[Scheduled], chunks: list[Chunk]) -> None:
         self.num_forwards += 1

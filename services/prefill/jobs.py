@@ -4,7 +4,8 @@
 (prefix-cache hits first, then its own), how many of its tokens have KV in the pool, and
 the future its caller waits on.
 
-`HeldPrefill` is what a finished prompt resolves to: the first-token logits and position
+`HeldPrefill` is what a finished prompt resolves to: the first-token logits (or, for a plain
+greedy prompt, the token the LM head screen decided: services/models/head_screen.py) and position
 state, plus a *lease* on the prompt's blocks.  A job's `on_finish` runs on the engine
 thread right after the prompt's last forward, before its future resolves: the serving
 layer puts the KV into the store there (no thread hand-off between the forward and the
@@ -44,6 +45,7 @@ class PrefillJob:
     num_cached: int = 0    # leading tokens whose KV came from the prefix cache
     num_done: int = 0      # leading tokens whose KV is in the pool (cached included)
     on_finish: Callable[[HeldPrefill], None] | None = None  # run on the engine thread before the future resolves
+    greedy: bool = False   # its first token is a plain greedy pick: the LM head screen may decide it
 
     @property
     def num_tokens(self) -> int:
@@ -57,10 +59,11 @@ class PrefillJob:
 class HeldPrefill:
     """A finished prompt: logits, positions, and its KV blocks until `release()`."""
 
-    def __init__(self, job: PrefillJob, first_logits: torch.Tensor, pool: KVPool,
-                 release: Callable[[list[int]], None]) -> None:
-        assert job.inputs is not None
-        self.first_logits = first_logits            # [vocab] float32
+    def __init__(self, job: PrefillJob, first_logits: torch.Tensor | None, pool: KVPool,
+                 release: Callable[[list[int]], None], first_token: int | None = None) -> None:
+        assert job.inputs is not None and (first_logits is None) != (first_token is None)
+        self.first_logits = first_logits            # [vocab] float32, or None when the screen picked the token
+        self.first_token = first_token              # the greedy token the LM head screen decided
         self.rope_delta = job.inputs.rope_delta
         self.num_prompt_tokens = job.num_tokens
         self.num_cached_tokens = job.num_cached

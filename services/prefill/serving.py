@@ -51,6 +51,9 @@ GAUGES = {
                                         lambda s: s.ec_store.stats().bytes_copied),
     "epd_prefill_forwards": ("Prefill forward passes so far (each runs one or more prompts or chunks)",
                              lambda s: s.engine.num_forwards),
+    "epd_prefill_lm_head_screened_rows_total": ("Greedy first tokens the bfloat16 LM head screen decided exactly "
+                                                "(services/models/head_screen.py)",
+                                                lambda s: s.engine.screen.rows_screened if s.engine.screen else 0),
     "epd_prefill_prefix_cache_blocks": ("KV blocks the prefix cache keeps for later prompts",
                                         lambda s: s.engine.blocks.num_cached),
 }
@@ -98,7 +101,7 @@ class PrefillService:
         params = decode_params(sampling)
         self._check_ids(token_ids)
         key = kv_key(request_id)
-        held = await self._forward(token_ids, items, ec_params, cache_salt, key)
+        held = await self._forward(token_ids, items, ec_params, cache_salt, key, params.plain_greedy)
         if not self.kv_store.local:
             await self._put_remote(key, held)
         if held.kv_error is not None:
@@ -106,7 +109,11 @@ class PrefillService:
         handle = held.kv_handle
         assert handle is not None
         try:
-            first, logprobs = sample_first_logprobs(held.first_logits, params, 0, self.lm.eos_token_ids, token_ids)
+            if held.first_token is not None:   # the LM head screen's greedy pick (params.plain_greedy)
+                first, logprobs = held.first_token, None
+            else:
+                first, logprobs = sample_first_logprobs(held.first_logits, params, 0, self.lm.eos_token_ids,
+                                                        token_ids)
         except BaseException:
             self._delete_quietly(key)  # nobody will read it
             raise
@@ -120,7 +127,7 @@ class PrefillService:
         return PrefillOutcome(first, params_out, held.num_prompt_tokens, held.num_cached_tokens, logprobs)
 
     async def _forward(self, token_ids: list[int], items: list[PrefillItem], ec_params: dict[str, Any],
-                       cache_salt: str | None, key: str) -> HeldPrefill:
+                       cache_salt: str | None, key: str, greedy: bool = False) -> HeldPrefill:
         """The prompt through the engine with each embedding read as a zero-copy view of the EC store, kept
         open until the forward is done: the scatter into the prompt's embeddings is the one copy.  An entry
         evicted meanwhile fails the prompt (ec_entry_missing) rather than use bytes that changed under it.
@@ -134,7 +141,7 @@ class PrefillService:
                     mm_inputs = self._load_embeddings(items, ec_params, views)
                 else:
                     mm_inputs = await asyncio.to_thread(self._load_embeddings, items, ec_params, views)
-                held = await self._run_engine(token_ids, mm_inputs, cache_salt, key)
+                held = await self._run_engine(token_ids, mm_inputs, cache_salt, key, greedy)
         except ConnectorError as exc:
             if held is not None:
                 held.release()
@@ -142,14 +149,14 @@ class PrefillService:
         return held
 
     async def _run_engine(self, token_ids: list[int], mm_inputs: list[MultiModalInput],
-                          cache_salt: str | None, key: str) -> HeldPrefill:
+                          cache_salt: str | None, key: str, greedy: bool = False) -> HeldPrefill:
         """Wait for the engine without holding a thread (so every waiting prompt can join a batch).  With a
         local store the engine thread puts the KV into it as soon as the prompt's last forward ends
         (`_put_kv`: a memcpy), so the result comes back with its blocks already released.  A caller that gives
         up leaves the blocks to be released, and the entry nobody will read to be deleted, when the prompt
         finishes."""
         on_finish = (lambda held: self._put_kv(key, held)) if self.kv_store.local else None
-        future = self.engine.submit(token_ids, mm_inputs, cache_salt, on_finish=on_finish)
+        future = self.engine.submit(token_ids, mm_inputs, cache_salt, on_finish=on_finish, greedy=greedy)
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:

@@ -1,6 +1,6 @@
 """Decode steps through the LM head screen (services/decode/runner.py): greedy rows take the screen, and get
-Hugging Face generate's tokens; a step with a row that needs every logit (logprobs, a penalty) or with more rows
-than the screen's limit runs the full head; `--lm-head-screen off` gives the same tokens without it."""
+Hugging Face generate's tokens; a step with a row that needs every logit (logprobs, a penalty) runs the full
+head; `--lm-head-screen off` gives the same tokens without it."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def test_greedy_rows_take_the_screen_and_get_generate_tokens(tiny, make_engine, 
     assert stats.screened_rows <= stats.screen_candidates
 
 
-def test_rows_needing_every_logit_or_too_many_rows_run_the_full_head(tiny, make_engine, prefilled, submit):
+def test_rows_needing_every_logit_run_the_full_head(tiny, make_engine, prefilled, submit):
     engine = make_engine(num_slots=4, block_size=8)
     logprobs = submit(engine, "lp", prefilled[0], max_tokens=6, logprobs=2, **GREEDY)
     logprobs.wait_done()
@@ -39,12 +39,13 @@ def test_rows_needing_every_logit_or_too_many_rows_run_the_full_head(tiny, make_
     penalty.wait_done()
     assert logprobs.token_ids == tiny.reference(prefilled[0], 6)
     assert engine.stats().screened_rows == 0                  # both ran alone: every step on the full head
-    engine._runner.screen_max_rows = 2
-    wide = [submit(engine, f"w{i}", p, max_tokens=8, **GREEDY) for i, p in enumerate(prefilled)]
-    for sink, pre in zip(wide, prefilled, strict=True):
+    # beside a greedy row, a logprobs row sends the whole step to the full head
+    mixed = [submit(engine, "g", prefilled[2], max_tokens=8, **GREEDY),
+             submit(engine, "l", prefilled[1], max_tokens=8, logprobs=1, **GREEDY)]
+    for sink, pre in zip(mixed, prefilled[2:0:-1], strict=True):
         sink.wait_done()
         assert sink.token_ids == tiny.reference(pre, 8)
-    assert engine.stats().screened_rows < 3 * 7              # the 3-row steps ran the full head
+    assert engine.stats().screened_rows < 7                   # only steps where the greedy row ran alone
 
 
 def test_screen_off_gives_the_same_tokens_without_it(tiny, make_engine, prefilled, submit):

@@ -119,3 +119,29 @@ def test_concurrent_prefills_are_serialised_and_correct(parts, image_prompt):
         thread.join(30)
     assert all(torch.equal(r.kv, expected.kv) for r in results)
     assert engine.num_prefills == 5
+
+
+def test_greedy_prompts_take_the_lm_head_screen(demo_model_path, parts, image_prompt):
+    """A prompt submitted `greedy` gets its first token from the LM head screen (services/models/head_screen.py)
+    when the head runs on float32 panels: the full head's argmax, no logits; in the same batch a prompt that
+    is not greedy gets its logits; with a plain head the screen is off and says why."""
+    from services.models.prepack import prepack_language
+    from services.models.registry import adapter_for
+
+    _, token_ids, items = image_prompt
+    assert PrefillEngine(parts[1]).screen_report.line() == (
+        "lm head screen off (the LM head screen needs a float32 panel head)")
+    lm = adapter_for(demo_model_path).load_language(demo_model_path)
+    prepack_language(lm, "panel")
+    engine = PrefillEngine(lm)
+    assert engine.screen is not None, engine.screen_report.line()
+    text = token_ids[:5] + token_ids[-6:]
+    futures = [engine.submit(token_ids, items, greedy=True), engine.submit(text, greedy=True),
+               engine.submit(token_ids, items), engine.submit(text)]
+    greedy_image, greedy_text, image, plain_text = (future.result(60) for future in futures)
+    for held in (greedy_image, greedy_text, image, plain_text):
+        held.release()
+    assert greedy_image.first_logits is None and greedy_text.first_logits is None
+    assert greedy_image.first_token == int(image.first_logits.argmax())
+    assert greedy_text.first_token == int(plain_text.first_logits.argmax())
+    assert image.first_token is None and engine.screen.rows_screened == 2
