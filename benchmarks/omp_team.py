@@ -4,7 +4,8 @@ A = `epd serve --model demo-medium` as shipped (`--single-omp-team on`, `--omp-s
 B = the same with `--single-omp-team off` (every thread of a role runs torch on all cores, libgomp's
 default spin), or with the flags given by `--b-flags`.  Workload: 64 words + one 224x224 image,
 48 output tokens (greedy, ignore_eos), requests alternating between the two clusters in rounds, at
-c=1 and c=16; each side's part of a round waits for quiet CPUs first (up to 2 s).  Figures: TTFT p50
+c=1 and c=16; each side's part of a round waits for quiet CPUs first (up to 2 s; --quick: no wait, one
+warm-up request, as the test suite runs it).  Figures: TTFT p50
 A / B at c=1, output tok/s A / B at c=16 (the two things the threading changes: a lone request's
 forwards, and three busy roles sharing two cores).  Only the default run rewrites docs/benchmarks.md
 and benchmarks/results/omp_team.json.
@@ -48,8 +49,9 @@ def run(quick: bool = False, a_flags: str = "", b_flags: str = DEFAULT_B,
                            Endpoint(b.url, model=model_id, label="B", extra_body={"temperature": 0.0})),
                 workload=WorkloadConfig(input_len=input_len, output_len=output_len, seed=concurrency,
                                         image_sizes=(ImageSize(224, 224),)),
-                load=LoadConfig(concurrency=concurrency, num_requests=requests, warmup=2, timeout_s=1800),
-                round_size=concurrency, show_progress=False, settle_s=SETTLE_S)
+                load=LoadConfig(concurrency=concurrency, num_requests=requests, warmup=1 if quick else 2,
+                                timeout_s=1800),
+                round_size=concurrency, show_progress=False, settle_s=0.0 if quick else SETTLE_S)
             done.extend(to_json(run_bench(config))["levels"])
     figures = []
     for level in done:

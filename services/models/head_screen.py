@@ -40,6 +40,10 @@ log = logging.getLogger(__name__)
 
 MODES = ("auto", "on", "off")
 CAP = 64              # candidates per row before the row falls back to the full head
+# auto leaves narrower heads alone: there the screen's fixed costs (its [R, vocab] pass, the bound) outweigh the
+# halved weight bytes (tiny demo, 151936x64: 0.89x at 1 row, 1.07x at 4; SmolLM2's 576 and the medium model's
+# 1024 are faster at every row count: docs/benchmarks.md "Decode: the LM head screen")
+AUTO_MIN_HIDDEN = 256
 _U = 2.0 ** -24       # float32 unit roundoff
 _CHUNK = 8192         # vocab rows per float64 chunk when the bound is computed
 
@@ -216,6 +220,10 @@ def build_screen(head: object, mode: str) -> tuple[HeadScreen | None, ScreenRepo
         raise ValueError(f"unknown --lm-head-screen {mode!r}; supported: {', '.join(MODES)}")
     if mode == "off":
         return None, ScreenReport(mode, False, "--lm-head-screen off")
+    hidden = getattr(head, "in_features", 0)
+    applies = isinstance(head, PanelLinear) and head.weight.dtype == torch.float32 and head.bias is None
+    if mode == "auto" and applies and hidden < AUTO_MIN_HIDDEN:
+        return None, ScreenReport(mode, False, f"hidden size {hidden} < {AUTO_MIN_HIDDEN}: not worth it (auto)")
     try:
         screen = HeadScreen(head)  # type: ignore[arg-type]
     except (ValueError, OSError) as exc:

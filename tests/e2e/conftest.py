@@ -32,8 +32,11 @@ def shm_cluster(demo_model_path, stopped_together):
 
 @pytest.fixture(scope="package")
 def redis_cluster(demo_model_path, redis_server, stopped_together):
+    # --lm-head-screen on: the tiny head is below auto's size, so this cluster's exactness tests are the ones
+    # that run greedy tokens through the screen in prefill and decode (the shm cluster's run the full head)
     cluster = start_cluster("--ec-connector", "redis", "--kv-connector", "redis", "--redis-url", redis_server.url,
-                            "--allow-private-media-urls", "--ec-capacity-mb", "64", "--kv-capacity-mb", "64")
+                            "--allow-private-media-urls", "--ec-capacity-mb", "64", "--kv-capacity-mb", "64",
+                            "--lm-head-screen", "on")
     yield cluster
     cluster.terminate()
     stopped_together.append(cluster)

@@ -6,6 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from tests.support.cluster import metric_value
 from tests.support.images import chat, noise_image
 
 MAX_TOKENS = 20
@@ -64,3 +65,14 @@ def test_repetition_penalty_counts_the_prompt_like_generate(shm_cluster, referen
     with shm_cluster.client() as client:
         answer = client.post("/v1/chat/completions", json=body).json()
     assert answer["choices"][0]["token_ids"] == reference.greedy(text, [], MAX_TOKENS, repetition_penalty=1.8)
+
+
+def test_the_screen_decided_greedy_tokens_on_the_redis_cluster_only(redis_cluster, shm_cluster, expected):
+    """The redis cluster runs --lm-head-screen on: its prefill and decode count the greedy tokens the screen
+    decided (and the tokens are generate's, as above); the shm cluster's tiny head stays on the full head."""
+    names = ("epd_prefill_lm_head_screened_rows_total", "epd_decode_lm_head_screened_rows_total")
+    before = [metric_value(redis_cluster.metrics(role), name) for role, name in zip(("prefill", "decode"), names)]
+    assert _ask(redis_cluster, *CASES["text"][:1], [])["choices"][0]["token_ids"] == expected["text"]
+    after = [metric_value(redis_cluster.metrics(role), name) for role, name in zip(("prefill", "decode"), names)]
+    assert after[0] - before[0] == 1 and after[1] - before[1] == len(expected["text"]) - 1
+    assert metric_value(shm_cluster.metrics("decode"), names[1]) == 0

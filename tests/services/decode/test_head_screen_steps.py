@@ -20,7 +20,7 @@ def prefilled(tiny):
 def test_greedy_rows_take_the_screen_and_get_generate_tokens(tiny, make_engine, prefilled, submit):
     if torch.get_num_threads() < 2:
         torch.set_num_threads(2)
-    engine = make_engine(num_slots=4, block_size=8)
+    engine = make_engine(num_slots=4, block_size=8, lm_head_screen="on")   # the tiny head is below auto's size
     assert "lm head screen on: bfloat16 panels" in engine.describe()
     sinks = [submit(engine, f"s{i}", p, max_tokens=20, **GREEDY) for i, p in enumerate(prefilled)]
     for sink, pre in zip(sinks, prefilled, strict=True):
@@ -32,7 +32,7 @@ def test_greedy_rows_take_the_screen_and_get_generate_tokens(tiny, make_engine, 
 
 
 def test_rows_needing_every_logit_run_the_full_head(tiny, make_engine, prefilled, submit):
-    engine = make_engine(num_slots=4, block_size=8)
+    engine = make_engine(num_slots=4, block_size=8, lm_head_screen="on")
     logprobs = submit(engine, "lp", prefilled[0], max_tokens=6, logprobs=2, **GREEDY)
     logprobs.wait_done()
     penalty = submit(engine, "rp", prefilled[1], max_tokens=6, repetition_penalty=1.3, **GREEDY)

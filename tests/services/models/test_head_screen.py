@@ -84,8 +84,11 @@ def test_rows_it_cannot_decide_go_back_to_the_full_head(kernel):
 def test_it_applies_to_float32_panel_heads_without_a_bias_and_says_why_not():
     linear = _linear(100, 16, seed=3)
     assert torch.equal(unpanelize(panelize(linear.weight.detach()), 100), linear.weight.detach())
-    screen, report = build_screen(PanelLinear(linear), "auto")
+    screen, report = build_screen(PanelLinear(linear), "on")
     assert screen is not None and report.enabled and f"bfloat16 panels, {screen.kernel}" in report.line()
+    assert build_screen(PanelLinear(linear), "auto")[1].line() == (
+        "lm head screen off (hidden size 16 < 256: not worth it (auto))")
+    assert build_screen(PanelLinear(_linear(100, 256, seed=4)), "auto")[0] is not None
     assert build_screen(PanelLinear(linear), "off")[1].line() == "lm head screen off (--lm-head-screen off)"
     for head, why in ((linear, "the LM head screen needs a float32 panel head"),
                       (PanelLinear(linear, torch.bfloat16), "the LM head screen needs a float32 panel head"),

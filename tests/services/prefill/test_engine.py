@@ -133,7 +133,8 @@ def test_greedy_prompts_take_the_lm_head_screen(demo_model_path, parts, image_pr
         "lm head screen off (the LM head screen needs a float32 panel head)")
     lm = adapter_for(demo_model_path).load_language(demo_model_path)
     prepack_language(lm, "panel")
-    engine = PrefillEngine(lm)
+    assert PrefillEngine(lm).screen_report.line() == "lm head screen off (hidden size 64 < 256: not worth it (auto))"
+    engine = PrefillEngine(lm, lm_head_screen="on")
     assert engine.screen is not None, engine.screen_report.line()
     text = token_ids[:5] + token_ids[-6:]
     futures = [engine.submit(token_ids, items, greedy=True), engine.submit(text, greedy=True),
