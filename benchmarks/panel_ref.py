@@ -14,7 +14,6 @@ in the same order over k, so the script also checks that their logits are equal 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import subprocess
 import sys
 import tempfile

@@ -126,7 +126,8 @@ class EpdConfig:
                            "compiled; with --linear-kernel auto the decoder stack then uses the panel kernel) | on "
                            "(refuse to start where it does not apply) | off", roles="decode")
     lm_head_screen: str = _f("auto", "greedy tokens from a bfloat16 copy of a float32 panel LM head, decided exactly "
-                             "in float32 on the few candidates a proven bound leaves: auto | on | off", roles="prefill, decode")
+                             "in float32 on the candidates a proven bound leaves: auto | on | off",
+                             roles="prefill, decode")
     decode_step_buckets: str = _f("", "batch sizes the compiled decode step has graphs for, comma-separated (a "
                                   "step pads its rows up to the next one; larger counts run eager); default 1, "
                                   "2, 4, ... and --decode-slots", roles="decode")
@@ -242,8 +243,7 @@ class EpdConfig:
             _check(getattr(self, name) >= 1, f"{name} must be >= 1")
         _check(self.prefix_cache_mb >= 0, "prefix_cache_mb must be >= 0")
         _check(min(self.render_workers, self.render_cache_mb) >= 0, "render_workers, render_cache_mb must be >= 0")
-        _check(0 <= self.port < 65536 and 0 <= self.grpc_port < 65536 and 0 <= self.http_port < 65536,
-               "ports must be in 0..65535")
+        _check(all(0 <= p < 65536 for p in (self.port, self.grpc_port, self.http_port)), "ports must be in 0..65535")
         for name in ("request_timeout_s", "media_timeout_s", "ttft_timeout_s", "stream_idle_timeout_s",
                      "max_request_timeout_s", "body_read_timeout_s"):
             _check(getattr(self, name) > 0, f"{name} must be > 0")

@@ -213,8 +213,8 @@ def serve(config: EpdConfig) -> int:
         renders = {"EPD_OPENAI_RENDER_URLS": _http_urls(roles, "render", config.host)}
         long_board = long_prefill_env(config, roles)
         for child in roles:
-            spawn(child, config, {"EPD_MODEL": model_path, "EPD_SERVED_MODEL_NAME": config.served_model_id(),
-                                  **(renders if child.role != "render" else {}), **long_board.get(child.instance_id, {})})
+            extra = {**(renders if child.role != "render" else {}), **long_board.get(child.instance_id, {})}
+            spawn(child, config, {"EPD_MODEL": model_path, "EPD_SERVED_MODEL_NAME": config.served_model_id(), **extra})
         wait_ready(roles, config.host, time.monotonic() + STARTUP_TIMEOUT_S)
         spawn(coordinator, config, {"EPD_SERVED_MODEL_NAME": config.served_model_id(),
                                     **{f"EPD_{r.upper()}_URLS": _urls(roles, r)

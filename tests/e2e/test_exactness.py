@@ -70,9 +70,12 @@ def test_repetition_penalty_counts_the_prompt_like_generate(shm_cluster, referen
 def test_the_screen_decided_greedy_tokens_on_the_redis_cluster_only(redis_cluster, shm_cluster, expected):
     """The redis cluster runs --lm-head-screen on: its prefill and decode count the greedy tokens the screen
     decided (and the tokens are generate's, as above); the shm cluster's tiny head stays on the full head."""
-    names = ("epd_prefill_lm_head_screened_rows_total", "epd_decode_lm_head_screened_rows_total")
-    before = [metric_value(redis_cluster.metrics(role), name) for role, name in zip(("prefill", "decode"), names)]
+    def screened(cluster):
+        return [metric_value(cluster.metrics(role), f"epd_{role}_lm_head_screened_rows_total")
+                for role in ("prefill", "decode")]
+
+    before = screened(redis_cluster)
     assert _ask(redis_cluster, *CASES["text"][:1], [])["choices"][0]["token_ids"] == expected["text"]
-    after = [metric_value(redis_cluster.metrics(role), name) for role, name in zip(("prefill", "decode"), names)]
+    after = screened(redis_cluster)
     assert after[0] - before[0] == 1 and after[1] - before[1] == len(expected["text"]) - 1
-    assert metric_value(shm_cluster.metrics("decode"), names[1]) == 0
+    assert screened(shm_cluster) == [0, 0]

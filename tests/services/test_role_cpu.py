@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from services.config import ConfigError, EpdConfig
 from services import role_cpu
+from services.config import ConfigError, EpdConfig
 from services.role_cpu import role_values
 
 PROBE = """

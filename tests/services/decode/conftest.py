@@ -21,6 +21,9 @@ from services.decode.stream import DecodeEvent
 from services.models.base import LanguageModel
 
 MAX_MODEL_LEN = 512
+GREEDY = {"temperature": 0.0}
+PROMPTS = ["hi", "Tell me a long story about cats and dogs living together in a small house.",
+           "Translate to French: the weather is nice today, let us go for a walk in the park."]
 
 
 def _language_model(path: Any) -> LanguageModel:
@@ -156,6 +159,12 @@ def submit():
 @pytest.fixture(scope="session")
 def tiny() -> TinyModel:
     return TinyModel()
+
+
+@pytest.fixture(scope="session")
+def prefilled(tiny) -> list[Prefilled]:
+    """PROMPTS prefilled by the HF model (a module may override it with its own prompts)."""
+    return [tiny.prefill_text(tiny.chat_ids(p)) for p in PROMPTS]
 
 
 @pytest.fixture

@@ -19,11 +19,8 @@ from PIL import Image
 from test_decode_paged import _DropNewest, _rel  # this folder's helpers (rootdir import)
 
 from services.decode.compiled import STEP_MODES, choose_step, pad_inputs
-from tests.services.decode.conftest import hf_first_step_logits
+from tests.services.decode.conftest import GREEDY, PROMPTS, hf_first_step_logits
 
-GREEDY = {"temperature": 0.0}
-PROMPTS = ["hi", "Tell me a long story about cats and dogs living together in a small house.",
-           "Translate to French: the weather is nice today, let us go for a walk in the park."]
 ROWS = 4
 
 

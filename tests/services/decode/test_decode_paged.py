@@ -10,16 +10,7 @@ from services.decode.attention import CPagedAttention, TorchPagedAttention, sele
 from services.decode.block_pool import BlockPool
 from services.decode.errors import EngineFull
 from services.decode.paged_forward import PagedDecoder
-from tests.services.decode.conftest import hf_first_step_logits
-
-GREEDY = {"temperature": 0.0}
-PROMPTS = ["hi", "Tell me a long story about cats and dogs living together in a small house.",
-           "Translate to French: the weather is nice today, let us go for a walk in the park."]
-
-
-@pytest.fixture(scope="module")
-def prefilled(tiny):
-    return [tiny.prefill_text(tiny.chat_ids(p)) for p in PROMPTS]
+from tests.services.decode.conftest import GREEDY, hf_first_step_logits
 
 
 def _kv_bytes(pre) -> int:

@@ -13,16 +13,7 @@ from services.decode.block_pool import BlockPool
 from services.decode.fused import FusedStep, choose_fused, unsupported_reason
 from services.decode.paged_forward import PagedDecoder
 from services.decode.request_blocks import RequestBlocks
-from tests.services.decode.conftest import hf_first_step_logits
-
-GREEDY = {"temperature": 0.0}
-PROMPTS = ["hi", "Tell me a long story about cats and dogs living together in a small house.",
-           "Translate to French: the weather is nice today, let us go for a walk in the park."]
-
-
-@pytest.fixture(scope="module")
-def prefilled(tiny):
-    return [tiny.prefill_text(tiny.chat_ids(p)) for p in PROMPTS]
+from tests.services.decode.conftest import GREEDY, hf_first_step_logits
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

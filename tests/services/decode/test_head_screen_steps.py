@@ -4,17 +4,9 @@ head; `--lm-head-screen off` gives the same tokens without it."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-GREEDY = {"temperature": 0.0}
-PROMPTS = ["hi", "Tell me a long story about cats and dogs living together in a small house.",
-           "Translate to French: the weather is nice today, let us go for a walk in the park."]
-
-
-@pytest.fixture(scope="module")
-def prefilled(tiny):
-    return [tiny.prefill_text(tiny.chat_ids(p)) for p in PROMPTS]
+from tests.services.decode.conftest import GREEDY
 
 
 def test_greedy_rows_take_the_screen_and_get_generate_tokens(tiny, make_engine, prefilled, submit):

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from services.models.base import MultiModalInput
+from services.models.loading import InvalidMultiModalInput
 from services.models.qwen2_vl import mrope_positions
 from services.models.registry import adapter_for
 from services.models.tiny import tiny_model_path
-from services.models.loading import InvalidMultiModalInput
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
