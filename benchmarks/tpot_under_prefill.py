@@ -4,6 +4,8 @@
     python -m benchmarks.tpot_under_prefill --quick    # tiny model, 1024 tokens, 1 round
     python -m benchmarks.tpot_under_prefill --epd-flag=--max-num-batched-tokens=512 --tag chunk512
     python -m benchmarks.tpot_under_prefill --quick --epd-url URL   # a running cluster (the tests share one)
+    python -m benchmarks.tpot_under_prefill --b-flag=--role-threads=prefill-long=1   # A/B: two clusters, rounds
+                                                                                     # alternating (docs untouched)
 
 One epd cluster (`epd serve`, the role processes as `epd serve` starts them).  Each round: 8
 streams of greedy completions (64 prompt tokens, ignore_eos) decode together; once each has a
@@ -145,6 +147,30 @@ def figure(rounds: list[dict[str, Any]], setup: Setup) -> Figure:
                   f"vs without ({setup.model} model)", value, 1.3, "le", detail=detail, note=note)
 
 
+def compare(setup: Setup, b_flags: tuple[str, ...], tag: str, where: dict[str, Any]) -> int:
+    """A = the setup's cluster, B = the same with `b_flags`; each round runs on A then B, or B then A."""
+    from services.models.demo import demo_model_path
+
+    path = str(demo_model_path(setup.model))
+    flags = {"A": setup.epd_flags, "B": setup.epd_flags + b_flags}
+    with running(*(start_epd(path, *flags[side], threads=setup.threads) for side in "AB")) as servers:
+        by_side: dict[str, list[dict[str, Any]]] = {"A": [], "B": []}
+        for index in range(setup.rounds):
+            for side in ("AB" if index % 2 == 0 else "BA"):
+                server = servers["AB".index(side)]
+                by_side[side].extend(asyncio.run(measure(server, replace(setup, rounds=1))))
+    figs = {side: figure(rounds, setup) for side, rounds in by_side.items()}
+    a, b = figs["A"].detail, figs["B"].detail
+    out = [replace(figs[side], name=f"{figs[side].name}, {side}") for side in "AB"]
+    for what, key in (("TPOT beside the long prefill", "with_p50_ms"), ("TPOT alone", "without_p50_ms"),
+                      ("the long prefill", "prefill_s_p50")):
+        out.append(Figure(f"{what}, A / B", a[key] / b[key], None, "le", note=f"{a[key]:.1f} vs {b[key]:.1f}"))
+    print_figures(out, f"A (flags: {' '.join(flags['A']) or 'defaults'}) vs B (+ {' '.join(b_flags)})")
+    write_json({"figures": out, "setup": asdict(setup), "b_flags": b_flags, "machine": where, "rounds": by_side},
+               results_dir(False) / f"tpot_under_prefill_ab{'_' + tag if tag else ''}.json")
+    return 0
+
+
 def markdown(fig: Figure, setup: Setup, where: dict[str, Any], command: str) -> str:
     d = fig.detail
     flags = " ".join(setup.epd_flags) or "defaults"
@@ -171,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epd-flag", action="append", default=[], help="extra `epd serve` flag (repeatable)")
     parser.add_argument("--epd-url", help="measure a running cluster of the setup's model instead of starting one "
                         "(--epd-flag and --threads then do not apply)")
+    parser.add_argument("--b-flag", action="append", default=[],
+                        help="A/B: a second cluster with these extra flags, rounds alternating between the two")
     parser.add_argument("--no-docs", action="store_true")
     parser.add_argument("--tag", default="")
     argv = sys.argv[1:] if argv is None else argv
@@ -183,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     from services.models.demo import demo_model_path
 
     where = machine()
+    if args.b_flag:
+        return compare(setup, tuple(args.b_flag), args.tag, where)
     server = (attach_epd(args.epd_url) if args.epd_url
               else start_epd(str(demo_model_path(setup.model)), *setup.epd_flags, threads=setup.threads))
     with running(server) as (epd,):

@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 ENV = "EPD_COMPUTE_THREADS"
+LONG_ENV = "EPD_LONG_COMPUTE_THREADS"   # prefill's threads while it runs a chunked prompt (--role-threads prefill-long)
 T = TypeVar("T")
 
 
@@ -53,14 +54,25 @@ def apply(threads: int | None) -> str:
     return f"one OpenMP team: compute threads={count}, other threads 1"
 
 
-def count() -> int:
-    """The torch threads an engine thread runs with."""
-    value = os.environ.get(ENV, "")
+def count(long: bool = False) -> int:
+    """The torch threads an engine thread runs with (`long`: for a chunked prompt's forward, where
+    --role-threads prefill-long sets its own)."""
+    value = os.environ.get(LONG_ENV, "") if long else ""
+    value = value if value.isdigit() and int(value) > 0 else os.environ.get(ENV, "")
     if value.isdigit() and int(value) > 0:
         return int(value)
     import torch
 
     return torch.get_num_threads()
+
+
+def use(long: bool = False) -> None:
+    """The calling engine thread runs torch on `count(long)` threads from here on (no-op when it already does)."""
+    import torch
+
+    wanted = count(long)
+    if torch.get_num_threads() != wanted:
+        torch.set_num_threads(wanted)
 
 
 def _libgomp() -> object | None:

@@ -105,7 +105,8 @@ class EpdConfig:
                           "requests share it (each reserves prompt + max_tokens at admission)")
     kv_block_size: int = _f(16, "tokens per KV block of the decode pool")
     decode_kv_wait_s: float = _f(10.0, "seconds a request waits for room in the decode KV pool before 429")
-    role_threads: str = _f("", "engine threads per role: '' (one per core), N, or 'encode=1,decode=2'", roles="roles")
+    role_threads: str = _f("", "engine threads per role: '' (one per core), N, or 'encode=1,decode=2' (prefill-long=N: "
+                           "prefill's while it runs a chunked prompt)", roles="roles")
     single_omp_team: str = _f("on", "on: only a model role's engine thread runs torch multi-threaded, so libgomp "
                               "keeps spinning between regions (services/compute_threads.py) | off", roles="roles")
     omp_spin_count: int = _f(-1, "GOMP_SPINCOUNT of model roles: -1 auto (10000 for `epd serve`'s model roles with "
@@ -161,8 +162,7 @@ class EpdConfig:
                                     "by mm_hash, where the embedding likely is)", roles="coordinator")
     prefill_routing_policy: str = _f("least_loaded", "how the coordinator picks a prefill instance",
                                      roles="coordinator")
-    decode_routing_policy: str = _f("least_loaded", "how the coordinator picks a decode instance",
-                                    roles="coordinator")
+    decode_routing_policy: str = _f("least_loaded", "how the coordinator picks a decode instance", roles="coordinator")
     instance_forget_after_s: float = _f(30.0, "a registered instance that fails its health probes this long is "
                                         "forgotten", roles="coordinator")
     coordinator_url: str = _f("", "role processes: announce this instance to the coordinator's admin API at "
@@ -182,8 +182,7 @@ class EpdConfig:
                          "anything but loopback needs --admin-token", roles="coordinator")
     admin_port: int = _f(0, "port of the coordinator's admin API (0: a free one, logged at start)", roles="coordinator")
     admin_token: str = _f("", "tokens the admin API requires as 'Authorization: Bearer TOKEN' (same syntax as "
-                          "--api-key); role processes send the first one when they announce themselves",
-                          secret=True)
+                          "--api-key); role processes send the first one when they announce themselves", secret=True)
 
     ttft_timeout_s: float = _f(60.0, "time from a request's body to its first token (render, encode, prefill, the "
                                "first decode step); then 504", roles="coordinator")
@@ -231,8 +230,9 @@ class EpdConfig:
         _check(self.single_omp_team in ("on", "off"), "single_omp_team must be on or off")
         _check(self.omp_spin_count >= -1, "omp_spin_count must be -1 (auto) or a count >= 0")
         _check(self.omp_wait_policy in ("", "passive", "active"), "omp_wait_policy must be passive, active or ''")
-        for name, raw, keys in (("role_threads", self.role_threads, ROLES), ("role_nice", self.role_nice.replace(
-                "auto", ""), (*ROLES, "prefill-long", "decode-long"))):
+        nice = self.role_nice.replace("auto", "")
+        for name, raw, keys in (("role_threads", self.role_threads, (*ROLES, "prefill-long")),
+                                ("role_nice", nice, (*ROLES, "prefill-long", "decode-long"))):
             _check(_role_map_ok(raw, keys), f"{name} must be N or role=N,role=N (keys: {', '.join(keys)})")
         _check(self.decode_kv_wait_s >= 0, "decode_kv_wait_s must be >= 0")
         _check(self.device.split(":")[0] in DEVICES_PREFIXES, "device must be cpu, cuda or cuda:N")

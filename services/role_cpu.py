@@ -176,6 +176,10 @@ def apply(config: EpdConfig, role: str) -> str:
         from . import compute_threads
 
         done.append(compute_threads.apply(threads))
+        long_threads = role_values(config.role_threads, "prefill-long") if "=" in config.role_threads else None
+        if role == "prefill" and long_threads:
+            os.environ[compute_threads.LONG_ENV] = str(long_threads)
+            done.append(f"compute threads={long_threads} while a chunked prompt prefills")
     elif threads is not None:
         os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(threads)
         if "torch" in sys.modules and sys.modules["torch"] is not None:

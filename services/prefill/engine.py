@@ -166,6 +166,7 @@ class PrefillEngine:
                 batch = self._scheduler.next_batch()
                 if batch:
                     return batch
+                role_cpu.long_prompt_running(False)   # idle: no long prompt runs (decode's board byte cleared)
                 if not self._cond.wait(self.idle_exit_s) and not len(self._scheduler):
                     break
             self._worker = None
@@ -178,7 +179,9 @@ class PrefillEngine:
                   for item in batch]
         finishing = [index for index, item in enumerate(batch) if item.finishes]
         # a chunked (long) prompt's forwards yield the cores to decode: --role-nice prefill-long (role_cpu.py)
-        role_cpu.long_prompt_running(any(item.job.num_tokens > self.max_num_batched_tokens for item in batch))
+        long = any(item.job.num_tokens > self.max_num_batched_tokens for item in batch)
+        role_cpu.long_prompt_running(long)
+        compute_threads.use(long)   # --role-threads prefill-long: a chunked prompt's forwards on fewer threads
         try:
             with torch.no_grad(), compute_timer("prefill"):
                 hidden = forward_chunks(self.lm, self.pool, chunks, self._last_rows)

@@ -33,6 +33,7 @@ helper_threads = helper.submit(torch.get_num_threads).result() if helper else No
 # "/autogroup-N nice K"; empty where the process is in the kernel's default group (no setsid since boot)
 group = (open("/proc/self/autogroup").read().split() or [None])[-1] if os.path.exists("/proc/self/autogroup") else None
 print(json.dumps({"threads": engine[0], "main": torch.get_num_threads(), "helper": helper_threads,
+                  "long": compute_threads.count(long=True),
                   "nice": os.nice(0) - before, "autogroup": group,
                   "summary": summary, "wait": os.environ.get("OMP_WAIT_POLICY"),
                   "spin": os.environ.get("GOMP_SPINCOUNT")}))
@@ -42,7 +43,7 @@ print(json.dumps({"threads": engine[0], "main": torch.get_num_threads(), "helper
 def _probe(threads: str, wait: str, nice: str, role: str, serve_child: bool = False, team: str = "on",
            omp: str = "", session: bool = False) -> dict:
     skip = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "EPD_SERVE_CHILD",
-            "EPD_COMPUTE_THREADS")
+            "EPD_COMPUTE_THREADS", "EPD_LONG_COMPUTE_THREADS")
     env = {k: v for k, v in os.environ.items() if k not in skip} | ({"EPD_SERVE_CHILD": "1"} if serve_child else {})
     env |= {"OMP_NUM_THREADS": omp} if omp else {}
     out = subprocess.run([sys.executable, "-c", PROBE, threads, wait, nice, role, team], capture_output=True,
@@ -67,6 +68,11 @@ def test_per_role_values_reach_torch_the_environment_and_the_scheduler():
     assert (limited["threads"], limited["main"]) == (3, 1)
     render = _probe("2", "", "", "render")                               # no torch engine: left alone
     assert render["summary"] == "render cpu policy: threads=2" and render["main"] == 2
+    # prefill-long: prefill's threads while it runs a chunked prompt (its own value elsewhere, decode untouched)
+    long = _probe("prefill=2,prefill-long=1", "", "", "prefill")
+    assert (long["threads"], long["long"]) == (2, 1)
+    assert long["summary"].endswith("compute threads=1 while a chunked prompt prefills")
+    assert _probe("prefill=2,prefill-long=1", "", "", "decode")["long"] == _probe("2", "", "", "prefill")["long"] == 2
 
 
 def test_auto_niceness_applies_only_under_epd_serve():
@@ -172,9 +178,9 @@ def test_prefill_marks_its_long_prompts_on_the_board(tmp_path, monkeypatch):
 def test_role_maps_parse_and_bad_ones_are_refused():
     assert role_values("", "decode") is None and role_values("3", "decode") == 3
     assert role_values("decode=2,prefill=1", "prefill") == 1 and role_values("decode=2", "encode") is None
-    EpdConfig(role_nice="encode=5,prefill=5,prefill-long=10,decode-long=2")
+    EpdConfig(role_nice="encode=5,prefill=5,prefill-long=10,decode-long=2", role_threads="prefill=2,prefill-long=1")
     for bad in ({"role_threads": "decoder=2"}, {"role_nice": "prefill=high"}, {"omp_wait_policy": "spin"},
-                {"role_threads": "prefill-long=2"}, {"role_nice": "encode-long=3"}):
+                {"role_threads": "decode-long=2"}, {"role_nice": "encode-long=3"}):
         with pytest.raises(ConfigError):
             EpdConfig(**bad)
 

@@ -146,3 +146,34 @@ def test_greedy_prompts_take_the_lm_head_screen(demo_model_path, parts, image_pr
     assert greedy_image.first_token == int(image.first_logits.argmax())
     assert greedy_text.first_token == int(plain_text.first_logits.argmax())
     assert image.first_token is None and engine.screen.rows_screened == 2
+
+
+def test_a_chunked_prompt_runs_on_its_own_thread_count_and_idle_clears_the_board(parts, monkeypatch):
+    """--role-threads prefill-long=1 (compute_threads.LONG_ENV): a prompt longer than the token budget runs its
+    chunks on that many torch threads, a short one on the role's count; once the engine idles, its byte on the
+    long-prompt board (decode follows it, services/role_cpu.py) is cleared."""
+    from services import compute_threads, role_cpu
+
+    monkeypatch.setenv(compute_threads.ENV, "2")
+    monkeypatch.setenv(compute_threads.LONG_ENV, "1")
+    board = bytearray(4)
+    monkeypatch.setattr(role_cpu, "_LONG", {"map": board, "slot": 2})
+    monkeypatch.setattr(role_cpu, "_GROUP", {})
+    lm = parts[1]
+    seen: list[int] = []
+    hook = lm.model.layers[0].register_forward_hook(lambda *args: seen.append(torch.get_num_threads()))
+    engine = PrefillEngine(lm, max_num_batched_tokens=32, idle_exit_s=30.0)
+    marked = []
+    try:
+        engine.submit(list(range(1000, 1100)), on_finish=lambda held: marked.append(board[2])).result(60).release()
+        long_chunks, seen[:] = list(seen), []
+        engine.submit(list(range(1000, 1010))).result(60).release()
+        short = list(seen)
+        for _ in range(100):       # the engine goes idle right after
+            if board[2] == 0:
+                break
+            threading.Event().wait(0.02)
+    finally:
+        hook.remove()
+        engine.close()
+    assert long_chunks == [1, 1, 1, 1] and short == [2] and marked == [1] and board[2] == 0
