@@ -121,11 +121,13 @@ def test_a_chunked_prompts_forwards_run_at_the_long_prompt_priority(parts, promp
     ids, items = prompts[0]
     engine = PrefillEngine(parts[2], prefix_cache_mb=0, max_num_batched_tokens=100)
     engine.prefill(ids, items)
-    assert seen == [True] * -(-len(ids) // 100)
+    forwards = -(-len(ids) // 100)
+    # then False (maybe not yet) once the engine idles: the board byte is cleared without waiting for a forward
+    assert seen[:forwards] == [True] * forwards and set(seen[forwards:]) <= {False}
     seen.clear()
     short_ids, short_items = min(prompts, key=lambda p: len(p[0]))
     PrefillEngine(parts[2], prefix_cache_mb=0, max_num_batched_tokens=len(short_ids)).prefill(short_ids, short_items)
-    assert seen == [False]
+    assert set(seen) == {False}
 
 
 def test_batch_matches_the_full_model(demo_model_path, parts, prompts):
