@@ -204,7 +204,7 @@ class DecodeEngine:
         return (f"{kv.num_blocks} KV blocks of {kv.block_size} tokens ({kv.num_blocks * kv.block_bytes / 2**20:.0f} "
                 f"MiB), {self.num_slots} rows, attention {stats.attention_kernel}, {self._runner.threads} threads "
                 f"(steps of <= {self._runner.serial_rows} rows on 1); {self.step_report.line()}; "
-                f"{self._runner.describe_screen().line()}")
+                f"{self._runner.screen_report.line()}")
 
     def close(self, timeout: float = 5.0) -> None:
         """Stops the worker (unfinished requests end with "abort"); waits at most `timeout` s."""

@@ -50,7 +50,7 @@ from services.decode.paged_forward import PagedDecoder
 from services.decode.request_blocks import RequestBlocks
 from services.decode.sampler import RowSampling, Sampler
 from services.models.base import LanguageModel
-from services.models.head_screen import HeadScreen, ScreenReport, build_screen
+from services.models.head_screen import HeadScreen, build_screen
 
 # a prefilled KV of these dtypes widens exactly into blocks of those (prefill in bfloat16 beside a decode
 # that keeps float32 activations over bfloat16 weights: services/decode/app.py bf16_weights)
@@ -190,9 +190,6 @@ class DecodeRunner:
         """(rows the screen decided, rows sent to the full head, float32 logits computed for candidates)."""
         s = self.screen
         return (s.rows_screened, s.rows_full, s.candidates) if s is not None else (0, 0, 0)
-
-    def describe_screen(self) -> ScreenReport:
-        return self.screen_report
 
     def _pad(self, count: int, bucket: int) -> int:
         """Rows count..bucket-1 become padding: they write and read only the scratch block."""

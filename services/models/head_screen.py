@@ -2,14 +2,17 @@
 
 A decode step's LM head reads the whole [vocab, hidden] weight (622 MB for a 151,936 x 1,024 float32
 head) to pick one token per greedy row.  `HeadScreen` keeps a second copy of the head in bfloat16
-panels (half the bytes; services/models/panel_kernel.c widens them exactly, so the arithmetic stays
-float32 over the activations as they are), runs that screen instead of the head, and decides the
-token exactly:
+(half the bytes), runs that screen instead of the head, and decides the token exactly.  The screen's
+kernel (services/models/panel_kernel.c) is "pairs" where the CPU has AVX512-BF16 (vdpbf16ps over x
+rounded to bfloat16 too), else "widened" (float32 x over bfloat16 panels widened exactly in registers).
 
-- For every column j, |screen_j - logit_j| <= eps = ||x||_2 * c, where
-  c = max_j (||W_j - bf16(W_j)||_2 + gamma_K (||bf16(W_j)||_2 + ||W_j||_2)), gamma_K = K u / (1 - K u),
-  u = 2^-24 (Cauchy-Schwarz on the rounded weights, plus the standard bound of an in-order float32
-  sum of K fused products, once for each side).  c is computed at start-up in float64.
+- For every column j, |screen_j - logit_j| <= eps(x), from the weights' norms (`weight_bounds`, once at
+  start-up; float32 norms, their own rounding covered by a factor 1.001), u = 2^-24, gamma_K = K u / (1 - K u):
+  - widened: eps = ||x|| max_j (||W_j - bf16(W_j)|| + gamma_K (||bf16(W_j)|| + ||W_j||));
+  - pairs: the same with ||bf16(x)|| <= (1 + 2^-8) ||x|| on the screen's side, plus ||x - bf16(x)|| max_j
+    ||bf16(W_j)|| for rounding x, plus a term for flushed denormals;
+  (Cauchy-Schwarz on the rounding, and the standard bound of a float32 sum of K products in any order,
+  once for each side.)
 - The float32 argmax j* has logit_j* >= logit_js for the screen's own argmax js, so
   screen_j* >= max(screen) - 2 eps.  Every column that reaches that threshold is a candidate; only
   the candidates' float32 logits are computed, each exactly as the head's panel kernel computes it
@@ -28,15 +31,12 @@ every logit) and to heads swapped to float32 panels without a bias (services/mod
 from __future__ import annotations
 
 import ctypes
-import logging
 from dataclasses import dataclass
 
 import torch
 
 from services.models import panel_linear
 from services.models.panel_linear import NR, PanelLinear
-
-log = logging.getLogger(__name__)
 
 MODES = ("auto", "on", "off")
 CAP = 64              # candidates per row before the row falls back to the full head
@@ -45,7 +45,7 @@ CAP = 64              # candidates per row before the row falls back to the full
 # 1024 are faster at every row count: docs/benchmarks.md "Decode: the LM head screen")
 AUTO_MIN_HIDDEN = 256
 _U = 2.0 ** -24       # float32 unit roundoff
-_CHUNK = 8192         # vocab rows per float64 chunk when the bound is computed
+_CHUNK = 8192         # vocab rows per chunk when the bound is computed (bounds the temporaries)
 
 
 @dataclass
@@ -65,15 +65,9 @@ class ScreenReport:
                 f"on the candidates within 2 x {self.bound:.3g} x ||x|| of the top ({self.reason})")
 
 
-def unpanelize(panels: torch.Tensor, out_features: int) -> torch.Tensor:
-    """`panel_linear.panelize`'s inverse: [ceil(N/16), K, 16] -> [N, K] (a new tensor)."""
-    groups, in_features, width = panels.shape
-    return panels.permute(0, 2, 1).reshape(groups * width, in_features)[:out_features].contiguous()
-
-
 @dataclass
 class Bounds:
-    """Per-weight constants of the screen's bound (see the module docstring), computed once in float64 terms.
+    """Per-weight constants of the screen's bound (see the module docstring), computed once at start-up.
 
     widened: |s - l| <= widened ||x|| when the screen multiplies float32 x by bfloat16 weights (in-order sums);
     pairs: |s - l| <= pairs ||x|| + w_max ||x - bf16(x)|| + tiny when x is rounded to bfloat16 too and the
@@ -235,4 +229,4 @@ def build_screen(head: object, mode: str) -> tuple[HeadScreen | None, ScreenRepo
 
 
 __all__ = ["CAP", "MODES", "NR", "Bounds", "HeadScreen", "ScreenReport", "build_screen", "pair_panels", "pair_rows",
-           "unpanelize", "weight_bounds"]
+           "weight_bounds"]

@@ -100,34 +100,31 @@ class PanelLinear(SwappedLinear):
         super().__init__(linear.in_features, linear.out_features)
         if weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"panel weights are float32 or bfloat16, not {weight_dtype}")
-        fn = _kernel(weight_dtype)
-        if fn is None:
-            raise OSError(f"panel linear kernel unavailable: {_ERROR}")
-        self._fn = fn.epd_panel_linear
-        self.weight = panelize(linear.weight.detach().to(weight_dtype))
-        if self.weight.data_ptr() % 32:
-            raise ValueError("panel weights must be 32-byte aligned")
-        self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
+        self._attach(panelize(linear.weight.detach().to(weight_dtype)),
+                     None if linear.bias is None else linear.bias.detach().contiguous())
 
     @classmethod
     def from_panels(cls, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> PanelLinear:
         """A layer over panels already laid out as `panelize` lays them ([ceil(N/16), K, 16], float32 or
-        bfloat16; taken as they are, not copied)."""
+        bfloat16; taken as they are when contiguous, not copied)."""
         if panels.dim() != 3 or panels.shape[2] != NR or panels.shape[0] != -(-out_features // NR):
             raise ValueError(f"panels {tuple(panels.shape)} do not hold {out_features} outputs")
         if panels.dtype not in WEIGHT_DTYPES:
             raise ValueError(f"panel weights are float32 or bfloat16, not {panels.dtype}")
-        fn = _kernel(panels.dtype)
-        if fn is None:
+        layer = cls.__new__(cls)
+        SwappedLinear.__init__(layer, panels.shape[1], out_features)
+        layer._attach(panels.contiguous(), bias)
+        return layer
+
+    def _attach(self, panels: torch.Tensor, bias: torch.Tensor | None) -> None:
+        lib = _kernel(panels.dtype)
+        if lib is None:
             raise OSError(f"panel linear kernel unavailable: {_ERROR}")
-        self = cls.__new__(cls)
-        SwappedLinear.__init__(self, panels.shape[1], out_features)
-        self._fn = fn.epd_panel_linear
-        self.weight = panels.contiguous()
+        self._fn = lib.epd_panel_linear
+        self.weight = panels
         if self.weight.data_ptr() % 32:
             raise ValueError("panel weights must be 32-byte aligned")
         self.bias = bias
-        return self
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or x.device.type != "cpu":
