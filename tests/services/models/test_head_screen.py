@@ -27,6 +27,24 @@ KERNELS = ["pairs", "widened"] if HeadScreen(PanelLinear(nn.Linear(16, 16, bias=
     else ["widened"]
 
 
+@pytest.mark.skipif("pairs" not in KERNELS, reason="this CPU has no AVX512-BF16: the pair kernel is not built")
+@torch.inference_mode()
+def test_pair_kernel_values_at_every_row_count():
+    """Every tile shape of the pair kernel (1-16 rows: 4-panel, 2-panel and split 8 + n row tiles, and the
+    panels left over at the end of a thread's range) gives bfloat16(x) . bfloat16(W) within its bound."""
+    linear = _linear(1000, 96, seed=3)
+    head = PanelLinear(linear)   # 63 panels: a remainder for every tile width
+    screen = HeadScreen(head, kernel="pairs")
+    w = linear.weight.to(torch.bfloat16).double()
+    for rows in range(1, 17):
+        x = torch.randn(rows, 96)
+        values, eps = screen.values(x)
+        exact = x.to(torch.bfloat16).double() @ w.T
+        assert values.shape == (rows, 1000)
+        assert ((values.double() - exact).abs().max(dim=1).values <= 1e-4 * (1 + exact.abs().max())).all(), rows
+        assert ((values.double() - x.double() @ linear.weight.double().T).abs() <= eps[:, None]).all(), rows
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("vocab, hidden", [(5003, 256), (49152, 577)])
 @torch.inference_mode()
