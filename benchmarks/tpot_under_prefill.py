@@ -10,10 +10,14 @@
 One epd cluster (`epd serve`, the role processes as `epd serve` starts them).  Each round: 8
 streams of greedy completions (64 prompt tokens, ignore_eos) decode together; once each has a
 few tokens, each stream's time per output token over a `baseline_s` window (window length /
-tokens the client received in it) is a "without" sample; then one request with a `long_len`-token
+tokens the client received in it) is a "before" sample; then one request with a `long_len`-token
 prompt and max_tokens=1 is sent, and each stream's time per token from then until that answer is
-back (its TTFT is the prefill) is a "with" sample.  Rounds alternate the two conditions inside
-one run, so both see the same machine.
+back (its TTFT is the prefill) is a "with" sample; then another `baseline_s` window gives an "after"
+sample.  A step's time grows with the streams' context (hundreds of tokens over a long prefill), so
+"without" is the mean of before and after: the time per token alone at about the context the "with"
+window saw (before 2026-12-04 it was the "before" window only, which charged the context's growth
+to the long prompt, and more so the longer it took).  Rounds alternate the conditions inside one
+run, so both see the same machine.
 Figure: p50 TPOT with / p50 TPOT without (issue 10 target <= 1.3x).  Prompts are token ids (the
 completions API takes them as is), so the long prompt is exactly `long_len` tokens.
 """
@@ -113,23 +117,29 @@ async def one_round(session: Any, url: str, model: str, setup: Setup, index: int
             resp.raise_for_status()
             answer = await resp.json()
         long_end = time.perf_counter()
+        await asyncio.sleep(setup.baseline_s)   # the streams' context grew meanwhile: a window after it too
+        after_end = time.perf_counter()
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    without = [s.tpot_ms(base_start, long_start) for s in streams]
+    before = [s.tpot_ms(base_start, long_start) for s in streams]
+    after = [s.tpot_ms(long_end, after_end) for s in streams]
     with_long = [s.tpot_ms(long_start, long_end) for s in streams]
-    return {"without_ms": without, "with_ms": with_long, "prefill_s": long_end - long_start,
+    return {"without_ms": [(b + a) / 2 for b, a in zip(before, after, strict=True)], "before_ms": before,
+            "after_ms": after, "with_ms": with_long, "prefill_s": long_end - long_start,
             "long_prompt_tokens": answer["usage"]["prompt_tokens"]}
 
 
-async def measure(server: Server, setup: Setup) -> list[dict[str, Any]]:
+async def measure(server: Server, setup: Setup, first: int = 0) -> list[dict[str, Any]]:
+    """Rounds `first`.. `first + rounds - 1`: each round's long prompt is its own (no prefix cache hit)."""
     from services.bench.client import new_session
 
     async with new_session(3600) as session:
         model = server.model_id()
-        await one_round(session, server.url, model, replace(setup, baseline_s=0.5, long_len=256), -1)  # warm-up
-        return [await one_round(session, server.url, model, setup, index) for index in range(setup.rounds)]
+        await one_round(session, server.url, model, replace(setup, baseline_s=0.5, long_len=256), -1 - first)  # warm-up
+        return [await one_round(session, server.url, model, setup, index)
+                for index in range(first, first + setup.rounds)]
 
 
 def figure(rounds: list[dict[str, Any]], setup: Setup) -> Figure:
@@ -139,10 +149,13 @@ def figure(rounds: list[dict[str, Any]], setup: Setup) -> Figure:
     prefill = median([r["prefill_s"] for r in rounds])
     detail = {"without_p50_ms": median(without), "with_p50_ms": median(with_long),
               "with_p90_ms": percentile(with_long, 90), "without_p90_ms": percentile(without, 90),
+              "before_p50_ms": median([g for r in rounds for g in r.get("before_ms", [])]),
+              "after_p50_ms": median([g for r in rounds for g in r.get("after_ms", [])]),
               "samples_without": len(without), "samples_with": len(with_long), "prefill_s_p50": prefill,
               "long_prompt_tokens": rounds[0]["long_prompt_tokens"]}
     note = (f"{detail['with_p50_ms']:.0f} vs {detail['without_p50_ms']:.0f} ms p50 over {len(with_long)} "
-            f"stream windows; the {setup.long_len}-token prefill took {prefill:.1f} s")
+            f"stream windows (alone {detail['before_p50_ms']:.0f} before, {detail['after_p50_ms']:.0f} after); "
+            f"the {setup.long_len}-token prefill took {prefill:.1f} s")
     return Figure(f"decode TPOT p50 while a {setup.long_len}-token prompt prefills beside {setup.streams} streams, "
                   f"vs without ({setup.model} model)", value, 1.3, "le", detail=detail, note=note)
 
@@ -158,7 +171,7 @@ def compare(setup: Setup, b_flags: tuple[str, ...], tag: str, where: dict[str, A
         for index in range(setup.rounds):
             for side in ("AB" if index % 2 == 0 else "BA"):
                 server = servers["AB".index(side)]
-                by_side[side].extend(asyncio.run(measure(server, replace(setup, rounds=1))))
+                by_side[side].extend(asyncio.run(measure(server, replace(setup, rounds=1), index)))
     figs = {side: figure(rounds, setup) for side, rounds in by_side.items()}
     a, b = figs["A"].detail, figs["B"].detail
     out = [replace(figs[side], name=f"{figs[side].name}, {side}") for side in "AB"]

@@ -337,7 +337,8 @@ int epd_screen_argmax(const float *s, int64_t lds, int R, int N, const double *e
  * instructions of the float32 FMA tiles, whose many-row steps are bound by their FMAs.  The sums are not
  * float32's (x is rounded, and the pair sums in an unspecified order): the screen's bound accounts for
  * both.  Tiles: MR rows x NP panels of accumulators (MR * NP <= 16), NP = 4 for 1-4 rows and 2 for 5-8
- * rows, so enough independent chains hide the instruction's latency. */
+ * rows, so enough independent chains hide the instruction's latency; 9-16 rows run as an 8-row tile and a
+ * tile of the rest over the same two panels. */
 #define DP(i)                                                                                     \
     if ((i) < MR * NP)                                                                            \
         c##i = _mm512_dpbf16_ps(c##i, (__m512bh)((i) % NP == 0 ? w0 : (i) % NP == 1 ? w1 : (i) % NP == 2 ? w2 : w3), \
