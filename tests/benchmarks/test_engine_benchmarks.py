@@ -156,3 +156,36 @@ def test_epd_dtype_quick_runs_bfloat16_beside_float32():
     assert [f.name.split(",")[0] for f in figures] == ["TTFT p50", "output tok/s", "TPOT p50"]
     for f in figures:
         assert math.isfinite(f.value) and f.value > 0 and "failed 0/0" in f.note, f.name
+
+
+@pytest.mark.timeout(120)
+def test_decode_beside_hogs_alternates_windows_and_leaves_no_neighbour(tiny_cluster, monkeypatch):
+    """benchmarks.decode_beside_hogs against the shared tiny cluster, one neighbour kind and short windows: a ratio
+    per neighbour, each beside-window paired with the alone-windows around it, and every neighbour it started
+    (at the long prompt's priority: niceness 19) gone afterwards."""
+    import asyncio
+
+    from benchmarks import decode_beside_hogs
+
+    server, _ = tiny_cluster
+    _wait_idle(server)
+    started: list[subprocess.Popen] = []
+    real_start = decode_beside_hogs._start
+
+    def start(name: str) -> list[subprocess.Popen]:
+        processes = real_start(name)
+        time.sleep(0.5)   # the neighbour has set its priority
+        assert all(os.getpriority(os.PRIO_PROCESS, p.pid) == 19 for p in processes)
+        started.extend(processes)
+        return processes
+
+    monkeypatch.setattr(decode_beside_hogs, "NEIGHBOURS", {"spin": (1, "while True:\n    pass\n")})
+    monkeypatch.setattr(decode_beside_hogs, "SETTLE_S", 0.2)
+    monkeypatch.setattr(decode_beside_hogs, "_start", start)
+    samples = asyncio.run(decode_beside_hogs.measure(server.url, server.model_id(), rounds=2, window_s=0.5))
+    assert list(samples) == ["spin"] and len(samples["spin"]) == 2 and len(started) == 2
+    assert all(s["beside_ms"] > 0 and s["alone_ms"] > 0 for s in samples["spin"])
+    [figure] = decode_beside_hogs.figures_of(samples)
+    ratios = [s["beside_ms"] / s["alone_ms"] for s in samples["spin"]]
+    assert figure.value == pytest.approx(sum(ratios) / 2)   # the median of two
+    assert all(p.poll() is not None for p in started)   # killed and reaped
