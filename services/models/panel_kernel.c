@@ -338,7 +338,7 @@ int epd_screen_argmax(const float *s, int64_t lds, int R, int N, const double *e
  * float32's (x is rounded, and the pair sums in an unspecified order): the screen's bound accounts for
  * both.  Tiles: MR rows x NP panels of accumulators (MR * NP <= 16), NP = 4 for 1-4 rows and 2 for 5-8
  * rows, so enough independent chains hide the instruction's latency; 9-16 rows run as an 8-row tile and a
- * tile of the rest over the same two panels. */
+ * tile of the rest over the same two panels (dp_range). */
 #define DP(i)                                                                                     \
     if ((i) < MR * NP)                                                                            \
         c##i = _mm512_dpbf16_ps(c##i, (__m512bh)((i) % NP == 0 ? w0 : (i) % NP == 1 ? w1 : (i) % NP == 2 ? w2 : w3), \
@@ -371,61 +371,42 @@ static inline __attribute__((always_inline)) void dp_tile(const uint32_t *xp, in
     DP_STORE(8) DP_STORE(9) DP_STORE(10) DP_STORE(11) DP_STORE(12) DP_STORE(13) DP_STORE(14) DP_STORE(15)
 }
 
-/* Rows m0.. (at most 16) against panels [q0, q1). */
+/* Rows 0..MR-1 (MR <= 8) against panels q .. q + NP - 1. */
+static inline __attribute__((always_inline)) void dp_rows(const uint32_t *xp, int64_t ldx, int MR, const uint32_t *pairs,
+                                                          int K2, float *y, int64_t ldy, int N, int q, const int NP) {
+    switch (MR) {
+        case 1: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 1, NP); break;
+        case 2: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 2, NP); break;
+        case 3: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 3, NP); break;
+        case 4: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 4, NP); break;
+        case 5: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 5, NP < 4 ? NP : 2); break;
+        case 6: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 6, NP < 4 ? NP : 2); break;
+        case 7: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 7, NP < 4 ? NP : 2); break;
+        default: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 8, NP < 4 ? NP : 2); break;
+    }
+}
+
+/* Rows m0.. (at most 16) against panels [q0, q1): tiles of at most 8 rows (NP = 4 panels for 1-4 rows, 2 for
+ * more), 9-16 rows as an 8-row tile and one of the rest over the same panels (they read them from L2).  One
+ * 16-row tile over one panel ran 2.3x slower per product than the 8 x 2 tiles on Zen 4: its 16 rows of x, 2 KiB
+ * apart, share L1 sets (the float32 tiles copy such rows apart first, `padded_rows`). */
 static __attribute__((noinline)) void dp_range(const uint32_t *xp, int64_t ldx, int M, const uint32_t *pairs, int K2,
                                                float *y, int64_t ldy, int N, int q0, int q1) {
+    const int top = M > 8 ? 8 : M, rest = M - top;
+    const uint32_t *xr = xp + 8 * ldx;
+    float *yr = y + 8 * ldy;
     int q = q0;
     if (M <= 4) {
-        for (; q + 4 <= q1; q += 4) switch (M) {
-            case 1: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 1, 4); break;
-            case 2: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 2, 4); break;
-            case 3: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 3, 4); break;
-            default: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 4, 4); break;
-        }
-    } else if (M <= 8) {
-        for (; q + 2 <= q1; q += 2) switch (M) {
-            case 5: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 5, 2); break;
-            case 6: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 6, 2); break;
-            case 7: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 7, 2); break;
-            default: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 8, 2); break;
-        }
+        for (; q + 4 <= q1; q += 4) dp_rows(xp, ldx, M, pairs, K2, y, ldy, N, q, 4);
     } else {
-        /* 9-16 rows: rows 0-7, then the rest, over the same two panels (64 KiB at K = 1024: the second
-         * tile reads them from L2).  One 16-row tile over one panel ran 2.3x slower per product than
-         * these 8 x 2 tiles on Zen 4 (16 broadcasts of x per weight load instead of 8). */
-        const uint32_t *xr = xp + 8 * ldx;
-        float *yr = y + 8 * ldy;
         for (; q + 2 <= q1; q += 2) {
-            dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 8, 2);
-            switch (M - 8) {
-                case 1: dp_tile(xr, ldx, pairs, K2, yr, ldy, N, q, 1, 2); break;
-                case 2: dp_tile(xr, ldx, pairs, K2, yr, ldy, N, q, 2, 2); break;
-                case 3: dp_tile(xr, ldx, pairs, K2, yr, ldy, N, q, 3, 2); break;
-                case 4: dp_tile(xr, ldx, pairs, K2, yr, ldy, N, q, 4, 2); break;
-                case 5: dp_tile(xr, ldx, pairs, K2, yr, ldy, N, q, 5, 2); break;
-                case 6: dp_tile(xr, ldx, pairs, K2, yr, ldy, N, q, 6, 2); break;
-                case 7: dp_tile(xr, ldx, pairs, K2, yr, ldy, N, q, 7, 2); break;
-                default: dp_tile(xr, ldx, pairs, K2, yr, ldy, N, q, 8, 2); break;
-            }
+            dp_rows(xp, ldx, top, pairs, K2, y, ldy, N, q, 2);
+            if (rest) dp_rows(xr, ldx, rest, pairs, K2, yr, ldy, N, q, 2);
         }
     }
-    for (; q < q1; q++) switch (M) {
-        case 1: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 1, 1); break;
-        case 2: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 2, 1); break;
-        case 3: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 3, 1); break;
-        case 4: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 4, 1); break;
-        case 5: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 5, 1); break;
-        case 6: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 6, 1); break;
-        case 7: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 7, 1); break;
-        case 8: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 8, 1); break;
-        case 9: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 9, 1); break;
-        case 10: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 10, 1); break;
-        case 11: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 11, 1); break;
-        case 12: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 12, 1); break;
-        case 13: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 13, 1); break;
-        case 14: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 14, 1); break;
-        case 15: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 15, 1); break;
-        default: dp_tile(xp, ldx, pairs, K2, y, ldy, N, q, 16, 1); break;
+    for (; q < q1; q++) {
+        dp_rows(xp, ldx, top, pairs, K2, y, ldy, N, q, 1);
+        if (rest) dp_rows(xr, ldx, rest, pairs, K2, yr, ldy, N, q, 1);
     }
 }
 
