@@ -388,8 +388,8 @@ static inline __attribute__((always_inline)) void dp_rows(const uint32_t *xp, in
 
 /* Rows m0.. (at most 16) against panels [q0, q1): tiles of at most 8 rows (NP = 4 panels for 1-4 rows, 2 for
  * more), 9-16 rows as an 8-row tile and one of the rest over the same panels (they read them from L2).  One
- * 16-row tile over one panel ran 2.3x slower per product than the 8 x 2 tiles on Zen 4: its 16 rows of x, 2 KiB
- * apart, share L1 sets (the float32 tiles copy such rows apart first, `padded_rows`). */
+ * 16-row tile over one panel ran 2.3x slower per product than the 8 x 2 tiles on Zen 4; its 16 rows of x, 2 KiB
+ * apart at K = 1024, fall in two sets of the 8-way L1 (the float32 tiles copy such rows apart, `padded_rows`). */
 static __attribute__((noinline)) void dp_range(const uint32_t *xp, int64_t ldx, int M, const uint32_t *pairs, int K2,
                                                float *y, int64_t ldy, int N, int q0, int q1) {
     const int top = M > 8 ? 8 : M, rest = M - top;
