@@ -83,9 +83,14 @@ class Int8Head:
         return out, xu, t
 
     def candidates(self, x: Any) -> tuple[list[int], list[int]]:
-        """Columns each row's bound leaves (int8 logits, Cauchy-Schwarz): with one eps per row (the maximum over
-        columns, as today's screen), and with eps_j per column (a column stays if logit_j + eps_j reaches the
-        largest logit_i - eps_i)."""
+        """How many columns each row's bound leaves: one eps per row, one per column (`kept`)."""
+        per_row, per_column = self.kept(x)
+        return per_row.sum(1).tolist(), per_column.sum(1).tolist()
+
+    def kept(self, x: Any) -> tuple[Any, Any]:
+        """The columns [M, N] each row's bound leaves (int8 logits, Cauchy-Schwarz): with one eps per row (the
+        maximum over columns, as today's screen), and with eps_j per column (a column stays if logit_j + eps_j
+        reaches the largest logit_i - eps_i).  Either way the float32 head's argmax column is among them."""
         import torch
 
         out, xu, t = self.sums(x)
@@ -95,8 +100,8 @@ class Int8Head:
         eps = (self.err_w[None, :] * xhat.norm(dim=1)[:, None] + self.norm_w[None, :] * (xhat - x.double()).norm(
             dim=1)[:, None] + gamma * self.norm_w[None, :] * x.double().norm(dim=1)[:, None])   # [M, N]
         uniform = eps.max(1).values
-        per_row = (logits >= (logits.max(1).values - 2 * uniform)[:, None]).sum(1).tolist()
-        per_column = (logits + eps >= (logits - eps).max(1).values[:, None]).sum(1).tolist()
+        per_row = logits >= (logits.max(1).values - 2 * uniform)[:, None]
+        per_column = logits + eps >= (logits - eps).max(1).values[:, None]
         return per_row, per_column
 
 

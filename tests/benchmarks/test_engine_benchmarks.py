@@ -189,3 +189,29 @@ def test_decode_beside_hogs_alternates_windows_and_leaves_no_neighbour(tiny_clus
     ratios = [s["beside_ms"] / s["alone_ms"] for s in samples["spin"]]
     assert figure.value == pytest.approx(sum(ratios) / 2)   # the median of two
     assert all(p.poll() is not None for p in started)   # killed and reaped
+
+
+def test_int8_screen_prototype_sums_exactly_and_its_bounds_keep_the_true_argmax():
+    """benchmarks.int8_screen's prototype: exact integer sums, and neither of its bounds (one eps per row, one per
+    column) ever drops the float32 head's argmax column: the figures it prints rest on both."""
+    import torch
+
+    from benchmarks import int8_screen
+
+    torch.manual_seed(5)
+    weight = torch.randn(4096, 256) * 0.1
+    weight[7, :8] = 3.0                              # an outlier column: a coarse scale for that column
+    try:
+        head = int8_screen.Int8Head(weight)
+    except OSError as exc:
+        pytest.skip(f"no AVX512-VNNI build here: {exc}")
+    x = torch.randn(256, 256) * 2
+    out, xu, _ = head.sums(x)
+    assert torch.equal(out.to(torch.int64) - 128 * head.colsum, (xu.to(torch.int64) - 128) @ head.q.to(torch.int64).T)
+    per_row, per_column = head.kept(x)
+    assert (per_column <= per_row).all() and per_column.sum(1).min() >= 1   # per column is the tighter bound
+    true = (x.double() @ weight.double().T).argmax(1)
+    assert per_row[range(256), true].all() and per_column[range(256), true].all()
+    assert head.candidates(x) == (per_row.sum(1).tolist(), per_column.sum(1).tolist())
+    head.err_w, head.norm_w = head.err_w * 0, head.norm_w * 0     # the negative control: no bound at all
+    assert not head.kept(x)[1][range(256), true].all()           # drops some row's true argmax (int8 alone errs)
