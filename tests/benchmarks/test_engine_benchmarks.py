@@ -98,6 +98,9 @@ def test_tpot_under_prefill_quick_measures_both_windows(tmp_path, tiny_cluster):
     assert figure["value"] is not None and figure["value"] > 0
     assert doc["rounds"][0]["long_prompt_tokens"] == 1024  # the long prompt is exactly that long
     assert len(doc["rounds"][0]["with_ms"]) == len(doc["rounds"][0]["without_ms"]) == 8
+    first = doc["rounds"][0]   # "without" is the mean of the windows before and after the long prompt
+    assert len(first["before_ms"]) == len(first["after_ms"]) == 8
+    assert first["without_ms"] == [(b + a) / 2 for b, a in zip(first["before_ms"], first["after_ms"], strict=True)]
 
 
 def test_targets_table_says_how_far_a_target_is_missed(tmp_path):
