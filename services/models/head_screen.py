@@ -1,10 +1,13 @@
-"""Greedy tokens of a float32 LM head at about half its bytes: a bfloat16 screen, then float32 on a few columns.
+"""Greedy tokens of a float32 LM head from a quarter or half of its bytes: a screen, then float32 on a few columns.
 
 A decode step's LM head reads the whole [vocab, hidden] weight (622 MB for a 151,936 x 1,024 float32
-head) to pick one token per greedy row.  `HeadScreen` keeps a second copy of the head in bfloat16
-(half the bytes), runs that screen instead of the head, and decides the token exactly.  The screen's
-kernel (services/models/panel_kernel.c) is "pairs" where the CPU has AVX512-BF16 (vdpbf16ps over x
-rounded to bfloat16 too), else "widened" (float32 x over bfloat16 panels widened exactly in registers).
+head) to pick one token per greedy row.  `HeadScreen` keeps a second, smaller copy of the head, runs that
+screen instead of the head, and decides the token exactly.  Its kernel is, by what the CPU has:
+- "int8" (AVX512-VNNI): an int8 copy with a scale per column, a quarter of the bytes, and a bound per
+  column (services/models/head_int8.py, whose docstring holds its proof);
+- "pairs" (AVX512-BF16): a bfloat16 copy, vdpbf16ps over x rounded to bfloat16 too
+  (services/models/panel_kernel.c), and the bound below;
+- "widened": float32 x over the bfloat16 panels widened exactly in registers, and the bound below.
 
 - For every column j, |screen_j - logit_j| <= eps(x), from the weights' norms (`weight_bounds`, once at
   start-up; float32 norms, their own rounding covered by a factor 1.001), u = 2^-24, gamma_K = K u / (1 - K u):
@@ -31,19 +34,28 @@ every logit) and to heads swapped to float32 panels without a bias (services/mod
 from __future__ import annotations
 
 import ctypes
+import logging
 from dataclasses import dataclass
 
 import torch
 
-from services.models import panel_linear
+from services.models import head_int8, panel_linear
 from services.models.panel_linear import NR, PanelLinear
 
+logger = logging.getLogger(__name__)
+
 MODES = ("auto", "on", "off")
-CAP = 64              # candidates per row before the row falls back to the full head
+KERNELS = ("auto", "int8", "pairs", "widened")
+CAP = 64              # candidates per row before the row falls back to the full head (bfloat16 kernels)
 # auto leaves narrower heads alone: there the screen's fixed costs (its [R, vocab] pass, the bound) outweigh the
 # halved weight bytes (tiny demo, 151936x64: 0.89x at 1 row, 1.07x at 4; SmolLM2's 576 and the medium model's
 # 1024 are faster at every row count: docs/benchmarks.md "Decode: the LM head screen")
 AUTO_MIN_HIDDEN = 256
+# auto's int8 kernel is judged on the model's real rows: a model whose hidden states carry a few huge components
+# (SmolLM2: 15.7 against a median of 0.46) quantizes x coarsely, and the int8 bound then leaves hundreds or thousands
+# of columns a row; after its first JUDGE_ROWS rows auto moves to the bfloat16 pairs for good if int8 sent more than
+# JUDGE_FULL of them to the full head or left more than JUDGE_CANDIDATES float32 logits per screened row
+JUDGE_ROWS, JUDGE_FULL, JUDGE_CANDIDATES = 64, 0.1, 256
 _U = 2.0 ** -24       # float32 unit roundoff
 _CHUNK = 8192         # vocab rows per chunk when the bound is computed (bounds the temporaries)
 
@@ -61,6 +73,9 @@ class ScreenReport:
     def line(self) -> str:
         if not self.enabled:
             return f"lm head screen off ({self.reason})"
+        if self.kernel == "int8":
+            return (f"lm head screen on: int8 panels, a scale and a bound per column (+{self.extra_bytes / 2**20:.0f} "
+                    f"MiB), float32 on the candidates ({self.reason})")
         return (f"lm head screen on: bfloat16 panels, {self.kernel} (+{self.extra_bytes / 2**20:.0f} MiB), float32 "
                 f"on the candidates within 2 x {self.bound:.3g} x ||x|| of the top ({self.reason})")
 
@@ -121,10 +136,11 @@ def pair_rows(x: torch.Tensor) -> torch.Tensor:
 class HeadScreen:
     """The screen of one float32 `PanelLinear` head (which it reads, never changes).
 
-    `kernel` "pairs" (vdpbf16ps over bfloat16 x and weights: AVX512-BF16) where the CPU has it, else
-    "widened" (float32 x over bfloat16 panels)."""
+    `kernel` "auto" takes the first the CPU has of "int8" (AVX512-VNNI), "pairs" (vdpbf16ps over bfloat16
+    x and weights: AVX512-BF16) and "widened" (float32 x over bfloat16 panels).  `cap`: candidates per row
+    before the row goes back to the full head (default: head_int8.CAP for int8, CAP for the others)."""
 
-    def __init__(self, head: PanelLinear, cap: int = CAP, kernel: str = "auto") -> None:
+    def __init__(self, head: PanelLinear, cap: int | None = None, kernel: str = "auto") -> None:
         if not isinstance(head, PanelLinear) or head.weight.dtype != torch.float32:
             raise ValueError("the LM head screen needs a float32 panel head")
         if head.bias is not None:
@@ -132,14 +148,39 @@ class HeadScreen:
         lib, bf16 = panel_linear._kernel(torch.float32), panel_linear._kernel(torch.bfloat16)
         if lib is None or bf16 is None:
             raise OSError(f"panel kernels unavailable: {panel_linear.unavailable_reason()}")
-        self.head, self.cap = head, cap
+        if kernel not in KERNELS:
+            raise ValueError(f"screen kernel {kernel!r} is not available here")
+        self.head = head
+        self.rows_screened = 0       # rows whose token the screen decided
+        self.rows_full = 0           # rows sent back to the full head
+        self.candidates = 0          # float32 logits computed for screened rows
+        self.int8: head_int8.Int8Stage | None = None
+        if kernel in ("auto", "int8"):
+            try:
+                self.int8 = head_int8.Int8Stage(head.weight, head.out_features, cap or head_int8.CAP)
+            except OSError:
+                if kernel == "int8":
+                    raise ValueError("screen kernel 'int8' is not available here (no AVX512-VNNI)") from None
+        self.judging = self.int8 is not None and kernel == "auto"    # auto may still leave int8 (JUDGE_ROWS)
+        self.judged = [0, 0, 0]      # rows, rows sent to the full head, candidates while judging
+        self.switched = ""           # why auto left int8, if it did
+        if self.int8 is not None:
+            self.kernel, self.cap, self.bound = "int8", self.int8.cap, 0.0
+            self.weights = self.int8.weights
+            self.extra_bytes = self.int8.extra_bytes
+            return
+        self._setup_bfloat16(kernel, cap, lib, bf16)
+
+    def _setup_bfloat16(self, kernel: str, cap: int | None, lib: object, bf16: object) -> None:
+        head = self.head
+        self.cap = cap or CAP
         # panelize(W) rounded = panelize(W rounded): the bfloat16 panels come straight from the float32 ones
         rounded = head.weight.to(torch.bfloat16)
         if not torch.isfinite(rounded).all():
             raise ValueError("the head's weights do not fit bfloat16")
         self.bounds = weight_bounds(head.weight, rounded)
         has_pairs = hasattr(bf16, "epd_panel_dp")
-        if kernel not in ("auto", "pairs", "widened") or (kernel == "pairs" and not has_pairs):
+        if kernel == "pairs" and not has_pairs:
             raise ValueError(f"screen kernel {kernel!r} is not available here")
         self.kernel = "pairs" if kernel == "pairs" or (kernel == "auto" and has_pairs) else "widened"
         if self.kernel == "pairs":
@@ -147,7 +188,7 @@ class HeadScreen:
             del rounded
             if self.weights.data_ptr() % 64:
                 raise ValueError("pair panels must be 64-byte aligned")
-            self._dp = bf16.epd_panel_dp
+            self._dp = bf16.epd_panel_dp  # type: ignore[attr-defined]
             ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
             self._dp.argtypes = [ptr, i64, i32, ptr, i32, i32, ptr, i64, i32]
             self._dp.restype = i32
@@ -157,17 +198,17 @@ class HeadScreen:
             self.weights = self.screen.weight
             self.bound = self.bounds.widened
         self.extra_bytes = self.weights.numel() * self.weights.element_size()
-        fn = lib.epd_screen_argmax
+        fn = lib.epd_screen_argmax  # type: ignore[attr-defined]
         ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
         fn.argtypes = [ptr, i64, i32, i32, ptr, ptr, i64, ptr, i32, i32, ptr, ptr, i32]
         fn.restype = i32
         self._fn = fn
-        self.rows_screened = 0       # rows whose token the screen decided
-        self.rows_full = 0           # rows sent back to the full head
-        self.candidates = 0          # float32 logits computed for screened rows
 
     def values(self, x: torch.Tensor, bound_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-        """The screen's logits [R, N] of contiguous float32 rows, and each row's bound eps [R] (float64)."""
+        """The screen's logits [R, N] of contiguous float32 rows, and each row's bound eps [R] (float64);
+        bfloat16 kernels only."""
+        if self.int8 is not None:
+            raise ValueError("the int8 kernel has no uniform bound: Int8Stage computes its own")
         norms = x.double().norm(dim=1)
         if self.kernel == "widened":
             return self.screen(x), (norms * (self.bounds.widened * bound_scale)).contiguous()
@@ -192,20 +233,51 @@ class HeadScreen:
                             f"{tuple(hidden.shape)}")
         x = hidden.contiguous()
         rows = x.shape[0]
-        screen, eps = self.values(x, bound_scale)
-        tokens = torch.empty(rows, dtype=torch.int64)
-        counts = torch.empty(rows, dtype=torch.int64)
-        status = self._fn(screen.data_ptr(), screen.stride(0), rows, self.head.out_features, eps.data_ptr(),
-                          x.data_ptr(), x.stride(0), self.head.weight.data_ptr(), self.head.in_features,
-                          self.cap, tokens.data_ptr(), counts.data_ptr(), torch.get_num_threads())
-        if status:
-            raise ValueError(f"the screen refused hidden {tuple(hidden.shape)}")
+        if self.int8 is not None:
+            tokens, counts = self.int8.argmax(x, bound_scale)
+            if self.judging:
+                self._judge(tokens, counts)
+        else:
+            screen, eps = self.values(x, bound_scale)
+            tokens = torch.empty(rows, dtype=torch.int64)
+            counts = torch.empty(rows, dtype=torch.int64)
+            status = self._fn(screen.data_ptr(), screen.stride(0), rows, self.head.out_features, eps.data_ptr(),
+                              x.data_ptr(), x.stride(0), self.head.weight.data_ptr(), self.head.in_features,
+                              self.cap, tokens.data_ptr(), counts.data_ptr(), torch.get_num_threads())
+            if status:
+                raise ValueError(f"the screen refused hidden {tuple(hidden.shape)}")
         picked = tokens.tolist()
         full = sum(1 for token in picked if token < 0)
         self.rows_full += full
         self.rows_screened += rows - full
         self.candidates += int(counts[tokens >= 0].sum())
         return picked
+
+
+    def _judge(self, tokens: torch.Tensor, counts: torch.Tensor) -> None:
+        """auto's verdict on int8 after JUDGE_ROWS real rows (see JUDGE_ROWS)."""
+        decided = tokens >= 0
+        self.judged[0] += tokens.numel()
+        self.judged[1] += int((~decided).sum())
+        self.judged[2] += int(counts[decided].sum())
+        rows, full, candidates = self.judged
+        if rows < JUDGE_ROWS:
+            return
+        self.judging = False
+        per_row = candidates / max(rows - full, 1)
+        if full <= JUDGE_FULL * rows and per_row <= JUDGE_CANDIDATES:
+            return
+        why = (f"int8 sent {full} of its first {rows} rows to the full head and left {per_row:.0f} float32 logits "
+               f"per screened row")
+        try:
+            lib, bf16 = panel_linear._kernel(torch.float32), panel_linear._kernel(torch.bfloat16)
+            self._setup_bfloat16("auto", None, lib, bf16)
+        except ValueError as exc:
+            logger.info("lm head screen stays on int8 (%s; the bfloat16 screen does not apply: %s)", why, exc)
+            return
+        self.int8 = None
+        self.switched = why
+        logger.info("lm head screen: auto moved from int8 to the bfloat16 %s kernel (%s)", self.kernel, why)
 
 
 def build_screen(head: object, mode: str) -> tuple[HeadScreen | None, ScreenReport]:
@@ -224,9 +296,12 @@ def build_screen(head: object, mode: str) -> tuple[HeadScreen | None, ScreenRepo
         if mode == "on":
             raise ValueError(f"--lm-head-screen on: {exc}") from None
         return None, ScreenReport(mode, False, str(exc))
-    report = ScreenReport(mode, True, f"--lm-head-screen {mode}", screen.extra_bytes, screen.bound, screen.kernel)
+    reason = f"--lm-head-screen {mode}"
+    if screen.judging:
+        reason += f"; judged on its first {JUDGE_ROWS} rows, the bfloat16 pairs if int8 does not suit them"
+    report = ScreenReport(mode, True, reason, screen.extra_bytes, screen.bound, screen.kernel)
     return screen, report
 
 
-__all__ = ["CAP", "MODES", "NR", "Bounds", "HeadScreen", "ScreenReport", "build_screen", "pair_panels", "pair_rows",
-           "weight_bounds"]
+__all__ = ["CAP", "JUDGE_ROWS", "KERNELS", "MODES", "NR", "Bounds", "HeadScreen", "ScreenReport", "build_screen",
+           "pair_panels", "pair_rows", "weight_bounds"]

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from services.models.head_screen import CAP, HeadScreen, build_screen
+from services.models.head_screen import CAP, JUDGE_ROWS, HeadScreen, build_screen
 from services.models.panel_linear import PanelLinear
 
 
@@ -23,8 +23,20 @@ def _full_argmax(head: PanelLinear, x: torch.Tensor) -> list[int]:
     return head(x).max(dim=-1).indices.tolist()   # the first index among ties
 
 
-KERNELS = ["pairs", "widened"] if HeadScreen(PanelLinear(nn.Linear(16, 16, bias=False))).kernel == "pairs" \
-    else ["widened"]
+def _kernels() -> list[str]:
+    """The screen kernels this CPU builds (int8: AVX512-VNNI; pairs: AVX512-BF16; widened: AVX2)."""
+    probe = PanelLinear(nn.Linear(16, 16, bias=False))
+    found = []
+    for kernel in ("int8", "pairs"):
+        try:
+            HeadScreen(probe, kernel=kernel)
+        except ValueError:
+            continue
+        found.append(kernel)
+    return [*found, "widened"]
+
+
+KERNELS = _kernels()
 
 
 @pytest.mark.skipif("pairs" not in KERNELS, reason="this CPU has no AVX512-BF16: the pair kernel is not built")
@@ -52,14 +64,19 @@ def test_every_row_gets_the_float32_heads_token(vocab, hidden, kernel):
     head = PanelLinear(_linear(vocab, hidden, seed=vocab))
     screen = HeadScreen(head, kernel=kernel)
     assert screen.kernel == kernel
-    for rows in (1, 3, 8, 16):
+    for rows in (1, 3, 8, 13, 20):
         for scale in (0.1, 1.0, 30.0):
             x = torch.randn(rows, hidden) * scale
             assert screen.argmax(x) == _full_argmax(head, x), (rows, scale)
-    assert (screen.rows_screened, screen.rows_full) == (3 * (1 + 3 + 8 + 16), 0)
-    assert screen.rows_screened <= screen.candidates <= 4 * screen.rows_screened   # a few float32 logits per row
-    assert screen.extra_bytes in (head.weight.numel() * 2,                    # one bfloat16 copy of the head
-                                  head.weight.numel() * 2 + head.weight.shape[0] * 16 * 2)   # (K padded even)
+    assert (screen.rows_screened, screen.rows_full) == (3 * (1 + 3 + 8 + 13 + 20), 0)
+    if kernel == "int8":   # a quarter of the head's bytes (K padded to 4, panels to pairs) and 4 numbers per column
+        panels = head.weight.shape[0] + head.weight.shape[0] % 2
+        assert screen.extra_bytes == panels * 16 * ((hidden + 3) // 4 * 4 + 4 + 3 * 8)
+        assert screen.rows_screened <= screen.candidates <= 64 * screen.rows_screened   # tens of columns a row
+    else:
+        assert screen.rows_screened <= screen.candidates <= 4 * screen.rows_screened   # a few float32 logits a row
+        assert screen.extra_bytes in (head.weight.numel() * 2,                    # one bfloat16 copy of the head
+                                      head.weight.numel() * 2 + head.weight.shape[0] * 16 * 2)   # (K padded even)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -91,7 +108,7 @@ def test_ties_go_to_the_first_index_and_a_near_tie_below_bfloat16_is_decided_in_
 def test_rows_it_cannot_decide_go_back_to_the_full_head(kernel):
     linear = _linear(3000, 32, seed=2)
     linear.weight[:CAP + 1] = linear.weight[0]                     # CAP + 1 identical rows: too many candidates
-    screen = HeadScreen(PanelLinear(linear), kernel=kernel)
+    screen = HeadScreen(PanelLinear(linear), cap=CAP, kernel=kernel)
     crowded = linear.weight[0][None].clone() * 10
     bad = torch.randn(2, 32)
     bad[0, 3], bad[1, 5] = float("nan"), float("inf")
@@ -102,7 +119,9 @@ def test_rows_it_cannot_decide_go_back_to_the_full_head(kernel):
 def test_it_applies_to_float32_panel_heads_without_a_bias_and_says_why_not():
     linear = _linear(100, 16, seed=3)
     screen, report = build_screen(PanelLinear(linear), "on")
-    assert screen is not None and report.enabled and f"bfloat16 panels, {screen.kernel}" in report.line()
+    assert screen is not None and report.enabled
+    assert ("int8 panels, a scale and a bound per column" if screen.kernel == "int8"
+            else f"bfloat16 panels, {screen.kernel}") in report.line()
     assert build_screen(PanelLinear(linear), "auto")[1].line() == (
         "lm head screen off (hidden size 16 < 256: not worth it (auto))")
     assert build_screen(PanelLinear(_linear(100, 256, seed=4)), "auto")[0] is not None
@@ -116,3 +135,73 @@ def test_it_applies_to_float32_panel_heads_without_a_bias_and_says_why_not():
             build_screen(head, "on")
     with pytest.raises(ValueError, match="unknown --lm-head-screen 'fast'; supported: auto, on, off"):
         build_screen(linear, "fast")
+
+
+@pytest.mark.skipif("int8" not in KERNELS, reason="this CPU has no AVX512-VNNI: the int8 kernel is not built")
+@torch.inference_mode()
+def test_int8_keeps_the_argmax_while_its_lists_fill_and_compact():
+    """Logits that rise column after column: every column beats the lower bound of all before it, so each
+    kernel thread's list for the row fills and must be compacted by the risen bound, again and again; the
+    token is still the float32 head's (the last column), and a list that cannot be compacted sends the row to
+    the full head."""
+    hidden, vocab = 64, 6000
+    direction = torch.randn(hidden)
+    linear = nn.Linear(hidden, vocab, bias=False)
+    with torch.no_grad():
+        rising = torch.linspace(0.5, 1.5, vocab)[:, None] * direction[None]
+        linear.weight.copy_(rising + 1e-3 * torch.randn(vocab, hidden))
+    head = PanelLinear(linear)
+    screen = HeadScreen(head, kernel="int8")
+    screen.int8.cap = screen.int8.list_cap = 512           # 6000 columns: each thread's list fills several times
+    x = direction[None] * 4
+    assert _full_argmax(head, x) == screen.argmax(x)
+    flat = torch.zeros(1, hidden)                               # every logit 0: nothing ever leaves the list
+    assert screen.argmax(flat) == [-1]
+    assert _full_argmax(head, flat) == [0]
+
+
+@pytest.mark.skipif("int8" not in KERNELS, reason="this CPU has no AVX512-VNNI: the int8 kernel is not built")
+@torch.inference_mode()
+def test_int8_decides_below_its_own_resolution_and_its_bound_is_what_makes_it_right():
+    """Columns 700 and 1800 differ by less than one int8 step: int8 ranks 700 first (its weight 0.504 rounds to
+    64/127 = 0.50394 at 700's scale, 1800's 0.5045 to 50/100 at its coarser one), float32 ranks 1800 first.  With
+    its bound the screen answers 1800; trusting the int8 values (bound 0) answers 700: the negative control."""
+    linear = _linear(4000, 64, seed=5, std=0.01)
+    w = linear.weight
+    w[700] = w[1800] = 0.0
+    w[700, 0], w[700, 1] = 1.0, 0.504
+    w[1800, 0], w[1800, 1], w[1800, 2] = 1.0, 0.5045, 1.27     # 1.27 sets 1800's scale to 0.01 (x[2] = 0)
+    head = PanelLinear(linear)
+    screen = HeadScreen(head, kernel="int8")
+    x = torch.zeros(1, 64)
+    x[0, :2] = 1.0
+    assert _full_argmax(head, x) == [1800]
+    assert screen.argmax(x) == [1800]
+    assert screen.argmax(x, bound_scale=0.0) == [700]
+
+
+@pytest.mark.skipif(not {"int8", "pairs"} <= set(KERNELS), reason="needs AVX512-VNNI and AVX512-BF16")
+@torch.inference_mode()
+def test_auto_leaves_int8_for_the_pairs_when_the_rows_carry_huge_components():
+    """auto starts on int8 and judges it on the first JUDGE_ROWS real rows.  Rows with a few huge components
+    (as SmolLM2's hidden states) quantize coarsely and the int8 bound keeps too many columns: auto moves to
+    the bfloat16 pairs for good, and every token stays the float32 head's.  Plain rows keep int8."""
+    linear = _linear(20000, 256, seed=6, std=0.05)
+    linear.weight[:, :4] *= 0.05          # huge components the head barely reads: they set x's int8 step alone
+    head = PanelLinear(linear)
+    plain, spiky = HeadScreen(head), HeadScreen(head)
+    assert plain.kernel == spiky.kernel == "int8" and plain.judging
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(JUDGE_ROWS // 16):
+        x = torch.randn(16, 256, generator=gen)
+        assert plain.argmax(x) == _full_argmax(head, x)
+        x[:, :4] *= 30.0                                          # four huge components per row
+        full = _full_argmax(head, x)
+        assert [token if token >= 0 else full[i] for i, token in enumerate(spiky.argmax(x))] == full
+    assert (plain.kernel, plain.judging, plain.switched) == ("int8", False, "")
+    assert spiky.kernel == "pairs" and spiky.int8 is None and "to the full head" in spiky.switched
+    x = torch.randn(16, 256, generator=gen)
+    x[:, :4] *= 30.0
+    full, tokens = _full_argmax(head, x), spiky.argmax(x)
+    assert [token if token >= 0 else full[i] for i, token in enumerate(tokens)] == full
+    assert sum(token < 0 for token in tokens) <= 4 and spiky.extra_bytes == head.weight.numel() * 2
