@@ -126,8 +126,8 @@ class EpdConfig:
                            "linears, Llama/Qwen-shaped layers): auto (wherever it applies, unless --decode-step "
                            "compiled; with --linear-kernel auto the decoder stack then uses the panel kernel) | on "
                            "(refuse to start where it does not apply) | off", roles="decode")
-    lm_head_screen: str = _f("auto", "greedy tokens from a bfloat16 copy of a float32 panel LM head, decided exactly "
-                             "in float32 on the candidates a proven bound leaves: auto | on | off",
+    lm_head_screen: str = _f("auto", "greedy tokens from an int8 or bfloat16 copy of a float32 panel LM head, "
+                             "decided exactly in float32 on the candidates a proven bound leaves: auto | on | off",
                              roles="prefill, decode")
     decode_step_buckets: str = _f("", "batch sizes the compiled decode step has graphs for, comma-separated (a "
                                   "step pads its rows up to the next one; larger counts run eager); default 1, "
