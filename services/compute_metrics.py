@@ -10,12 +10,14 @@ took, not what a caller waited for.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from prometheus_client import Histogram
 
+from services import compute_lease
 from services.activity import span
 
 _BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -27,10 +29,12 @@ STAGE_COMPUTE_SECONDS = Histogram("epd_stage_compute_seconds", "Model compute pe
 @contextmanager
 def compute_timer(stage: str) -> Iterator[None]:
     """Observe the block's wall time under `stage` (also when it raises: the time was spent); also a span
-    of the opt-in activity log (services/activity.py)."""
-    started = time.perf_counter()
-    try:
-        with span(stage):
-            yield
-    finally:
-        STAGE_COMPUTE_SECONDS.labels(stage).observe(time.perf_counter() - started)
+    of the opt-in activity log (services/activity.py).  Encode's and prefill's forwards first take the
+    compute lease where one is configured (services/compute_lease.py); its wait is not compute."""
+    with compute_lease.held(stage) if stage != "decode_step" else contextlib.nullcontext():
+        started = time.perf_counter()
+        try:
+            with span(stage):
+                yield
+        finally:
+            STAGE_COMPUTE_SECONDS.labels(stage).observe(time.perf_counter() - started)

@@ -113,6 +113,8 @@ class EpdConfig:
                              "one team, else libgomp's default; services/role_cpu.py) | N", roles="roles")
     omp_wait_policy: str = _f("", "OpenMP wait policy of model roles: passive (idle threads sleep, no spinning) "
                               "| active | '' (libgomp's default)", roles="roles")
+    compute_lease: str = _f("auto", "auto: under `epd serve` encode's and prefill's forwards take turns on the cores "
+                            "(services/compute_lease.py) | off", roles="roles")
     role_nice: str = _f("auto", "niceness per role and its autogroup ('decode=0,prefill=5'; prefill-long=N: prefill's "
                         "while it runs a chunked prompt, decode-long=N: decode's meanwhile); auto under `epd serve`: "
                         "decode=15,decode-long=5,prefill-long=19, none alone", roles="roles")
@@ -228,6 +230,7 @@ class EpdConfig:
                f"decode_step_buckets must be comma-separated integers in 1..decode_slots ({self.decode_slots})")
         _check(1 <= self.kv_block_size <= 256, "kv_block_size must be in 1..256")
         _check(self.single_omp_team in ("on", "off"), "single_omp_team must be on or off")
+        _check(self.compute_lease in ("auto", "off"), "compute_lease must be auto or off")
         _check(self.omp_spin_count >= -1, "omp_spin_count must be -1 (auto) or a count >= 0")
         _check(self.omp_wait_policy in ("", "passive", "active"), "omp_wait_policy must be passive, active or ''")
         nice = self.role_nice.replace("auto", "")
@@ -241,22 +244,19 @@ class EpdConfig:
                      "max_images_per_request", "max_image_pixels", "max_image_bytes", "encode_max_batch_tokens",
                      "max_inflight_requests", "prefill_max_queue", "encode_max_queue", "max_num_batched_tokens"):
             _check(getattr(self, name) >= 1, f"{name} must be >= 1")
-        _check(self.prefix_cache_mb >= 0, "prefix_cache_mb must be >= 0")
-        _check(min(self.render_workers, self.render_cache_mb) >= 0, "render_workers, render_cache_mb must be >= 0")
+        _check(min(self.prefix_cache_mb, self.render_workers, self.render_cache_mb) >= 0,
+               "prefix_cache_mb, render_workers, render_cache_mb must be >= 0")
         _check(all(0 <= p < 65536 for p in (self.port, self.grpc_port, self.http_port)), "ports must be in 0..65535")
         for name in ("request_timeout_s", "media_timeout_s", "ttft_timeout_s", "stream_idle_timeout_s",
                      "max_request_timeout_s", "body_read_timeout_s"):
             _check(getattr(self, name) > 0, f"{name} must be > 0")
         _check(self.max_request_bytes >= 1024, "max_request_bytes must be >= 1024")
-        _check(self.max_retries >= 0, "max_retries must be >= 0")
         _check(self.instance_forget_after_s > 0, "instance_forget_after_s must be > 0")
-        _check(self.shutdown_grace_s >= 0, "shutdown_grace_s must be >= 0")
+        _check(min(self.max_retries, self.shutdown_grace_s) >= 0, "max_retries, shutdown_grace_s must be >= 0")
         for role in ("render", "encode", "prefill", "decode"):
-            policy = getattr(self, f"{role}_routing_policy")
+            policy, http = getattr(self, f"{role}_routing_policy"), self.http_urls(role)
             _check(policy in ROUTING_POLICIES,
                    f"{role}_routing_policy {policy!r} is unknown; supported: {', '.join(ROUTING_POLICIES)}")
-        for role in ("render", "encode", "prefill", "decode"):
-            http = self.http_urls(role)
             _check(not http or len(http) == len(self.urls(role)),
                    f"{role}_http_urls must list one URL per {role}_urls entry, in the same order")
         _check(0 <= self.admin_port < 65536, "admin_port must be in 0..65535")

@@ -190,6 +190,20 @@ def long_prefill_env(config: EpdConfig, children: list[Child]) -> dict[str, dict
     return env
 
 
+def compute_lease_env(config: EpdConfig, children: list[Child]) -> dict[str, dict[str, str]]:
+    """The compute lease encode and prefill take turns on (services/compute_lease.py, --compute-lease auto): one
+    in /dev/shm under this cluster's instance id (remove_segments removes it), a waiting flag per process."""
+    from . import compute_lease
+
+    takers = [c for c in children if c.role in ("encode", "prefill")]
+    if (config.compute_lease != "auto" or not os.path.isdir("/dev/shm") or len(takers) < 2
+            or len(takers) > compute_lease.BOARD_BYTES):
+        return {}
+    path = compute_lease.create(os.path.join("/dev/shm", f"epd-lease-{config.instance_id}"))
+    return {c.instance_id: {compute_lease.LEASE_ENV: path, compute_lease.SLOT_ENV: str(slot)}
+            for slot, c in enumerate(takers)}
+
+
 def serve(config: EpdConfig) -> int:
     from .connectors.registry import sweep_stale_segments
     from .models.registry import adapter_for, resolve_model
@@ -212,8 +226,10 @@ def serve(config: EpdConfig) -> int:
         # encode, prefill and decode render llm-d's OpenAI-format calls on the render instance
         renders = {"EPD_OPENAI_RENDER_URLS": _http_urls(roles, "render", config.host)}
         long_board = long_prefill_env(config, roles)
+        lease = compute_lease_env(config, roles)
         for child in roles:
-            extra = {**(renders if child.role != "render" else {}), **long_board.get(child.instance_id, {})}
+            extra = {**(renders if child.role != "render" else {}), **long_board.get(child.instance_id, {}),
+                     **lease.get(child.instance_id, {})}
             spawn(child, config, {"EPD_MODEL": model_path, "EPD_SERVED_MODEL_NAME": config.served_model_id(), **extra})
         wait_ready(roles, config.host, time.monotonic() + STARTUP_TIMEOUT_S)
         spawn(coordinator, config, {"EPD_SERVED_MODEL_NAME": config.served_model_id(),

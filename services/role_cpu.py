@@ -203,6 +203,12 @@ def apply(config: EpdConfig, role: str) -> str:
             if group and longer is not None:
                 _GROUP.update(base=os.nice(0), long=max(0, min(19, os.nice(0) - nice + longer)), now=os.nice(0))
                 done.append(f"autogroup nice={_GROUP['long']} while a chunked prompt prefills")
+    if role in ("encode", "prefill"):
+        from . import compute_lease
+
+        lease = compute_lease.configure_from_env()
+        if lease:
+            done.append(lease)
     summary = f"{role} cpu policy: " + (", ".join(done) or "defaults")
     logger.info(summary)
     return summary
