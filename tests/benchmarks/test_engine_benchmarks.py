@@ -194,9 +194,11 @@ def test_decode_beside_hogs_alternates_windows_and_leaves_no_neighbour(tiny_clus
     assert all(p.poll() is not None for p in started)   # killed and reaped
 
 
-def test_int8_screen_prototype_sums_exactly_and_its_bounds_keep_the_true_argmax():
-    """benchmarks.int8_screen's prototype: exact integer sums, and neither of its bounds (one eps per row, one per
-    column) ever drops the float32 head's argmax column: the figures it prints rest on both."""
+def test_int8_screen_bounds_keep_the_true_argmax_and_the_stage_keeps_what_its_bound_keeps():
+    """benchmarks.int8_screen's two bounds, recomputed in float64 from the product stage's int8 copy: neither
+    (one eps per row, one per column) ever drops the float32 head's argmax column, the per-column one keeps
+    fewer, and the stage's own kernel keeps at least the per-column set (it rounds outward) and answers the
+    float32 token: the figures the script prints rest on these."""
     import torch
 
     from benchmarks import int8_screen
@@ -209,12 +211,15 @@ def test_int8_screen_prototype_sums_exactly_and_its_bounds_keep_the_true_argmax(
     except OSError as exc:
         pytest.skip(f"no AVX512-VNNI build here: {exc}")
     x = torch.randn(256, 256) * 2
-    out, xu, _ = head.sums(x)
-    assert torch.equal(out.to(torch.int64) - 128 * head.colsum, (xu.to(torch.int64) - 128) @ head.q.to(torch.int64).T)
     per_row, per_column = head.kept(x)
     assert (per_column <= per_row).all() and per_column.sum(1).min() >= 1   # per column is the tighter bound
     true = (x.double() @ weight.double().T).argmax(1)
     assert per_row[range(256), true].all() and per_column[range(256), true].all()
-    assert head.candidates(x) == (per_row.sum(1).tolist(), per_column.sum(1).tolist())
+    tokens, counts = head.argmax(x)
+    full = head.head(x).max(dim=1).indices
+    assert torch.equal(tokens[tokens >= 0], full[tokens >= 0]) and (tokens >= 0).sum() >= 250
+    decided = tokens >= 0
+    assert (counts[decided] >= per_column.sum(1)[decided]).all()
+    assert (counts[decided] <= per_column.sum(1)[decided] + 2).all()
     head.err_w, head.norm_w = head.err_w * 0, head.norm_w * 0     # the negative control: no bound at all
     assert not head.kept(x)[1][range(256), true].all()           # drops some row's true argmax (int8 alone errs)
