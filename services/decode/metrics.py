@@ -58,7 +58,7 @@ ENGINE_GAUGES: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
                                   "other steps ran eager", lambda s: s.compiled_steps),
     "epd_decode_serial_steps": ("Decode steps of at most --decode-serial-rows rows, run on one thread",
                                 lambda s: s.serial_steps),
-    "epd_decode_lm_head_screened_rows_total": ("Greedy rows whose token the bfloat16 LM head screen decided "
+    "epd_decode_lm_head_screened_rows_total": ("Greedy rows whose token the LM head screen (int8 or bfloat16) decided "
                                                "exactly (services/models/head_screen.py)", lambda s: s.screened_rows),
     "epd_decode_lm_head_screen_full_rows_total": ("Rows the LM head screen sent back to the full float32 head",
                                                   lambda s: s.screen_full_rows),

@@ -51,8 +51,8 @@ GAUGES = {
                                         lambda s: s.ec_store.stats().bytes_copied),
     "epd_prefill_forwards": ("Prefill forward passes so far (each runs one or more prompts or chunks)",
                              lambda s: s.engine.num_forwards),
-    "epd_prefill_lm_head_screened_rows_total": ("Greedy first tokens the bfloat16 LM head screen decided exactly "
-                                                "(services/models/head_screen.py)",
+    "epd_prefill_lm_head_screened_rows_total": ("Greedy first tokens the LM head screen (int8 or bfloat16) decided "
+                                                "exactly (services/models/head_screen.py)",
                                                 lambda s: s.engine.screen.rows_screened if s.engine.screen else 0),
     "epd_prefill_prefix_cache_blocks": ("KV blocks the prefix cache keeps for later prompts",
                                         lambda s: s.engine.blocks.num_cached),
