@@ -191,7 +191,8 @@ class DecodeEngine:
             return EngineStats(self.num_slots, active, len(self._requests) - active, self._steps,
                                self._tokens, self._finished, self.pool.stats(), self._bytes_copied,
                                self._runner.attention_kernel, self._runner.step_mode, self._runner.compiled_steps,
-                               self._runner.serial_steps, *self._runner.screen_counts)
+                               self._runner.serial_steps, *self._runner.screen_counts,
+                               self._runner.screen.kernel if self._runner.screen is not None else "")
 
     @property
     def step_report(self) -> StepReport:

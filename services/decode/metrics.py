@@ -37,6 +37,7 @@ class EngineStats:
     screened_rows: int = 0        # rows whose token the LM head screen decided (services/models/head_screen.py)
     screen_full_rows: int = 0     # rows the screen sent back to the full head
     screen_candidates: int = 0    # float32 logits the screen computed for its candidates
+    screen_kernel: str = ""       # the screen's kernel now: int8 | pairs | widened ("" without a screen)
 
 
 ENGINE_GAUGES: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
@@ -64,6 +65,9 @@ ENGINE_GAUGES: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
                                                   lambda s: s.screen_full_rows),
     "epd_decode_lm_head_screen_candidates_total": ("float32 logits the LM head screen computed for its candidates",
                                                    lambda s: s.screen_candidates),
+    "epd_decode_lm_head_screen_int8": ("1 while the LM head screen runs its int8 kernel; --lm-head-screen auto moves "
+                                       "to the bfloat16 pairs for good if int8 does not suit its first 64 rows",
+                                       lambda s: float(s.screen_kernel == "int8")),
     "epd_decode_kv_copied_bytes_total": ("Prompt KV bytes copied into the pool (one copy per request)",
                                    lambda s: s.kv_bytes_copied),
 }

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from services.decode.metrics import ENGINE_GAUGES
 from tests.services.decode.conftest import GREEDY
 
 
@@ -21,6 +22,8 @@ def test_greedy_rows_take_the_screen_and_get_generate_tokens(tiny, make_engine, 
     stats = engine.stats()
     assert stats.screened_rows >= 3 * 19 and stats.screen_full_rows == 0   # every decode step's every row
     assert stats.screened_rows <= stats.screen_candidates
+    assert stats.screen_kernel in ("int8", "pairs", "widened") and stats.screen_kernel in engine.describe()
+    assert ENGINE_GAUGES["epd_decode_lm_head_screen_int8"][1](stats) == (stats.screen_kernel == "int8")
 
 
 def test_rows_needing_every_logit_run_the_full_head(tiny, make_engine, prefilled, submit):
