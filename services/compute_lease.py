@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 LEASE_ENV = "EPD_COMPUTE_LEASE_PATH"       # the lease file's path (set by `epd serve`)
 SLOT_ENV = "EPD_COMPUTE_LEASE_SLOT"        # this process's waiting flag on the board
 BOARD_BYTES = 64
+STAGES = ("encode", "prefill")             # the compute stages that hold the lease (decode's steps do not)
 FAIR_S = 0.05                              # how long the last holder defers to a waiter
 WAIT_S = 10.0                              # the longest wait for the lease before computing without it
 _POLL_S = (5e-5, 5e-4)                     # the waiting poll's first and longest sleep
@@ -141,4 +142,5 @@ def held(stage: str) -> Iterator[None]:
         yield
 
 
-__all__ = ["BOARD_BYTES", "LEASE_ENV", "SLOT_ENV", "ComputeLease", "configure", "configure_from_env", "create", "held"]
+__all__ = ["BOARD_BYTES", "LEASE_ENV", "SLOT_ENV", "STAGES", "ComputeLease", "configure", "configure_from_env",
+           "create", "held"]

@@ -31,7 +31,7 @@ def compute_timer(stage: str) -> Iterator[None]:
     """Observe the block's wall time under `stage` (also when it raises: the time was spent); also a span
     of the opt-in activity log (services/activity.py).  Encode's and prefill's forwards first take the
     compute lease where one is configured (services/compute_lease.py); its wait is not compute."""
-    with compute_lease.held(stage) if stage != "decode_step" else contextlib.nullcontext():
+    with compute_lease.held(stage) if stage in compute_lease.STAGES else contextlib.nullcontext():
         started = time.perf_counter()
         try:
             with span(stage):

@@ -253,7 +253,6 @@ class HeadScreen:
         self.candidates += int(counts[tokens >= 0].sum())
         return picked
 
-
     def _judge(self, tokens: torch.Tensor, counts: torch.Tensor) -> None:
         """auto's verdict on int8 after JUDGE_ROWS real rows (see JUDGE_ROWS)."""
         decided = tokens >= 0
