@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from services import compute_threads
 from services.compute_metrics import compute_timer
+from services.models import fused_rope
 from services.models.base import VisionModel
 from services.protocol.errors import DeadlineExceeded, Unavailable
 
@@ -132,7 +133,7 @@ class EncodeEngine:
     def _encode(self, batch: list[_Job]) -> None:
         self.num_forwards += 1
         try:
-            with compute_timer("encode"):
+            with compute_timer("encode"), fused_rope.active():
                 outputs = self.vision.encode_entries([job.item for job in batch])
         except Exception as exc:  # reported to the callers, never lost
             if len(batch) == 1:

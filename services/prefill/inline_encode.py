@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import Counter
 
 from services import compute_threads
+from services.models import fused_rope
 from services.protocol.errors import InvalidRequest
 from services.protocol.items import Item
 from services.protocol.tensors import to_torch
@@ -50,7 +51,7 @@ class InlineEncoder:
             vision = self._load()
             try:
                 # on the role's compute threads, not the one torch thread of a helper (compute_threads.py)
-                [entry] = compute_threads.run_in_fresh_thread(lambda: vision.encode_entries([tensors]),
+                [entry] = compute_threads.run_in_fresh_thread(lambda: _encode(vision, tensors),
                                                               name="prefill-inline-encode")
             except (ValueError, KeyError, RuntimeError) as exc:
                 raise InvalidRequest(f"item cannot be encoded: {type(exc).__name__}: {exc}",
@@ -63,3 +64,8 @@ class InlineEncoder:
             log.warning("no encode instance could take an item: loading the vision tower into prefill")
             self._vision = self.adapter.load_vision(self.path, self.device, self.dtype)
         return self._vision
+
+
+def _encode(vision: VisionModel, tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    with fused_rope.active():   # the RoPE kernel where the role installed it (services/models/fused_rope.py)
+        return vision.encode_entries([tensors])
