@@ -94,7 +94,7 @@ class EpdConfig:
     dtype: str = _f("float32", "model dtype: float32 | bfloat16 (decode: float32 math over bf16 weights) | float16")
     linear_kernel: str = _f("auto", "matmuls of model roles: auto (time F.linear, the panel C kernel and oneDNN "
                             "prepacked weights at start-up on the role's batch sizes, the LM head apart, keep the "
-                            "fastest) | panel | prepacked | default")
+                            "fastest) | panel | prepacked | default (also transformers' own RoPE ops)")
     max_model_len: int = _f(8192, "context length (prompt + output tokens)")
     decode_slots: int = _f(16, "concurrent sequences one decode instance runs (continuous batching)")
     decode_serial_rows: int = _f(-1, "decode steps of at most this many rows run on one thread; -1 (auto): none for "
