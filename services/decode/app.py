@@ -69,7 +69,7 @@ async def build(config: EpdConfig) -> RoleServer:
 
     from services.config import int_list
     from services.connectors.wiring import open_store
-    from services.models.prepack import export, prepack_language
+    from services.models.prepack import export, prepack_language, screen_head_mode
     from services.models.processing import load_tokenizer
     from services.models.registry import adapter_for, resolve_model
     from services.rpc.v1 import epd_pb2_grpc as rpc
@@ -86,6 +86,7 @@ async def build(config: EpdConfig) -> RoleServer:
     export(prepack_language(lm, config.linear_kernel, rows=steps, head_rows=steps,
                             serial_rows=fused_serial if wants_fused(config) else serial,
                             stack_mode=stack_kernel(config),
+                            head_mode=screen_head_mode(config.linear_kernel, config.lm_head_screen),
                             weight_dtype=torch.bfloat16 if bf16_weights(config) else None), "language")
     engine = DecodeEngine(lm, load_tokenizer(path), config.decode_slots, config.max_model_len,
                           max_queued=config.decode_queue, stream_timeout=config.request_timeout_s,

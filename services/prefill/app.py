@@ -15,7 +15,7 @@ logger = logging.getLogger(__name__)
 async def build(config: EpdConfig) -> RoleServer:
     from services.connectors.wiring import open_store
     from services.models import fused_rope
-    from services.models.prepack import export, prepack_language
+    from services.models.prepack import export, prepack_language, screen_head_mode
     from services.models.registry import adapter_for, resolve_model
     from services.rpc.v1 import epd_pb2_grpc as rpc
 
@@ -28,7 +28,8 @@ async def build(config: EpdConfig) -> RoleServer:
     adapter = adapter_for(path)
     lm = adapter.load_language(path, config.device, config.dtype, config.max_model_len)
     # prompts, not single rows, go through prefill's layers (its LM head sees one row per prompt)
-    export(prepack_language(lm, config.linear_kernel, rows=(256, 1024), head_rows=(1, 16), fuse=True), "language")
+    export(prepack_language(lm, config.linear_kernel, rows=(256, 1024), head_rows=(1, 16), fuse=True,
+                            head_mode=screen_head_mode(config.linear_kernel, config.lm_head_screen)), "language")
     if config.linear_kernel != "default":   # RoPE in one C pass, transformers' floats (fused_rope.py)
         fused_rope.install()
     engine = PrefillEngine(lm, max_num_batched_tokens=config.max_num_batched_tokens,

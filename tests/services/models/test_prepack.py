@@ -103,6 +103,22 @@ def test_auto_times_both_kernels_on_the_model_weights_the_head_apart(demo_model_
     assert f"linear kernel {report.kernel} " in report.line() and f"lm_head {head.kernel}" in report.line()
 
 
+def test_lm_head_screen_on_keeps_the_head_on_panels_whatever_auto_times(demo_model_path):
+    """--lm-head-screen on reads a panel head: under --linear-kernel auto the head is not timed onto oneDNN (a
+    small head can time faster there, and the role then refused to start); the stack is still timed."""
+    from services.models.head_screen import build_screen
+    from services.models.prepack import screen_head_mode
+
+    assert screen_head_mode("auto", "on") == "panel"
+    assert screen_head_mode("auto", "auto") is None and screen_head_mode("prepacked", "on") is None
+    lm = _load(demo_model_path)
+    report = prepack_language(lm, "auto", rows=(4, 64), head_rows=(1, 16), head_mode=screen_head_mode("auto", "on"))
+    assert isinstance(lm.lm_head, PanelLinear) and report.head is not None and report.head.kernel == "panel"
+    assert report.kernel in ("panel", "prepacked", "default") and report.speedups   # the stack was timed
+    screen, line = build_screen(lm.lm_head, "on")
+    assert screen is not None and line.enabled
+
+
 def test_default_leaves_the_model_alone_and_unknown_modes_are_refused(demo_model_path):
     lm = _load(demo_model_path)
     head = lm.lm_head
