@@ -43,7 +43,7 @@ _SHORT = {"float32": "fp32", "bfloat16": "bf16"}  # vLLM starts in ~80 s idle, 5
 
 @dataclass(frozen=True)
 class VsVllm(Workload):
-    levels: tuple[tuple[int, int], ...] = ((1, 6), (4, 16), (16, 32), (32, 64))
+    levels: tuple[tuple[int, int], ...] = ((1, 20), (4, 16), (16, 32), (32, 64))   # c=1: 20, its TTFT is a target
     output_len: int = 48
     epd_flags: tuple[str, ...] = ()
     dtype: str = "float32"   # both sides' --dtype (bfloat16: docs block vs-vllm-bf16, results vs_vllm_bf16.json)
@@ -162,7 +162,7 @@ def run(setup: VsVllm, plots: Path | None = None) -> tuple[list[Figure], dict[st
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="head_dim-32 tiny checkpoint, one level")
-    parser.add_argument("--levels", help="concurrency:requests,... (default 1:6,4:16,16:32,32:64)")
+    parser.add_argument("--levels", help="concurrency:requests,... (default 1:20,4:16,16:32,32:64)")
     parser.add_argument("--output-len", type=int)
     parser.add_argument("--threads", type=int, help="OMP threads per epd process and for vLLM")
     parser.add_argument("--epd-flag", action="append", default=[], help="extra `epd serve` flag (repeatable)")

@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from services.prefill import causal_kernel
+
 if TYPE_CHECKING:
     import torch
 
@@ -86,6 +88,8 @@ def packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
             seg_key, seg_value = kv[0], kv[1]
         else:
             seg_key, seg_value = key[:, :, rows], value[:, :, rows]
+        if causal_kernel.run(query[0, :, rows], seg_key[0], seg_value[0], out[0, rows], segment.past, scaling):
+            continue
         result = F.scaled_dot_product_attention(
             query[:, :, rows], seg_key, seg_value, attn_mask=segment.mask, is_causal=segment.mask is None,
             scale=scaling, enable_gqa=gqa)
@@ -105,3 +109,4 @@ def install(lm: LanguageModel) -> None:
     if current not in ("sdpa", NAME):
         raise ValueError(f"packed prefill needs a model loaded with sdpa attention, not {current!r}")
     config._attn_implementation = NAME
+    causal_kernel.load()
