@@ -12,7 +12,7 @@ exp by a polynomial accurate to float32 rounding.  Measured on this project's AM
 | 200 | 1.34 ms | 0.52 ms |
 | 512 | 7.3 ms | 3.3 ms |
 | 1,024 | 18.1 ms | 14.7 ms |
-| 4,096 | 242 ms | 273 ms (R=4) |
+| 4,096 | 204 ms | 231 ms |
 
 so the kernel takes spans of up to MAX_KEYS keys and torch's flash attention (whose blocking wins on
 long spans) the rest.  Results agree with SDPA to ~2e-7 relative (tests/services/prefill/
