@@ -207,7 +207,8 @@ def compare(ref: str, model: str, count: int, rounds: int = 6,
     s = {side: summarize(got) for side, got in samples.items()}
     figures = []
     for key, what in (("overhead_ms", "orchestration overhead p50"), ("ttft_ms", "TTFT p50"),
-                      ("transfers_and_handlers_ms", "in-role transfers p50"), ("render_ms", "render p50")):
+                      ("transfers_and_handlers_ms", "in-role transfers p50"), ("render_ms", "render p50"),
+                      ("encode_ms", "encode compute p50"), ("prefill_ms", "prefill compute p50")):
         figures.append(Figure(f"{what}, this tree / {ref} ({model}, one at a time)", s["A"][key] / s["B"][key],
                               None, "le", unit="x", detail={"A": s["A"], "B": s["B"]},
                               note=f"{s['A'][key]:.2f} vs {s['B'][key]:.2f} ms; {s['A']['requests']} requests each, "

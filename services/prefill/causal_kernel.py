@@ -2,18 +2,10 @@
 
 services/prefill/attention_kernel.c computes one prompt chunk's attention: row i (prompt position
 past + i) over keys 0 .. past + i, grouped-query heads read their kv head, float32 throughout, the
-exp by a polynomial accurate to float32 rounding.  Measured on this project's AMD box (2 threads,
-16 query heads over 4 kv heads of 64, the medium demo model's shape), against
-`F.scaled_dot_product_attention(..., is_causal=True, enable_gqa=True)`:
-
-| keys | SDPA | kernel |
-|---|---|---|
-| 117 | 0.65 ms | 0.22 ms |
-| 200 | 1.34 ms | 0.52 ms |
-| 512 | 7.3 ms | 3.3 ms |
-| 1,024 | 18.1 ms | 14.7 ms |
-| 4,096 | 204 ms | 231 ms |
-
+exp by a polynomial accurate to float32 rounding.  `python -m benchmarks.prefill_kernels` times it against
+`F.scaled_dot_product_attention(..., is_causal=True, enable_gqa=True)` at the medium demo model's shape (16
+query heads over 4 kv heads of 64, 2 threads); on this project's AMD box it took 0.44-0.51x SDPA's time at
+117-512 keys, 0.75x at 1,024 and more than SDPA at 4,096 (docs/benchmarks.md),
 so the kernel takes spans of up to MAX_KEYS keys and torch's flash attention (whose blocking wins on
 long spans) the rest.  Results agree with SDPA to ~2e-7 relative (tests/services/prefill/
 test_causal_kernel.py, with a wrong-mask control; the prefill tests still compare logits at 1e-4 and

@@ -223,3 +223,18 @@ def test_int8_screen_bounds_keep_the_true_argmax_and_the_stage_keeps_what_its_bo
     assert (counts[decided] <= per_column.sum(1)[decided] + 2).all()
     head.err_w, head.norm_w = head.err_w * 0, head.norm_w * 0     # the negative control: no bound at all
     assert not head.kept(x)[1][range(256), true].all()           # drops some row's true argmax (int8 alone errs)
+
+
+def test_prefill_kernels_quick_times_each_kernel_and_the_same_first_token(tmp_path):
+    """benchmarks.prefill_kernels --quick: every kernel's figure is there with both sides timed, and the prefill
+    with the kernels answers the same first token as without (the script exits 1 otherwise)."""
+    _run("benchmarks.prefill_kernels", tmp_path, timeout=300)
+    figures = {f["name"]: f for f in json.loads((tmp_path / "prefill_kernels.json").read_text())["figures"]}
+    names = " | ".join(figures)
+    for part in ("causal attention, 117 keys", "causal attention, 200 keys", "RoPE, text", "RoPE, vision",
+                 "patch embedding", "prefill of a 117-token prompt, tiny model"):
+        assert part in names
+    for figure in figures.values():
+        assert figure["detail"]["a_ms"] > 0 and figure["detail"]["b_ms"] > 0 and figure["value"] > 0
+    prefill = next(f for name, f in figures.items() if name.startswith("prefill"))
+    assert prefill["detail"]["same_first_token"] is True
