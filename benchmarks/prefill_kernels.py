@@ -6,7 +6,7 @@
 Each figure is a ratio of median times measured in one run, rounds alternating the two sides, on the torch
 threads this process has (2 on this project's box):
 
-- causal attention of one prompt chunk (services/prefill/causal_kernel.py) / torch's
+- causal attention of one prompt chunk (services/models/attention_kernel.py) / torch's
   `scaled_dot_product_attention(is_causal=True, enable_gqa=True)`, at the medium demo model's shape (16 query
   heads over 4 kv heads of 64) for 117 (the vs_vllm prompt), 200, 512, 1,024 and 4,096 keys (past MAX_KEYS
   the role runs SDPA);
@@ -51,31 +51,31 @@ def _figure(name: str, a: float, b: float, what: str) -> Figure:
 def attention_figures(rounds: int, spans: list[int]) -> list[Figure]:
     import torch
 
-    from services.prefill import causal_kernel
+    from services.models import attention_kernel
 
-    if causal_kernel.load():
+    if attention_kernel.load():
         return []
     gen = torch.Generator().manual_seed(0)
-    limit = causal_kernel.MAX_KEYS
-    causal_kernel.MAX_KEYS = max(spans)   # time the kernel past the span the role gives it, too
+    limit = attention_kernel.MAX_KEYS
+    attention_kernel.MAX_KEYS = max(spans)   # time the kernel past the span the role gives it, too
     try:
         return [_attention_figure(keys, rounds, gen, limit) for keys in spans]
     finally:
-        causal_kernel.MAX_KEYS = limit
+        attention_kernel.MAX_KEYS = limit
 
 
 def _attention_figure(keys: int, rounds: int, gen: Any, limit: int) -> Figure:
     import torch
     import torch.nn.functional as F
 
-    from services.prefill import causal_kernel
+    from services.models import attention_kernel
 
     q = torch.randn(keys, 16, 64, generator=gen).transpose(0, 1)
     k = torch.randn(keys, 4, 64, generator=gen).transpose(0, 1)
     v = torch.randn(keys, 4, 64, generator=gen).transpose(0, 1)
     out = torch.empty(keys, 16, 64)
     kernel_s, sdpa_s = _alternate(
-        lambda: causal_kernel.run(q, k, v, out, 0, None),
+        lambda: attention_kernel.run(q, k, v, out, 0, None),
         lambda: F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, enable_gqa=True),
         rounds, max(1, 2048 // keys))
     return _figure(f"causal attention, {keys} keys, 16/4 heads of 64: kernel / SDPA", kernel_s, sdpa_s,
@@ -136,11 +136,10 @@ def patch_embed_figure(rounds: int, patches: int) -> list[Figure]:
 def prefill_figure(rounds: int, model: str, prompt: int) -> list[Figure]:
     import torch
 
-    from services.models import fused_rope
+    from services.models import attention_kernel, fused_rope
     from services.models.demo import demo_model_path
     from services.models.prepack import prepack_language
     from services.models.registry import adapter_for
-    from services.prefill import causal_kernel
     from services.prefill.engine import PrefillEngine
 
     path = demo_model_path(model)
@@ -149,7 +148,7 @@ def prefill_figure(rounds: int, model: str, prompt: int) -> list[Figure]:
     fused_rope.install()
     engine = PrefillEngine(lm, prefix_cache_mb=0)
     ids = torch.randint(0, 150000, (prompt,), generator=torch.Generator().manual_seed(3)).tolist()
-    kernels, active = list(causal_kernel._LIB), fused_rope.active
+    kernels, active = list(attention_kernel._LIB), fused_rope.active
     firsts: dict[str, list[int]] = {"with": [], "without": []}
 
     def one(which: str) -> None:
@@ -158,12 +157,12 @@ def prefill_figure(rounds: int, model: str, prompt: int) -> list[Figure]:
         held.release()
 
     def without() -> None:
-        causal_kernel._LIB.clear()
+        attention_kernel._LIB.clear()
         fused_rope.active = lambda on=True: active(False)   # type: ignore[assignment]
         try:
             one("without")
         finally:
-            causal_kernel._LIB[:] = kernels
+            attention_kernel._LIB[:] = kernels
             fused_rope.active = active   # type: ignore[assignment]
 
     try:

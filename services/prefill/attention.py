@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from services.prefill import causal_kernel
+from services.models import attention_kernel
 
 if TYPE_CHECKING:
     import torch
@@ -88,7 +88,7 @@ def packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
             seg_key, seg_value = kv[0], kv[1]
         else:
             seg_key, seg_value = key[:, :, rows], value[:, :, rows]
-        if causal_kernel.run(query[0, :, rows], seg_key[0], seg_value[0], out[0, rows], segment.past, scaling):
+        if attention_kernel.run(query[0, :, rows], seg_key[0], seg_value[0], out[0, rows], segment.past, scaling):
             continue
         result = F.scaled_dot_product_attention(
             query[:, :, rows], seg_key, seg_value, attn_mask=segment.mask, is_causal=segment.mask is None,
@@ -109,4 +109,4 @@ def install(lm: LanguageModel) -> None:
     if current not in ("sdpa", NAME):
         raise ValueError(f"packed prefill needs a model loaded with sdpa attention, not {current!r}")
     config._attn_implementation = NAME
-    causal_kernel.load()
+    attention_kernel.load()

@@ -151,7 +151,9 @@ def test_every_vision_family_fuses_and_agrees(family):
     path = tiny_model_path(family)
     adapter = adapter_for(path)
     inputs = processor_inputs(load_processor(path), chat(picture(64, 48, 1)))
-    items = encode_items(inputs)
+    # LLaVA's items are whole images ([1, 3, S, S]); encode_items splits the Qwen families' patch rows by grid
+    items = encode_items(inputs) or [{"pixel_values": p[None]} for p in inputs["pixel_values"]]
+    assert len(items) == 1
     plain, fused = adapter.load_vision(path), adapter.load_vision(path)
     report = prepack_vision(fused, "prepacked")
     kinds = {type(m).__name__ for m in fused.tower.modules()}

@@ -1,14 +1,14 @@
 """Prefill's causal attention on AVX-512 for the short spans where torch's CPU SDPA is slow.
 
-services/prefill/attention_kernel.c computes one prompt chunk's attention: row i (prompt position
+services/models/attention_kernel.c computes one prompt chunk's attention: row i (prompt position
 past + i) over keys 0 .. past + i, grouped-query heads read their kv head, float32 throughout, the
 exp by a polynomial accurate to float32 rounding.  `python -m benchmarks.prefill_kernels` times it against
 `F.scaled_dot_product_attention(..., is_causal=True, enable_gqa=True)` at the medium demo model's shape (16
 query heads over 4 kv heads of 64, 2 threads); on this project's AMD box it took 0.44-0.51x SDPA's time at
-117-512 keys, 0.75x at 1,024 and more than SDPA at 4,096 (docs/benchmarks.md),
+117-512 keys, 0.75-0.79x at 1,024 and more than SDPA at 4,096 (docs/benchmarks.md),
 so the kernel takes spans of up to MAX_KEYS keys and torch's flash attention (whose blocking wins on
 long spans) the rest.  Results agree with SDPA to ~2e-7 relative (tests/services/prefill/
-test_causal_kernel.py, with a wrong-mask control; the prefill tests still compare logits at 1e-4 and
+test_attention_kernel.py, with a wrong-mask control; the prefill tests still compare logits at 1e-4 and
 require the same greedy tokens).  Where gcc cannot build it (no AVX-512) every span goes to SDPA.
 """
 
@@ -66,7 +66,8 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, pa
         scale: float | None) -> bool:
     """q [Hq, n, D], k/v [Hkv, past + n, D], out [n, Hq, D] (each a view with contiguous rows): out = causal
     attention of the n rows at positions past .. past + n - 1.  False (nothing written) where the kernel
-    does not apply; the caller then runs SDPA."""
+    does not apply; the caller then runs SDPA.  (A vision tower's full attention stays on SDPA: at 256
+    patches this kernel's loop was no faster than SDPA's, which wastes no triangle there.)"""
     import torch
 
     if not applies(q, k, past) or v.dtype != torch.float32 or v.stride(-1) != 1 or out.stride(-1) != 1:

@@ -1,4 +1,4 @@
-/* Causal prefill attention for one prompt chunk, AVX-512 (services/prefill/attention.py).
+/* Causal attention of one prompt chunk on AVX-512, for prefill (services/models/attention_kernel.py).
  *
  * Row i of the chunk (prompt position past + i) attends to keys 0 .. past + i.  Shapes, any strides
  * along tokens and heads (a head's D floats contiguous):

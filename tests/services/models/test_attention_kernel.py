@@ -1,4 +1,4 @@
-"""Prefill's AVX-512 causal attention (services/prefill/causal_kernel.py) against torch's SDPA: the rows of a chunk
+"""Prefill's AVX-512 causal attention (services/models/attention_kernel.py) against torch's SDPA: the rows of a chunk
 with and without past tokens, grouped-query heads, the head sizes the families use, the strided views the packed
 forward passes; spans it does not take go back to SDPA; and a mask off by one position is caught."""
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.prefill import causal_kernel
+from services.models import attention_kernel
 
-pytestmark = pytest.mark.skipif(bool(causal_kernel.load()), reason="no AVX-512 here: every span runs SDPA")
+pytestmark = pytest.mark.skipif(bool(attention_kernel.load()), reason="no AVX-512 here: every span runs SDPA")
 
 
 def _case(rows: int, past: int, heads: int, kv_heads: int, dim: int, seed: int):
@@ -40,11 +40,11 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 def test_the_kernel_matches_sdpa(rows, past, heads, kv_heads, dim):
     q, k, v = _case(rows, past, heads, kv_heads, dim, seed=rows + past)
     out = torch.full((rows, heads, dim), float("nan"))
-    assert causal_kernel.run(q, k, v, out, past, None)
+    assert attention_kernel.run(q, k, v, out, past, None)
     want = _reference(q, k, v, past)
     assert _rel(out, want) <= 2e-6
     # the scale the caller gives is the one used
-    assert causal_kernel.run(q, k, v, out, past, 0.3)
+    assert attention_kernel.run(q, k, v, out, past, 0.3)
     assert _rel(out, _reference(q, k, v, past, 0.3)) <= 2e-6
 
 
@@ -52,20 +52,21 @@ def test_a_mask_off_by_one_is_caught():
     """Negative control: the same comparison fails for attention that lets each row see one key too many."""
     q, k, v = _case(40, 10, 4, 2, 64, seed=5)
     out = torch.empty(40, 4, 64)
-    assert causal_kernel.run(q, k, v, out, 10, None)
+    assert attention_kernel.run(q, k, v, out, 10, None)
     shifted = _reference(q, k, v, 11)[:, :, :]   # row i sees keys 0 .. 11 + i
     assert _rel(out, shifted) > 1e-3
 
 
 def test_spans_the_kernel_does_not_take_go_to_sdpa():
-    q, k, v = _case(8, causal_kernel.MAX_KEYS - 4, 4, 2, 64, seed=1)
+    q, k, v = _case(8, attention_kernel.MAX_KEYS - 4, 4, 2, 64, seed=1)
     out = torch.zeros(8, 4, 64)
-    assert not causal_kernel.run(q, k, v, out, causal_kernel.MAX_KEYS - 4, None)   # past the kernel's span
+    assert not attention_kernel.run(q, k, v, out, attention_kernel.MAX_KEYS - 4, None)   # past the kernel's span
     assert not out.any()                                                          # nothing written
     q, k, v = _case(8, 0, 4, 2, 24, seed=2)
-    assert not causal_kernel.run(q, k, v, torch.zeros(8, 4, 24), 0, None)          # head size not a multiple of 16
+    assert not attention_kernel.run(q, k, v, torch.zeros(8, 4, 24), 0, None)          # head size not a multiple of 16
     q, k, v = _case(8, 0, 4, 2, 64, seed=3)
-    assert not causal_kernel.run(q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16),
+    assert not attention_kernel.run(q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16),
                                  torch.zeros(8, 4, 64, dtype=torch.bfloat16), 0, None)
     with pytest.raises(ValueError, match="attention over 20 keys given 4 keys / 8 values"):
-        causal_kernel.run(q, k[:, :4], v, torch.zeros(8, 4, 64), 12, None)
+        attention_kernel.run(q, k[:, :4], v, torch.zeros(8, 4, 64), 12, None)
+
