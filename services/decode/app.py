@@ -69,7 +69,8 @@ async def build(config: EpdConfig) -> RoleServer:
 
     from services.config import int_list
     from services.connectors.wiring import open_store
-    from services.models.prepack import export, prepack_language, screen_head_mode
+    from services.models.head_screen import screen_head_mode
+    from services.models.prepack import export, prepack_language
     from services.models.processing import load_tokenizer
     from services.models.registry import adapter_for, resolve_model
     from services.rpc.v1 import epd_pb2_grpc as rpc

@@ -279,6 +279,13 @@ class HeadScreen:
         logger.info("lm head screen: auto moved from int8 to the bfloat16 %s kernel (%s)", self.kernel, why)
 
 
+def screen_head_mode(linear_kernel: str, lm_head_screen: str) -> str | None:
+    """The LM head's kernel where `--lm-head-screen on` decides it: the screen reads a panel head, so auto must
+    not time the head onto another kernel (on a small head oneDNN can win the timing, and the role would then
+    refuse to start); None leaves the head to `--linear-kernel`."""
+    return "panel" if lm_head_screen == "on" and linear_kernel == "auto" else None
+
+
 def build_screen(head: object, mode: str) -> tuple[HeadScreen | None, ScreenReport]:
     """The screen for `head` under --lm-head-screen `mode`; "on" raises ValueError where it cannot apply."""
     if mode not in MODES:
@@ -303,4 +310,4 @@ def build_screen(head: object, mode: str) -> tuple[HeadScreen | None, ScreenRepo
 
 
 __all__ = ["CAP", "JUDGE_ROWS", "KERNELS", "MODES", "NR", "Bounds", "HeadScreen", "ScreenReport", "build_screen",
-           "pair_panels", "pair_rows", "weight_bounds"]
+           "pair_panels", "pair_rows", "screen_head_mode", "weight_bounds"]

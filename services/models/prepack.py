@@ -137,7 +137,7 @@ def make_swap(kernel: str, weight_dtype: torch.dtype | None = None) -> Callable[
 
 SWAP: dict[str, Callable[[nn.Linear], SwappedLinear]] = {"prepacked": PackedLinear, "panel": panel_linear.PanelLinear}
 __all__ = ["MODES", "KERNELS", "PackedLinear", "SwappedLinear", "LinearReport", "number_packed", "packed_scope",
-           "prepack_language", "prepack_vision", "screen_head_mode", "export"]
+           "prepack_language", "prepack_vision", "export"]
 
 
 @dataclass
@@ -210,9 +210,7 @@ def prepack_language(lm: LanguageModel, mode: str = "auto", rows: tuple[int, ...
     `fuse`: a prepacked stack's MLPs run as fused_mlp.FusedGatedMLP (prefill; not decode, whose compiled
     step calls swapped layers through a custom op).  `weight_dtype` bfloat16 keeps a float32 model's swapped
     weights in bfloat16 (decode's --dtype bfloat16: half the bytes a step reads, float32 arithmetic); then
-    every swap is timed against F.linear at the bfloat16 tolerance and "default" is refused.
-    `head_mode`, when given, decides the LM head instead of `mode` (`--lm-head-screen on` needs a panel head:
-    `screen_head_mode`)."""
+    every swap is timed against F.linear at the bfloat16 tolerance, "default" refused.  `head_mode` decides the head."""
     if weight_dtype is not None and (stack_mode or mode) == "default":
         raise ValueError("bfloat16 weights over a float32 model need a swapped kernel, not --linear-kernel default")
     head = lm.lm_head
@@ -240,13 +238,6 @@ def prepack_language(lm: LanguageModel, mode: str = "auto", rows: tuple[int, ...
             report.extra_bytes += report.head.extra_bytes
     logger.info(report.line())
     return report
-
-
-def screen_head_mode(linear_kernel: str, lm_head_screen: str) -> str | None:
-    """The LM head's kernel where `--lm-head-screen on` decides it: the screen reads a panel head, so auto must
-    not time the head onto another kernel (on a small head oneDNN can win the timing, and the role would then
-    refuse to start); None leaves the head to `--linear-kernel`."""
-    return "panel" if lm_head_screen == "on" and linear_kernel == "auto" else None
 
 
 def prepack_vision(vision: VisionModel, mode: str = "auto", rows: tuple[int, ...] = (256, 1024),

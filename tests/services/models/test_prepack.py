@@ -106,8 +106,7 @@ def test_auto_times_both_kernels_on_the_model_weights_the_head_apart(demo_model_
 def test_lm_head_screen_on_keeps_the_head_on_panels_whatever_auto_times(demo_model_path):
     """--lm-head-screen on reads a panel head: under --linear-kernel auto the head is not timed onto oneDNN (a
     small head can time faster there, and the role then refused to start); the stack is still timed."""
-    from services.models.head_screen import build_screen
-    from services.models.prepack import screen_head_mode
+    from services.models.head_screen import build_screen, screen_head_mode
 
     assert screen_head_mode("auto", "on") == "panel"
     assert screen_head_mode("auto", "auto") is None and screen_head_mode("prepacked", "on") is None
