@@ -7,9 +7,10 @@ their function by `config._attn_implementation`; `install(lm)` points it at `pac
 
 1. write the rows' new keys/values (after rotary) into the KV pool, all segments in one op;
 2. per segment (one prompt's chunk, rows [q0, q1) at prompt positions [past, past + n)):
-   SDPA of its queries against that prompt's keys only, causal — its own new rows when it has
-   no past (a view, no copy), else its past + new slots gathered from the pool (one copy) with
-   a mask that lets row i see keys 0..past + i.
+   attention of its queries against that prompt's keys only, causal — its own new rows when it
+   has no past (a view, no copy), else its past + new slots gathered from the pool (one copy),
+   row i seeing keys 0..past + i: the AVX-512 kernel for spans of up to 1,024 keys
+   (services/models/attention_kernel.py), else SDPA with that mask.
 
 So no row ever sees another prompt (block-diagonal by construction) and no mask of T x T is
 built.  A forward without a plan (anything else run on the same module: a test's reference
