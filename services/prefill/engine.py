@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from services import compute_threads, role_cpu
 from services.compute_metrics import compute_timer
+from services.decode.sampler import greedy_argmax
 from services.models.base import LanguageModel, MultiModalInput
 from services.models.head_screen import build_screen
 from services.prefill import attention, last_rows
@@ -100,8 +101,9 @@ class PrefillEngine:
         """Queue one prompt; the future resolves to its HeldPrefill (release it!) or to the error
         (ValueError / InvalidMultiModalInput for items that do not fit the prompt).  `on_finish(held)`
         runs on the engine thread first (an exception from it fails the future, the blocks released).
-        `greedy`: the caller takes the first token's plain argmax, so `HeldPrefill.first_token` may carry it
-        (decided by the LM head screen) instead of `first_logits`."""
+        `greedy`: the caller takes the first token's plain argmax, so `HeldPrefill.first_token` carries it
+        (decided by the LM head screen, or the full head's argmax on the engine thread) instead of
+        `first_logits`."""
         self._check_length(token_ids)
         job = PrefillJob(list(token_ids), list(mm_items or []), cache_salt, on_finish=on_finish, greedy=greedy)
         with self._cond:
@@ -210,8 +212,10 @@ class PrefillEngine:
             job.future.set_result(held)
 
     def _first_tokens(self, rows: torch.Tensor, jobs: list[PrefillJob]) -> tuple[list[int], list[torch.Tensor | None]]:
-        """Per finishing prompt: its greedy token as the LM head screen decided it (-1: none), and else its
-        logits [vocab] from the full head."""
+        """Per finishing prompt: its greedy token (-1: none) and else its logits [vocab] from the full head.
+        A greedy prompt's token is the LM head screen's pick, or the full head's argmax taken here, right after
+        the forward (the sampler's own `greedy_argmax`, ties to the first index), so the caller's event loop
+        never handles the [vocab] row."""
         tokens = [-1] * len(jobs)
         if self.screen is not None:
             pick = [row for row, job in enumerate(jobs) if job.greedy]
@@ -223,7 +227,10 @@ class PrefillEngine:
         if full:
             for row, values in zip(full, self.lm.lm_head(rows[full] if len(full) < len(jobs) else rows).float(),
                                    strict=True):
-                logits[row] = values
+                if jobs[row].greedy:
+                    tokens[row] = int(greedy_argmax(values.unsqueeze(0))[0])
+                else:
+                    logits[row] = values
         return tokens, logits
 
     def _count(self, batch: list[Scheduled], chunks: list[Chunk]) -> None:

@@ -5,7 +5,7 @@
 the future its caller waits on.
 
 `HeldPrefill` is what a finished prompt resolves to: the first-token logits (or, for a plain
-greedy prompt, the token the LM head screen decided: services/models/head_screen.py) and position
+greedy prompt, its token: the LM head screen's pick, services/models/head_screen.py, or the argmax) and position
 state, plus a *lease* on the prompt's blocks.  A job's `on_finish` runs on the engine
 thread right after the prompt's last forward, before its future resolves: the serving
 layer puts the KV into the store there (no thread hand-off between the forward and the
@@ -45,7 +45,7 @@ class PrefillJob:
     num_cached: int = 0    # leading tokens whose KV came from the prefix cache
     num_done: int = 0      # leading tokens whose KV is in the pool (cached included)
     on_finish: Callable[[HeldPrefill], None] | None = None  # run on the engine thread before the future resolves
-    greedy: bool = False   # its first token is a plain greedy pick: the LM head screen may decide it
+    greedy: bool = False   # its first token is a plain greedy pick, decided on the engine thread
 
     @property
     def num_tokens(self) -> int:
@@ -63,7 +63,7 @@ class HeldPrefill:
                  release: Callable[[list[int]], None], first_token: int | None = None) -> None:
         assert job.inputs is not None and (first_logits is None) != (first_token is None)
         self.first_logits = first_logits            # [vocab] float32, or None when the screen picked the token
-        self.first_token = first_token              # the greedy token the LM head screen decided
+        self.first_token = first_token              # the greedy token (screen or argmax), when job.greedy
         self.rope_delta = job.inputs.rope_delta
         self.num_prompt_tokens = job.num_tokens
         self.num_cached_tokens = job.num_cached

@@ -148,6 +148,25 @@ def test_greedy_prompts_take_the_lm_head_screen(demo_model_path, parts, image_pr
     assert image.first_token is None and engine.screen.rows_screened == 2
 
 
+def test_without_the_screen_a_greedy_prompt_gets_its_argmax_from_the_engine_thread(parts, image_prompt):
+    """With the LM head screen off, a `greedy` prompt's first token is still decided on the engine thread (the
+    full head's argmax, ties to the first index, as the sampler's greedy pick), so no [vocab] logits row goes
+    back to the caller; a prompt that is not greedy gets its logits, and both agree."""
+    _, token_ids, items = image_prompt
+    engine = PrefillEngine(parts[1])
+    assert engine.screen is None
+    text = token_ids[:5] + token_ids[-6:]
+    futures = [engine.submit(token_ids, items, greedy=True), engine.submit(text, greedy=True),
+               engine.submit(token_ids, items), engine.submit(text)]
+    greedy_image, greedy_text, image, plain_text = (future.result(60) for future in futures)
+    for held in (greedy_image, greedy_text, image, plain_text):
+        held.release()
+    assert greedy_image.first_logits is None and greedy_text.first_logits is None
+    assert greedy_image.first_token == int(image.first_logits.argmax())
+    assert greedy_text.first_token == int(plain_text.first_logits.argmax())
+    assert image.first_token is None and plain_text.first_token is None
+
+
 def test_a_chunked_prompt_runs_on_its_own_thread_count_and_idle_clears_the_board(parts, monkeypatch):
     """--role-threads prefill-long=1 (compute_threads.LONG_ENV): a prompt longer than the token budget runs its
     chunks on that many torch threads, a short one on the role's count; once the engine idles, its byte on the
