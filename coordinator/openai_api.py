@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from services import activity
 from services.auth import principal
 from services.config import EpdConfig
 from services.observability import request_id_var
@@ -55,6 +56,7 @@ class OpenAIApi:
 
     async def _run(self, request: Request, kind: Kind) -> Response:
         arrived = time.monotonic()
+        activity.mark("coordinator.http_in")
         raw, body = await read_json(request, BodyLimits.of(self.config))
         ctx = self.context(request, kind, raw, body)
         request_id_var.set(ctx.request_id)

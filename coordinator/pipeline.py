@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from services import activity
 from services.protocol.answers import OutputDelta
 from services.protocol.errors import EpdError, InternalError
 
@@ -78,11 +79,13 @@ class Pipeline:
         index = 0
         while index < len(self.steps):
             step = self.steps[index]
+            activity.mark(f"coordinator.{step.name}.start")
             try:
                 await step.execute(ctx)
             except EpdError as exc:
                 index = self._recover(step, ctx, exc)
                 continue
+            activity.mark(f"coordinator.{step.name}.end")
             if step.name in ctx.timings:
                 self.cluster.metrics.stage_seconds.labels(step.name).observe(ctx.timings[step.name])
             index += 1
@@ -105,6 +108,7 @@ class Pipeline:
         try:
             async for delta in ctx.decode_stream.chunks():
                 if first:
+                    activity.mark("coordinator.first_delta")
                     self.cluster.metrics.ttft_seconds.observe(time.monotonic() - ctx.started)
                     first = False
                 yield delta

@@ -22,6 +22,7 @@ from typing import Any
 
 from prometheus_client import Counter
 
+from services import activity
 from services.compute_threads import helper_executor
 from services.connectors.base import ConnectorError, TensorStore
 from services.connectors.wiring import as_epd_error, runs_inline
@@ -96,7 +97,9 @@ class DecodeService:
         try:
             # The entry is opened and checked before anything is emitted: a missing or malformed one is a typed
             # error the coordinator can act on (kv_entry_missing: prefill again), not a stream that breaks.
+            activity.mark("decode.kv_open.start")
             kv = await self._open_entry(handle, prompt_len, views)
+            activity.mark("decode.kv_open.end")
             request = self.engine.open(request_id, blocks, prompt_len, rope_delta, first_token, params,
                                        prompt_token_ids=prompt_token_ids or None)
         except BaseException:

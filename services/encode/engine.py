@@ -30,7 +30,7 @@ from collections import deque
 from concurrent.futures import Future, wait
 from typing import TYPE_CHECKING
 
-from services import compute_threads
+from services import activity, compute_threads
 from services.compute_metrics import compute_timer
 from services.models import fused_rope
 from services.models.base import VisionModel
@@ -112,6 +112,7 @@ class EncodeEngine:
         compute_threads.enter()   # the process's one multi-threaded torch thread (compute_threads.py)
         while (batch := self._next_batch()) is not None:
             if batch:
+                activity.mark("encode.engine_batch")
                 self._encode(batch)
 
     def _next_batch(self) -> list[_Job] | None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter
 
+from services import activity
 from services.admission import Admission
 from services.connectors.base import ConnectorError, TensorStore
 from services.connectors.ec import ec_key
@@ -105,7 +106,9 @@ class EncodeService:
         except ConnectorError as exc:  # the mm entry is gone or was overwritten: the coordinator renders again
             raise as_epd_error(exc, "mm") from None
         try:
+            activity.mark("encode.ec_put.start")
             handle = await run_op(self.store, sum(t.nbytes for t in entry.values()), self.store.put, key, entry)
+            activity.mark("encode.ec_put.end")
         except ConnectorError as exc:
             raise as_epd_error(exc, "ec") from None
         ITEMS.labels("encoded").inc()
@@ -128,6 +131,8 @@ class EncodeService:
         [future] = self.engine.submit([tensors])
         try:
             async with asyncio.timeout(self.timeout_s):   # not wait_for: it can drop a cancel (Python 3.11)
-                return await asyncio.wrap_future(future)
+                entry = await asyncio.wrap_future(future)
+                activity.mark("encode.engine_done")
+                return entry
         except TimeoutError:
             raise DeadlineExceeded(f"encoding item {mm_hash} did not finish in {self.timeout_s} s") from None

@@ -30,7 +30,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from services import compute_threads, role_cpu
+from services import activity, compute_threads, role_cpu
 from services.compute_metrics import compute_timer
 from services.decode.sampler import greedy_argmax
 from services.models.base import LanguageModel, MultiModalInput
@@ -159,6 +159,7 @@ class PrefillEngine:
     def _run(self) -> None:
         compute_threads.enter()   # the process's one multi-threaded torch thread (compute_threads.py)
         while (batch := self._next_batch()) is not None:
+            activity.mark("prefill.engine_batch")
             self._forward(batch)
 
     def _next_batch(self) -> list[Scheduled] | None:

@@ -21,6 +21,7 @@ from typing import Any
 
 from prometheus_client import Counter
 
+from services import activity
 from services.admission import Admission
 from services.connectors.base import ConnectorError, TensorStore
 from services.connectors.kv import kv_key
@@ -137,10 +138,12 @@ class PrefillService:
         held: HeldPrefill | None = None
         try:
             with views:
+                activity.mark("prefill.ec_views.start")
                 if self.ec_store.local and all(isinstance(ec_params.get(i.mm_hash), dict) for i in items):
                     mm_inputs = self._load_embeddings(items, ec_params, views)
                 else:
                     mm_inputs = await asyncio.to_thread(self._load_embeddings, items, ec_params, views)
+                activity.mark("prefill.ec_views.end")
                 held = await self._run_engine(token_ids, mm_inputs, cache_salt, key, greedy)
         except ConnectorError as exc:
             if held is not None:
@@ -158,7 +161,9 @@ class PrefillService:
         on_finish = (lambda held: self._put_kv(key, held)) if self.kv_store.local else None
         future = self.engine.submit(token_ids, mm_inputs, cache_salt, on_finish=on_finish, greedy=greedy)
         try:
-            return await asyncio.wrap_future(future)
+            held = await asyncio.wrap_future(future)
+            activity.mark("prefill.engine_done")
+            return held
         except asyncio.CancelledError:
             release_when_done(future)
             future.add_done_callback(lambda done: self._drop_unread(done, key))
@@ -183,7 +188,9 @@ class PrefillService:
         copy from the blocks), then the blocks go back.  A store error is kept on `held` for the caller to
         raise as a kv_* error."""
         try:
+            activity.mark("prefill.kv_put.start")
             held.kv_handle = self.kv_store.put_into(key, held.kv_spec(), held.fill)
+            activity.mark("prefill.kv_put.end")
         except ConnectorError as exc:
             held.kv_error = exc
         finally:

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import grpc
 from prometheus_client import Counter, Histogram
 
+from services import activity
 from services.observability import request_id_var
 from services.protocol.errors import ERROR_CODE_METADATA_KEY, EpdError, as_epd_error
 
@@ -67,8 +68,11 @@ def rpc_method(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> T:
         _bind_request_id(context, getattr(request, "request_id", "-"))
         started, code = time.monotonic(), "ok"
+        activity.mark(f"{fn.__name__}.in")
         try:
-            return await fn(self, request, context)
+            answer = await fn(self, request, context)
+            activity.mark(f"{fn.__name__}.out")
+            return answer
         except grpc.aio.AbortError:
             raise
         except asyncio.CancelledError:
@@ -89,8 +93,13 @@ def rpc_stream(fn: Callable[..., AsyncIterator[T]]) -> Callable[..., AsyncIterat
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[T]:
         _bind_request_id(context, getattr(request, "request_id", "-"))
         started, code = time.monotonic(), "ok"
+        activity.mark(f"{fn.__name__}.in")
+        first = True
         try:
             async for item in fn(self, request, context):
+                if first:
+                    activity.mark(f"{fn.__name__}.first")
+                    first = False
                 yield item
         except grpc.aio.AbortError:
             raise

@@ -70,3 +70,47 @@ def test_hop_latency_measures_grpc_and_tcp_round_trips_hot_and_after_idle():
     for figure in figures:
         assert 0 < figure.detail["hot_ms"] < 100 and 0 < figure.detail["idle_ms"] < 100
         assert figure.value == figure.detail["idle_ms"] / figure.detail["hot_ms"]
+
+
+def test_request_trace_takes_the_common_path_and_medians_each_segment():
+    from benchmarks.request_trace import paths, segments
+
+    def path(sent: int, gaps: list[int], names: list[str]) -> list[tuple[int, str]]:
+        at, out = sent, []
+        for gap, name in zip(gaps, names, strict=True):
+            at += gap
+            out.append((at, name))
+        return out
+
+    names = ["a.in", "encode.compute.start", "encode.compute.end", "a.out"]
+    events = path(0, [1000, 2000, 5000, 1000], names) + path(100_000, [3000, 2000, 7000, 1000], names) + \
+        path(200_000, [2000, 2000, 6000, 1000], names) + path(300_000, [500, 9000], ["a.in", "a.out"])
+    windows = [(0, 10_000), (100_000, 14_000 + 100_000), (200_000, 12_000 + 200_000), (300_000, 310_000)]
+    result = segments(paths(sorted(events), windows))
+    assert result["requests"] == 4 and result["on_path"] == 3
+    assert [(r["from"], r["to"], r["median_us"], r["compute"]) for r in result["rows"]] == [
+        ("client.send", "a.in", 2.0, False), ("a.in", "encode.compute.start", 2.0, False),
+        ("encode.compute.start", "encode.compute.end", 6.0, True), ("encode.compute.end", "a.out", 1.0, False),
+        ("a.out", "client.first_token", 1.0, False)]
+    assert result["compute_us"] == 6.0 and result["other_us"] == 6.0 and result["ttft_us"] == 12.0
+
+
+@pytest.mark.timeout(180)
+def test_request_trace_sees_one_request_cross_every_process_in_order():
+    """A real tiny cluster with the activity log on: each request's path runs through the coordinator's steps,
+    every role's handler, the engines' threads, the stores and the compute spans, in this order."""
+    from benchmarks.request_trace import run
+
+    result = run("demo", 3, warmup=2)
+    order = [result["rows"][0]["from"]] + [row["to"] for row in result["rows"]]
+    expected = ["client.send", "coordinator.http_in", "coordinator.render.start", "RenderChat.in", "RenderChat.out",
+                "coordinator.render.end", "coordinator.encode.start", "Encode.in", "encode.engine_batch",
+                "encode.compute.start", "encode.compute.end", "encode.engine_done", "encode.ec_put.start",
+                "encode.ec_put.end", "Encode.out", "coordinator.encode.end", "coordinator.prefill.start",
+                "Prefill.in", "prefill.ec_views.start", "prefill.ec_views.end", "prefill.engine_batch",
+                "prefill.compute.start", "prefill.compute.end", "prefill.kv_put.start", "prefill.kv_put.end",
+                "prefill.engine_done", "Prefill.out", "coordinator.prefill.end", "coordinator.decode.start",
+                "Decode.in", "decode.kv_open.start", "decode.kv_open.end", "Decode.first", "coordinator.decode.end",
+                "coordinator.first_delta", "client.first_token"]
+    assert [name for name in order if name in expected] == expected
+    assert result["on_path"] >= 2 and 0 < result["compute_us"] < result["ttft_us"]
