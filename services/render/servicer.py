@@ -13,10 +13,11 @@ import asyncio
 from typing import TypeVar
 
 import grpc
+import numpy as np
 
 from services.connectors.base import ConnectorError, TensorStore
 from services.connectors.mm import mm_key, store_item
-from services.connectors.wiring import as_epd_error
+from services.connectors.wiring import as_epd_error, run_op
 from services.owned_metrics import OwnedGauges
 from services.protocol.errors import InvalidRequest
 from services.protocol.large_json import parse_json_large
@@ -91,8 +92,10 @@ class RenderServicer(rpc.RenderServiceServicer):
     async def _answer(self, prompt: RenderedPrompt) -> pb.RenderResponse:
         items = None
         if prompt.items and self.mm_store is not None:
+            size = sum(elem.data.nbytes for i in prompt.items for elem in i.kwargs_item.values()
+                       if isinstance(elem.data, np.ndarray))
             try:
-                items = await asyncio.to_thread(by_handle, prompt, self.mm_store)
+                items = await run_op(self.mm_store, size, by_handle, prompt, self.mm_store)
             except ConnectorError as exc:
                 raise as_epd_error(exc, "mm") from None
         return to_response(prompt, self.service.max_model_len, items)

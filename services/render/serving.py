@@ -46,7 +46,7 @@ from services.render.placeholders import VisionTokens, fit_runs
 from services.render.processor import ImageProcessor
 from services.render.prompt import RenderedPrompt
 from services.render.template import ChatTemplate
-from services.render.text_bound import check_text_fits, longest_token_bytes, message_texts
+from services.render.text_bound import check_text_fits, longest_token_bytes, message_texts, needs_count
 from services.render.workers import ImageWorkers
 
 __all__ = ["RenderLimits", "RenderService", "RenderedItem", "RenderedPrompt"]
@@ -197,6 +197,8 @@ class RenderService:
     async def _check_text(self, texts: list[str]) -> None:
         """400 at once for text that cannot fit the context (text_bound.py), before tokenizing all of it."""
         count = self.template.encode
+        if not needs_count(texts, self.max_model_len):  # short: decided without tokenizing, no thread hop
+            return
         await run_in(self._tok_pool, check_text_fits, texts, self.max_model_len, self.longest_token,
                      lambda t: len(count(t)))
 

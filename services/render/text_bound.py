@@ -32,6 +32,11 @@ def longest_token_bytes(vocab: Iterable[str]) -> int:
     return max((len(token.encode("utf-8")) for token in vocab), default=1)
 
 
+def needs_count(texts: Iterable[str], max_model_len: int) -> bool:
+    """Whether `check_text_fits` would tokenize anything: text this short fits whatever its tokens."""
+    return sum(len(t) + 1 for t in texts if t) > max_model_len * PREFIX_BYTES_PER_TOKEN + 1
+
+
 def check_text_fits(texts: Iterable[str], max_model_len: int, longest_token: int,
                     count_tokens: Callable[[str], int]) -> None:
     text = "\n".join(t for t in texts if t)

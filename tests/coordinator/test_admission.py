@@ -106,6 +106,18 @@ def test_a_client_that_disconnects_cancels_its_request_and_cleanups_run(served):
     assert _until(lambda: len(app.registry) == 0, 2.0)
 
 
+def test_a_client_that_leaves_a_stream_cancels_it_and_cleanups_run(served):
+    """The app streams on ASGI 2.4's contract (no disconnect listener of its own): the middleware's watcher is
+    what notices the client going away mid-stream, and it cancels the stream."""
+    app, url = served
+    with httpx.stream("POST", url + "/v1/chat/completions", json={"stream": True}, timeout=10,
+                      headers={"x-request-id": "stream-leaver"}) as reply:
+        lines = reply.iter_lines()
+        assert next(lines) == "data: 0"
+    assert _until(lambda: "stream-leaver" in app.closed, 2.0)  # 1000 events x 10 ms: it did not run to its end
+    assert _until(lambda: len(app.registry) == 0, 2.0)
+
+
 def test_abort_by_id_answers_499_to_the_waiting_client(served):
     app, url = served
     answer = {}

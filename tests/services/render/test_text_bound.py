@@ -7,7 +7,7 @@ import time
 import pytest
 
 from services.protocol.errors import InvalidRequest
-from services.render.text_bound import check_text_fits, longest_token_bytes, message_texts
+from services.render.text_bound import check_text_fits, longest_token_bytes, message_texts, needs_count
 
 
 def _counting(calls: list[int]):
@@ -21,6 +21,16 @@ def test_short_text_is_not_looked_at():
     calls: list[int] = []
     check_text_fits(["hello world"], 8192, 16, _counting(calls))
     assert calls == []
+
+
+@pytest.mark.parametrize("texts", [[], ["", ""], ["a" * 400], ["a" * 399, ""], ["a" * 401], ["a" * 200, "b" * 199],
+                                   ["a" * 200, "b" * 200], ["a" * 100, "", "b" * 100, "c" * 198]])
+def test_needs_count_says_exactly_when_the_check_would_tokenize(texts):
+    """render skips its tokenizer thread when `needs_count` is False: it must be False exactly when
+    `check_text_fits` decides without counting (max_model_len 100: 400 characters, newlines between texts)."""
+    calls: list[int] = []
+    check_text_fits(texts, 100, 1_000_000, _counting(calls))
+    assert needs_count(texts, 100) == bool(calls)
 
 
 def test_a_dense_prefix_refuses_at_once_tokenizing_only_the_prefix():
