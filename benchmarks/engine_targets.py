@@ -75,7 +75,8 @@ def find(target: Target, folder: Path) -> tuple[Figure | None, dict[str, Any]]:
 
 
 def _machine(doc: dict[str, Any]) -> dict[str, Any]:
-    for where in (doc.get("machine"), (doc.get("bench") or {}).get("side_by_side", {}).get("machine")):
+    bench = doc.get("bench") or {}
+    for where in (doc.get("machine"), bench.get("side_by_side", {}).get("machine"), bench.get("machine")):
         if where:
             return where
     return {}
