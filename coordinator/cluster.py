@@ -85,7 +85,8 @@ class Cluster:
         return InstancePool(role, config.urls(role), stub, policy=getattr(config, f"{role}_routing_policy"),
                             http_urls=config.http_urls(role), metrics=self.metrics,
                             forget_after_s=config.instance_forget_after_s,
-                            credentials=channel_credentials(config), channel_options=channel_options(config))
+                            credentials=channel_credentials(config), channel_options=channel_options(config),
+                            fast_lane=config.fast_lane)
 
     def pool(self, role: str) -> InstancePool:
         """The pool of `role` (render, encode, prefill, decode)."""

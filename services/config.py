@@ -84,12 +84,10 @@ class EpdConfig:
     openai_render_urls: str = _f("", "comma-separated HTTP base URLs of render instances on which encode, prefill and "
                                  "decode render llm-d's OpenAI-format /v1/chat/completions calls (in order, the "
                                  "next one when one is down; `epd serve` sets it)", roles="encode, prefill, decode")
-    encode_http_urls: str = _f("", "comma-separated HTTP base URLs of encode instances (encode_urls order)",
-                               roles="coordinator")
+    encode_http_urls: str = _f("", "comma-separated encode HTTP base URLs (encode_urls order)", roles="coordinator")
     prefill_http_urls: str = _f("", "comma-separated HTTP base URLs of prefill instances (prefill_urls "
                                 "order)", roles="coordinator")
-    decode_http_urls: str = _f("", "comma-separated HTTP base URLs of decode instances (decode_urls order)",
-                               roles="coordinator")
+    decode_http_urls: str = _f("", "comma-separated decode HTTP base URLs (decode_urls order)", roles="coordinator")
     device: str = _f("cpu", "torch device of model roles: cpu, cuda, cuda:N")
     dtype: str = _f("float32", "model dtype: float32 | bfloat16 (decode: float32 math over bf16 weights) | float16")
     linear_kernel: str = _f("auto", "matmuls of model roles: auto (time F.linear, the panel C kernel and oneDNN "
@@ -213,6 +211,8 @@ class EpdConfig:
                           "given it require client certificates signed by it (mTLS)")
     grpc_tls_server_name: str = _f("", "the name the roles' certificates carry, checked by the coordinator instead "
                                    "of the dialled host (pods are dialled by IP)", roles="coordinator")
+    fast_lane: bool = _f(True, "same-host calls between the coordinator and the roles over a Unix socket instead "
+                         "of gRPC (plaintext gRPC to loopback addresses only; docs/architecture.md)")
 
     def __post_init__(self) -> None:
         _check(self.ec_connector in CONNECTORS, f"ec_connector must be one of {', '.join(CONNECTORS)}")

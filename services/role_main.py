@@ -75,7 +75,8 @@ def run(role: str, config: EpdConfig) -> int:
         announcer = start_announcing(config, role, grpc_port, http_port)
         try:
             await serve(role_server, config.host, grpc_port, http_port, config.log_level, config.shutdown_grace_s,
-                        keys=config.role_api_keys(), grpc_host=config.grpc_host, tls=server_credentials(config))
+                        keys=config.role_api_keys(), grpc_host=config.grpc_host, tls=server_credentials(config),
+                        fast_lane=config.fast_lane)
         finally:
             if announcer is not None:
                 await announcer.stop()

@@ -41,6 +41,7 @@ from starlette.routing import Route
 
 from .auth import KeySet, protect
 from .readiness import Readiness
+from .rpc.fastlane_server import FastLaneServer
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +206,7 @@ def _address(host: str, port: int) -> str:
 
 async def serve(role: RoleServer, host: str, grpc_port: int, http_port: int, log_level: str = "info",
                 grace_s: float = SHUTDOWN_GRACE_S, keys: KeySet | None = None, grpc_host: str = "",
-                tls: grpc.ServerCredentials | None = None) -> None:
+                tls: grpc.ServerCredentials | None = None, fast_lane: bool = True) -> None:
     server = grpc.aio.server(options=SERVER_OPTIONS)
     role.register_grpc(server)
     health_servicer = health.aio.HealthServicer()
@@ -215,6 +216,11 @@ async def serve(role: RoleServer, host: str, grpc_port: int, http_port: int, log
     readiness = Readiness(role.name, role.is_ready, role.stores)
     await readiness.refresh()
     await server.start()
+    # The same methods over a Unix socket for a coordinator on this host (services/rpc/fastlane.py); not
+    # beside TLS, whose peers expect their transport to be authenticated.
+    fast = FastLaneServer.from_registration(role.register_grpc, bound) if tls is None and fast_lane else None
+    if fast is not None:
+        await fast.start()
     await _set_serving(health_servicer, readiness.ready)
     http = _QuietServer(uvicorn.Config(build_http_app(role, readiness, keys), host=host, port=http_port,
                                        log_level="warning", lifespan="off",
@@ -238,7 +244,8 @@ async def serve(role: RoleServer, host: str, grpc_port: int, http_port: int, log
     # A call routed here just before the coordinator's next probe still arrives: take it for a moment.
     await asyncio.sleep(min(DEREGISTER_S, grace_s))
     http.should_exit = True
-    await server.stop(max(0.0, grace_s - (loop.time() - started)))
+    left = max(0.0, grace_s - (loop.time() - started))
+    await asyncio.gather(server.stop(left), *([fast.stop(left)] if fast is not None else []))
     await asyncio.wait({http_task}, timeout=max(0.1, grace_s - (loop.time() - started)))
     result = role.cleanup()
     if asyncio.iscoroutine(result):

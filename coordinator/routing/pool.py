@@ -25,6 +25,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.protocol.errors import Unavailable
+from services.rpc.fastlane_client import close_stub, with_fast_lane
 from services.server import GRPC_OPTIONS
 
 from .policies import Policy, create_policy
@@ -72,8 +73,9 @@ class InstancePool:
     def __init__(self, role: str, addresses: list[str], stub_factory: Callable[[grpc.aio.Channel], Any],
                  policy: str = "least_loaded", http_urls: list[str] | None = None, metrics: Any = None,
                  forget_after_s: float = 30.0, credentials: grpc.ChannelCredentials | None = None,
-                 channel_options: list[tuple[str, Any]] | None = None) -> None:
+                 channel_options: list[tuple[str, Any]] | None = None, fast_lane: bool = False) -> None:
         self.role = role
+        self.fast_lane = fast_lane  # same-host calls over the role's Unix socket (services/rpc/fastlane.py)
         self._credentials = credentials  # TLS for every channel of this pool (services.grpc_tls), or plaintext
         self._options = [*CHANNEL_OPTIONS, *(channel_options or [])]
         self.policy: Policy = create_policy(policy)
@@ -99,8 +101,9 @@ class InstancePool:
             return known
         channel = (grpc.aio.secure_channel(address, self._credentials, options=self._options)
                    if self._credentials is not None else grpc.aio.insecure_channel(address, options=self._options))
-        instance = Instance(self.role, address, channel, self._stub_factory(channel), healthy=not registered,
-                            http_url=http_url, registered=registered)
+        stub = with_fast_lane(self._stub_factory(channel), address, self._credentials is not None, self.fast_lane)
+        instance = Instance(self.role, address, channel, stub, healthy=not registered, http_url=http_url,
+                            registered=registered)
         if registered:
             instance.down_since = time.monotonic()
         self.instances.append(instance)
@@ -118,6 +121,7 @@ class InstancePool:
         log.warning("%s %s removed: %s", self.role, address, reason)
         # Calls still running on it finish (or hit their deadline) before the channel closes.
         asyncio.get_running_loop().create_task(instance.channel.close(grace=30.0))
+        asyncio.get_running_loop().create_task(close_stub(instance.stub, grace_s=30.0))
         return True
 
     # ---- routing ------------------------------------------------------------------------------
@@ -235,4 +239,5 @@ class InstancePool:
         if self._probe_task is not None:
             self._probe_task.cancel()
         for i in self.instances:
+            await close_stub(i.stub)
             await i.channel.close(grace=None)

@@ -17,7 +17,8 @@ from .manifests import ROOT
 DOCS = ROOT / "docs"
 OWN_DOCS = ("deployment.md", "operations.md", "configuration.md", "troubleshooting.md", "llm-d.md", "security.md")
 # Variables read outside services.config: the demo model cache, the image's health check, benchmark output.
-OTHER_VARIABLES = {"EPD_CACHE_DIR", "EPD_HEALTH_PORT", "EPD_BENCH_RESULTS_DIR", "EPD_BENCH_PROFILES_DIR"}
+OTHER_VARIABLES = {"EPD_CACHE_DIR", "EPD_HEALTH_PORT", "EPD_BENCH_RESULTS_DIR", "EPD_BENCH_PROFILES_DIR",
+                   "EPD_FAST_LANE_DIR"}
 
 
 def doc(name: str) -> str:

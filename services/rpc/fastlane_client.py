@@ -1,0 +1,262 @@
+"""The coordinator side of the fast lane (services/rpc/fastlane.py): a stub that speaks it, gRPC otherwise.
+
+`FastLaneStub(grpc_stub, service, address)` has the generated stub's methods with the same call shapes:
+a unary method returns an awaitable answer, a server-streaming one a call with `read()` (a message or
+`grpc.aio.EOF`) and `cancel()`; failures are `grpc.aio.AioRpcError`s with the gRPC status code and the
+role's trailing metadata (its epd error code), so the coordinator's failover and error mapping see
+exactly what gRPC would give them.  A lost connection fails its calls with UNAVAILABLE (no epd error
+code: a transport failure).
+
+Used only where it can be: the address is a loopback one, the channel is plaintext, the role's socket
+exists and its HELLO names the port the address names.  Otherwise, and for `FAILED_RETRY_S` after a
+failed connect, each call goes to the wrapped gRPC stub.  One connection per instance carries all its
+calls (a call id each); it is opened on the first call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import math
+import time
+from typing import Any
+
+import grpc
+from google.protobuf import message_factory
+from google.protobuf.descriptor import ServiceDescriptor
+
+from . import fastlane as fl
+
+log = logging.getLogger(__name__)
+FAILED_RETRY_S = 1.0
+LOOPBACK = ("127.0.0.1", "localhost", "[::1]", "::1")
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def fast_lane_port(address: str, secure: bool, enabled: bool = True) -> int | None:
+    """The gRPC port whose fast lane a call to `address` may use, or None (TLS, another host, switched off)."""
+    if secure or not enabled:
+        return None
+    host, _, port = address.rpartition(":")
+    return int(port) if host in LOOPBACK and port.isdigit() else None
+
+
+def _rpc_error(code: grpc.StatusCode, details: str, trailing: Any = ()) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*[(k, v) for k, v in trailing]),
+                                details)
+
+
+def _unavailable(why: str) -> grpc.aio.AioRpcError:
+    return _rpc_error(grpc.StatusCode.UNAVAILABLE, f"fast lane: {why}")
+
+
+class _Connection:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.ids = itertools.count(1)
+        self.calls: dict[int, asyncio.Queue] = {}
+        self.closed = False
+        self.task = asyncio.get_running_loop().create_task(self._read())
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                size, kind, call_id = fl.HEADER.unpack(await self.reader.readexactly(fl.HEADER.size))
+                payload = await self.reader.readexactly(size) if size else b""
+                queue = self.calls.get(call_id)
+                if queue is not None:
+                    queue.put_nowait((kind, payload))
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            self.closed = True
+            self.writer.close()
+            for queue in self.calls.values():
+                queue.put_nowait((None, b""))  # the connection is gone: every call fails UNAVAILABLE
+
+    def open_call(self, method: str, message: bytes, timeout: float | None, metadata: Any) -> tuple[int, asyncio.Queue]:
+        if self.closed:
+            raise _unavailable("the connection is closed")
+        call_id = next(self.ids)
+        queue: asyncio.Queue = asyncio.Queue()
+        self.calls[call_id] = queue
+        self.writer.write(fl.frame(fl.REQUEST, call_id, fl.request_payload(method, metadata, timeout, message)))
+        return call_id, queue
+
+    def end_call(self, call_id: int, cancel: bool) -> None:
+        if self.calls.pop(call_id, None) is not None and cancel and not self.closed:
+            self.writer.write(fl.frame(fl.CANCEL, call_id))
+
+    def close(self) -> None:
+        self.task.cancel()
+
+
+def _answer(kind: int | None, payload: bytes) -> None:
+    """Raise what a non-message frame means for the call."""
+    if kind is None:
+        raise _unavailable("the role's connection closed")
+    if kind == fl.ERROR:
+        body = json.loads(payload)
+        raise _rpc_error(_CODES.get(body["code"], grpc.StatusCode.UNKNOWN), body["details"], body["trailing"])
+    raise _unavailable(f"unexpected frame kind {kind}")
+
+
+class _StreamCall:
+    """A server stream over the fast lane, shaped like grpc.aio.UnaryStreamCall (read, cancel)."""
+
+    def __init__(self, stub: FastLaneStub, method: str, request: Any, timeout: float | None, metadata: Any,
+                 reply_class: Any) -> None:
+        self._stub, self._method, self._request = stub, method, request
+        self._timeout, self._metadata, self._reply = timeout, metadata, reply_class
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._open: tuple[_Connection, int, asyncio.Queue] | None = None
+        self._fallback: Any = None  # the gRPC call, when the fast lane turned out not to be there
+        self._done = False
+
+    async def read(self) -> Any:
+        if self._fallback is not None:
+            return await self._fallback.read()
+        if self._done:
+            return grpc.aio.EOF
+        if self._open is None:
+            try:
+                connection = await self._stub.connection()
+            except grpc.aio.AioRpcError:  # no fast lane after all: this call goes through gRPC
+                left = None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+                self._fallback = getattr(self._stub.grpc_stub, self._method.rsplit("/", 1)[1])(
+                    self._request, timeout=left, metadata=self._metadata)
+                return await self._fallback.read()
+            call_id, queue = connection.open_call(self._method, self._request.SerializeToString(), self._timeout,
+                                                  self._metadata)
+            self._open = (connection, call_id, queue)
+        connection, call_id, queue = self._open
+        left = None if self._deadline is None else self._deadline - time.monotonic()
+        try:
+            async with asyncio.timeout(None if left is None or math.isinf(left) else max(0.0, left)):
+                kind, payload = await queue.get()
+        except TimeoutError:
+            self.cancel()
+            raise _rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        if kind == fl.ITEM:
+            return self._reply.FromString(payload)
+        self._done = True
+        connection.end_call(call_id, cancel=False)
+        if kind == fl.END:
+            return grpc.aio.EOF
+        _answer(kind, payload)
+
+    def cancel(self) -> bool:
+        if self._fallback is not None:
+            return self._fallback.cancel()
+        if self._done:
+            return False
+        self._done = True
+        if self._open is not None:
+            connection, call_id, _ = self._open
+            connection.end_call(call_id, cancel=True)
+        return True
+
+
+class FastLaneStub:
+    """The generated stub's methods, over the fast lane where it is up, else through `grpc_stub`."""
+
+    def __init__(self, grpc_stub: Any, service: ServiceDescriptor, port: int) -> None:
+        self._grpc, self._service, self._port = grpc_stub, service, port
+        self._conn: _Connection | None = None
+        self._lock = asyncio.Lock()
+        self._failed_at = -math.inf
+        self._methods = {m.name: m for m in service.methods}
+
+    def __getattr__(self, name: str) -> Any:
+        method = self.__dict__.get("_methods", {}).get(name)
+        if method is None:
+            return getattr(self._grpc, name)
+        full = f"{self._service.full_name}/{name}"
+        reply = message_factory.GetMessageClass(method.output_type)
+        if method.server_streaming:
+            def stream(request: Any, timeout: float | None = None, metadata: Any = None) -> Any:
+                if not self.up():
+                    return getattr(self._grpc, name)(request, timeout=timeout, metadata=metadata)
+                return _StreamCall(self, full, request, timeout, metadata, reply)
+            return stream
+
+        def unary(request: Any, timeout: float | None = None, metadata: Any = None) -> Any:
+            if not self.up():
+                return getattr(self._grpc, name)(request, timeout=timeout, metadata=metadata)
+            return self._unary(full, request, timeout, metadata, reply)
+        return unary
+
+    @property
+    def grpc_stub(self) -> Any:
+        return self._grpc
+
+    def up(self) -> bool:
+        """Whether calls go over the fast lane now (open, or worth trying to open)."""
+        if self._conn is not None and not self._conn.closed:
+            return True
+        return time.monotonic() - self._failed_at >= FAILED_RETRY_S
+
+    async def connection(self) -> _Connection:
+        async with self._lock:
+            if self._conn is not None and not self._conn.closed:
+                return self._conn
+            try:
+                reader, writer = await asyncio.wait_for(
+                    asyncio.open_unix_connection(str(fl.socket_path(self._port)), limit=fl.MAX_FRAME), 2.0)
+                size, kind, _ = fl.HEADER.unpack(await asyncio.wait_for(reader.readexactly(fl.HEADER.size), 2.0))
+                hello = json.loads(await asyncio.wait_for(reader.readexactly(size), 2.0))
+                if kind != fl.HELLO or hello.get("grpc_port") != self._port:
+                    writer.close()
+                    raise ConnectionError(f"the socket answers for {hello}, not port {self._port}")
+            except (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError) as exc:
+                self._failed_at = time.monotonic()
+                log.debug("fast lane to port %d not available (%s): gRPC", self._port, exc)
+                raise _unavailable(f"no fast lane to port {self._port} ({exc})") from None
+            self._conn = _Connection(reader, writer)
+            return self._conn
+
+    async def _unary(self, method: str, request: Any, timeout: float | None, metadata: Any, reply: Any) -> Any:
+        try:
+            connection = await self.connection()
+        except grpc.aio.AioRpcError:  # no fast lane after all: this call goes through gRPC
+            name = method.rsplit("/", 1)[1]
+            return await getattr(self._grpc, name)(request, timeout=timeout, metadata=metadata)
+        call_id, queue = connection.open_call(method, request.SerializeToString(), timeout, metadata)
+        finished = False
+        try:
+            async with asyncio.timeout(None if timeout is None or math.isinf(timeout) else timeout):
+                kind, payload = await queue.get()
+            finished = True
+        except TimeoutError:
+            raise _rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        finally:
+            connection.end_call(call_id, cancel=not finished)
+        if kind == fl.REPLY:
+            return reply.FromString(payload)
+        _answer(kind, payload)
+
+    async def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._conn.task
+
+
+def with_fast_lane(stub: Any, address: str, secure: bool, enabled: bool = True) -> Any:
+    """`stub` (a generated one) wrapped to use the fast lane where `address` may have one, else `stub`."""
+    from services.rpc.v1 import epd_pb2
+
+    port = fast_lane_port(address, secure, enabled)
+    service = epd_pb2.DESCRIPTOR.services_by_name.get(type(stub).__name__.removesuffix("Stub"))
+    return stub if port is None or service is None else FastLaneStub(stub, service, port)
+
+
+async def close_stub(stub: Any, grace_s: float = 0.0) -> None:
+    """Close a fast-lane stub's connection (after `grace_s`, for calls still running); others need nothing."""
+    if isinstance(stub, FastLaneStub):
+        if grace_s:
+            await asyncio.sleep(grace_s)
+        await stub.close()
