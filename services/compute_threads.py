@@ -66,6 +66,22 @@ def count(long: bool = False) -> int:
     return torch.get_num_threads()
 
 
+SMALL_FORWARD_FLOPS = 1.0e9
+"""In a role process a forward estimated under this many FLOPs (services/models/forward_cost.py) runs on one
+thread: ~4 ms of one core here, where a two-thread forward after its cores idled can lose more than that to
+waking its worker at every parallel region."""
+
+
+def use_for(flops: float, long: bool = False) -> None:
+    """The calling engine thread's torch threads for a forward of about `flops`: one when it is small (in a role
+    process, where `apply` ran), else `count(long)`."""
+    import torch
+
+    wanted = 1 if ENV in os.environ and flops < SMALL_FORWARD_FLOPS else count(long)
+    if torch.get_num_threads() != wanted:
+        torch.set_num_threads(wanted)
+
+
 def use(long: bool = False) -> None:
     """The calling engine thread runs torch on `count(long)` threads from here on (no-op when it already does)."""
     import torch

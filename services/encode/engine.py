@@ -34,6 +34,7 @@ from services import activity, compute_threads
 from services.compute_metrics import compute_timer
 from services.models import fused_rope
 from services.models.base import VisionModel
+from services.models.forward_cost import VisionCost
 from services.protocol.errors import DeadlineExceeded, Unavailable
 
 if TYPE_CHECKING:
@@ -57,6 +58,7 @@ class EncodeEngine:
             raise ValueError(f"max_batch_tokens must be positive, got {max_batch_tokens}")
         self.vision = vision
         self.max_batch_tokens = max_batch_tokens
+        self._cost = VisionCost(vision)  # a forward's FLOPs: a small one runs on one thread (compute_threads.use_for)
         self.num_forwards = 0
         self.num_items = 0
         self.num_tokens = 0
@@ -133,6 +135,7 @@ class EncodeEngine:
 
     def _encode(self, batch: list[_Job]) -> None:
         self.num_forwards += 1
+        compute_threads.use_for(self._cost.flops([job.num_tokens for job in batch]))
         try:
             with compute_timer("encode"), fused_rope.active():
                 outputs = self.vision.encode_entries([job.item for job in batch])

@@ -76,6 +76,7 @@ class VisionModel(ABC):
     hidden_size: int    # embedding width = the language model's hidden size
     dtype: Any          # torch.dtype of the embeddings `encode` returns
     tower: Any = None   # the nn.Module holding the vision weights (services.models.prepack swaps its linears)
+    patches_per_token: int = 1  # patches the tower runs on per embedding token (forward_cost.py)
 
     @abstractmethod
     def encode(self, items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:

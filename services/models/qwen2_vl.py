@@ -44,6 +44,7 @@ class QwenVLVision(VisionModel):
         self._base = hf_model.model
         self.tower = hf_model.model  # the module holding the vision weights (load-time kernel swaps)
         self.merge_size = int(hf_model.config.vision_config.spatial_merge_size)
+        self.patches_per_token = self.merge_size**2  # the tower runs on patches; each token merges this many
         self.hidden_size = int(hf_model.config.text_config.hidden_size)
         self.dtype = hf_model.dtype
         self.device = hf_model.device

@@ -34,6 +34,7 @@ from services import activity, compute_threads, role_cpu
 from services.compute_metrics import compute_timer
 from services.decode.sampler import greedy_argmax
 from services.models.base import LanguageModel, MultiModalInput
+from services.models.forward_cost import PrefillCost
 from services.models.head_screen import build_screen
 from services.prefill import attention, last_rows
 from services.prefill.blocks import BlockManager
@@ -71,6 +72,7 @@ class PrefillEngine:
         self.screen, self.screen_report = build_screen(lm.lm_head, lm_head_screen)
         self._last_rows = last_rows.install(lm)
         self.lm, self.block_size, self.idle_exit_s = lm, block_size, idle_exit_s
+        self._cost = PrefillCost(lm)  # a forward's FLOPs: a small one runs on one thread (compute_threads.use_for)
         self.max_num_batched_tokens = max_num_batched_tokens
         max_cached = int(prefix_cache_mb * 2**20) // block_bytes(lm.layout, block_size)
         working = -(-(lm.layout.max_model_len + 2 * max_num_batched_tokens) // block_size)
@@ -184,7 +186,8 @@ class PrefillEngine:
         # a chunked (long) prompt's forwards yield the cores to decode: --role-nice prefill-long (role_cpu.py)
         long = any(item.job.num_tokens > self.max_num_batched_tokens for item in batch)
         role_cpu.long_prompt_running(long)
-        compute_threads.use(long)   # --role-threads prefill-long: a chunked prompt's forwards on fewer threads
+        # --role-threads prefill-long: a chunked prompt's forwards on fewer threads; a small forward on one
+        compute_threads.use_for(self._cost.flops([(c.start, c.end) for c in chunks], len(finishing)), long)
         try:
             with torch.no_grad(), compute_timer("prefill"):
                 hidden = forward_chunks(self.lm, self.pool, chunks, self._last_rows)

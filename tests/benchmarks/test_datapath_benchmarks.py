@@ -114,3 +114,18 @@ def test_request_trace_sees_one_request_cross_every_process_in_order():
                 "coordinator.first_delta", "client.first_token"]
     assert [name for name in order if name in expected] == expected
     assert result["on_path"] >= 2 and 0 < result["compute_us"] < result["ttft_us"]
+
+
+@pytest.mark.timeout(180)
+def test_idle_ttft_measures_each_pause_on_a_real_cluster():
+    from benchmarks.idle_ttft import PAUSES_S, figures, measure
+    from benchmarks.procs import running, start_epd
+
+    with running(start_epd("demo")) as (epd,):
+        got = measure({"A": epd}, 2, rounds=1)
+    assert sorted(got["A"]) == sorted(PAUSES_S) and all(len(times) == 2 for times in got["A"].values())
+    assert all(0 < t < 10_000 for times in got["A"].values() for t in times)
+    rows = figures(got, "demo")
+    assert [f.name for f in rows] == [f"TTFT p50 after {p:g} s idle (demo)" for p in PAUSES_S]
+    both = figures({"A": got["A"], "B": got["A"]}, "HEAD")
+    assert [f.value for f in both] == [1.0, 1.0, 1.0] and "A " in both[0].note and "B " in both[0].note

@@ -175,6 +175,7 @@ def test_a_chunked_prompt_runs_on_its_own_thread_count_and_idle_clears_the_board
 
     monkeypatch.setenv(compute_threads.ENV, "2")
     monkeypatch.setenv(compute_threads.LONG_ENV, "1")
+    monkeypatch.setattr(compute_threads, "SMALL_FORWARD_FLOPS", 0.0)  # no forward counts as small here
     board = bytearray(4)
     monkeypatch.setattr(role_cpu, "_LONG", {"map": board, "slot": 2})
     monkeypatch.setattr(role_cpu, "_GROUP", {})
