@@ -121,6 +121,21 @@ def test_concurrent_prefills_are_serialised_and_correct(parts, image_prompt):
     assert engine.num_prefills == 5
 
 
+def _greedy_beside_plain(engine: PrefillEngine, token_ids: list[int], items: list) -> tuple:
+    """An image prompt and a text prompt, each submitted greedy and not, in one batch: the greedy ones carry
+    the argmax of the plain ones' logits and no logits; returns the plain (image, text) results."""
+    text = token_ids[:5] + token_ids[-6:]
+    futures = [engine.submit(token_ids, items, greedy=True), engine.submit(text, greedy=True),
+               engine.submit(token_ids, items), engine.submit(text)]
+    greedy_image, greedy_text, image, plain_text = (future.result(60) for future in futures)
+    for held in (greedy_image, greedy_text, image, plain_text):
+        held.release()
+    assert greedy_image.first_logits is None and greedy_text.first_logits is None
+    assert greedy_image.first_token == int(image.first_logits.argmax())
+    assert greedy_text.first_token == int(plain_text.first_logits.argmax())
+    return image, plain_text
+
+
 def test_greedy_prompts_take_the_lm_head_screen(demo_model_path, parts, image_prompt):
     """A prompt submitted `greedy` gets its first token from the LM head screen (services/models/head_screen.py)
     when the head runs on float32 panels: the full head's argmax, no logits; in the same batch a prompt that
@@ -136,15 +151,7 @@ def test_greedy_prompts_take_the_lm_head_screen(demo_model_path, parts, image_pr
     assert PrefillEngine(lm).screen_report.line() == "lm head screen off (hidden size 64 < 256: not worth it (auto))"
     engine = PrefillEngine(lm, lm_head_screen="on")
     assert engine.screen is not None, engine.screen_report.line()
-    text = token_ids[:5] + token_ids[-6:]
-    futures = [engine.submit(token_ids, items, greedy=True), engine.submit(text, greedy=True),
-               engine.submit(token_ids, items), engine.submit(text)]
-    greedy_image, greedy_text, image, plain_text = (future.result(60) for future in futures)
-    for held in (greedy_image, greedy_text, image, plain_text):
-        held.release()
-    assert greedy_image.first_logits is None and greedy_text.first_logits is None
-    assert greedy_image.first_token == int(image.first_logits.argmax())
-    assert greedy_text.first_token == int(plain_text.first_logits.argmax())
+    image, plain_text = _greedy_beside_plain(engine, token_ids, items)
     assert image.first_token is None and engine.screen.rows_screened == 2
 
 
@@ -155,15 +162,7 @@ def test_without_the_screen_a_greedy_prompt_gets_its_argmax_from_the_engine_thre
     _, token_ids, items = image_prompt
     engine = PrefillEngine(parts[1])
     assert engine.screen is None
-    text = token_ids[:5] + token_ids[-6:]
-    futures = [engine.submit(token_ids, items, greedy=True), engine.submit(text, greedy=True),
-               engine.submit(token_ids, items), engine.submit(text)]
-    greedy_image, greedy_text, image, plain_text = (future.result(60) for future in futures)
-    for held in (greedy_image, greedy_text, image, plain_text):
-        held.release()
-    assert greedy_image.first_logits is None and greedy_text.first_logits is None
-    assert greedy_image.first_token == int(image.first_logits.argmax())
-    assert greedy_text.first_token == int(plain_text.first_logits.argmax())
+    image, plain_text = _greedy_beside_plain(engine, token_ids, items)
     assert image.first_token is None and plain_text.first_token is None
 
 
