@@ -181,12 +181,14 @@ class FastLaneStub:
                 if not self.up():
                     return getattr(self._grpc, name)(request, timeout=timeout, metadata=metadata)
                 return _StreamCall(self, full, request, timeout, metadata, reply)
+            self.__dict__[name] = stream  # built once per method: later lookups skip __getattr__
             return stream
 
         def unary(request: Any, timeout: float | None = None, metadata: Any = None) -> Any:
             if not self.up():
                 return getattr(self._grpc, name)(request, timeout=timeout, metadata=metadata)
             return self._unary(full, request, timeout, metadata, reply)
+        self.__dict__[name] = unary
         return unary
 
     @property

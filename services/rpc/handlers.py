@@ -64,14 +64,16 @@ def _done(method: str, started: float, code: str) -> None:
 
 
 def rpc_method(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    entered, left = f"{fn.__name__}.in", f"{fn.__name__}.out"  # the activity marks' names, built once
+
     @functools.wraps(fn)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> T:
         _bind_request_id(context, getattr(request, "request_id", "-"))
         started, code = time.monotonic(), "ok"
-        activity.mark(f"{fn.__name__}.in")
+        activity.mark(entered)
         try:
             answer = await fn(self, request, context)
-            activity.mark(f"{fn.__name__}.out")
+            activity.mark(left)
             return answer
         except grpc.aio.AbortError:
             raise
@@ -89,16 +91,18 @@ def rpc_method(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
 
 
 def rpc_stream(fn: Callable[..., AsyncIterator[T]]) -> Callable[..., AsyncIterator[T]]:
+    entered, first_item = f"{fn.__name__}.in", f"{fn.__name__}.first"
+
     @functools.wraps(fn)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[T]:
         _bind_request_id(context, getattr(request, "request_id", "-"))
         started, code = time.monotonic(), "ok"
-        activity.mark(f"{fn.__name__}.in")
+        activity.mark(entered)
         first = True
         try:
             async for item in fn(self, request, context):
                 if first:
-                    activity.mark(f"{fn.__name__}.first")
+                    activity.mark(first_item)
                     first = False
                 yield item
         except grpc.aio.AbortError:
