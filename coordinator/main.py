@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import uvicorn
 
+from services import event_loop
 from services.config import EpdConfig
 from services.heap import keep_freed_memory
 
@@ -54,5 +55,5 @@ def run_coordinator(config: EpdConfig) -> int:
     admin = _AdminServer(uvicorn.Config(coordinator.build_admin(), host=config.admin_host, port=config.admin_port,
                                         log_level="warning", lifespan="off", timeout_graceful_shutdown=1))
     gc.freeze()  # what start-up built lives as long as the process: no full collection rescans it (as the roles)
-    asyncio.run(_serve(public, admin, config))
+    event_loop.run(_serve(public, admin, config), config.event_loop)
     return 0 if public.started else 1

@@ -34,16 +34,19 @@ class _Log:
         self.folder = os.environ.get(ENV) or None
         self.count = 0
         self.lock = threading.Lock()
+        self.out: dict[str, Any] = {}   # stage -> its file, opened once (not per span: the trace times the gaps)
 
     def write(self, stage: str, start: int, end: int) -> None:
         with self.lock:
             if self.count >= MAX_SPANS:
                 return
             self.count += 1
-            assert self.folder is not None
-            path = Path(self.folder) / f"{stage}.{os.getpid()}.tsv"
-            with open(path, "a", encoding="utf-8") as out:
-                out.write(f"{stage}\t{start}\t{end}\n")
+            out = self.out.get(stage)
+            if out is None:
+                assert self.folder is not None
+                out = self.out[stage] = open(Path(self.folder) / f"{stage}.{os.getpid()}.tsv", "a",  # noqa: SIM115
+                                             encoding="utf-8", buffering=1)  # a line per write, as the marks
+            out.write(f"{stage}\t{start}\t{end}\n")
 
 
 _LOG = _Log()

@@ -12,7 +12,9 @@ to the encode and prefill processes); the kernel drops a dead holder's lock.  Th
 board of waiting flags, one per process (its slot); a process that held the lease last lets another that is
 waiting go first (for at most FAIR_S), so a role whose forwards follow each other closely cannot keep it.
 A wait longer than `wait_s` computes without the lease (and says so in the log); the wait itself is observed
-in `epd_compute_lease_wait_seconds{stage}`, outside the stage's compute time.
+in `epd_compute_lease_wait_seconds{stage}`, outside the stage's compute time.  `taken_now` never waits: an
+engine about to run a small forward on its event loop (compute_threads.INLINE_FORWARD_FLOPS) takes the lease
+only if it is free this instant, and otherwise hands the forward to its worker thread, which may wait.
 """
 
 from __future__ import annotations
@@ -87,6 +89,20 @@ class ComputeLease:
                     fcntl.flock(self._fd, fcntl.LOCK_UN)
                 self._held_last = got
 
+    def try_hold(self) -> bool:
+        """The lease if it is free now and fairness does not make this process wait (then `release()` it)."""
+        if not self._mutex.acquire(blocking=False):
+            return False
+        if (self._held_last and self._others_waiting()) or not self._try():
+            self._mutex.release()
+            return False
+        return True
+
+    def release(self) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        self._held_last = True
+        self._mutex.release()
+
     def _acquire(self, began: float) -> bool:
         if not (self._held_last and self._others_waiting()) and self._try():
             return True
@@ -113,6 +129,7 @@ class ComputeLease:
 
 
 _LEASE: list[ComputeLease] = []
+_TAKEN = threading.local()   # .on: this thread took the lease with taken_now; its forwards' `held` is a no-op
 
 
 def configure(path: str, slot: int) -> ComputeLease:
@@ -135,12 +152,31 @@ def configure_from_env() -> str:
 @contextlib.contextmanager
 def held(stage: str) -> Iterator[None]:
     """The process's lease around a forward (nothing where none is configured)."""
-    if not _LEASE:
+    if not _LEASE or getattr(_TAKEN, "on", False):
         yield
         return
     with _LEASE[0].hold(stage):
         yield
 
 
+@contextlib.contextmanager
+def taken_now(stage: str) -> Iterator[bool]:
+    """Yields True holding the process's lease (or with none configured), False at once when it is not free now."""
+    if not _LEASE:
+        yield True
+        return
+    lease = _LEASE[0]
+    if not lease.try_hold():
+        yield False
+        return
+    LEASE_WAIT.labels(stage).observe(0.0)
+    _TAKEN.on = True
+    try:
+        yield True
+    finally:
+        _TAKEN.on = False
+        lease.release()
+
+
 __all__ = ["BOARD_BYTES", "LEASE_ENV", "SLOT_ENV", "STAGES", "ComputeLease", "configure", "configure_from_env",
-           "create", "held"]
+           "create", "held", "taken_now"]

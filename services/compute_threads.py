@@ -70,6 +70,10 @@ SMALL_FORWARD_FLOPS = 1.0e9
 """In a role process a forward estimated under this many FLOPs (services/models/forward_cost.py) runs on one
 thread: ~4 ms of one core here, where a two-thread forward after its cores idled can lose more than that to
 waking its worker at every parallel region."""
+INLINE_FORWARD_FLOPS = 0.25e9
+"""An idle engine runs a forward estimated under this many FLOPs on its caller's thread (the role's event loop),
+not its worker: ~1 ms of one core here plus the forward's per-operator cost (the tiny model's forwards, 0.04-0.06
+GFLOP: ~2 ms), against ~0.3 ms for the two thread wake-ups of a hand-off to the worker and back."""
 
 
 def use_for(flops: float, long: bool = False) -> None:

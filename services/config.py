@@ -28,6 +28,7 @@ LINEAR_KERNELS = ("auto", "panel", "prepacked", "default")   # services.models.p
 ATTENTION_KERNELS = ("auto", "c", "torch")          # services.decode.attention.KERNELS (checked by a test)
 DECODE_STEPS = ("auto", "eager", "compiled")        # services.decode.compiled.STEP_MODES (checked by a test)
 ROLES = ("coordinator", "render", "encode", "prefill", "decode")
+EVENT_LOOPS = ("uvloop", "asyncio")   # services.event_loop.LOOPS (checked by a test)
 # The names of coordinator.routing.policies.POLICIES (checked by a test): config cannot import the coordinator.
 ROUTING_POLICIES = ("affinity", "least_loaded", "round_robin")
 
@@ -213,17 +214,14 @@ class EpdConfig:
                                    "of the dialled host (pods are dialled by IP)", roles="coordinator")
     fast_lane: bool = _f(True, "same-host calls between the coordinator and the roles over a Unix socket instead "
                          "of gRPC (plaintext gRPC to loopback addresses only; docs/architecture.md)")
+    event_loop: str = _f("uvloop", "the event loop of every epd process: uvloop | asyncio (the standard library's)")
 
     def __post_init__(self) -> None:
-        _check(self.ec_connector in CONNECTORS, f"ec_connector must be one of {', '.join(CONNECTORS)}")
-        _check(self.kv_connector in CONNECTORS, f"kv_connector must be one of {', '.join(CONNECTORS)}")
-        _check(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}")
-        _check(self.linear_kernel in LINEAR_KERNELS, f"linear_kernel must be one of {', '.join(LINEAR_KERNELS)}")
-        _check(self.decode_attention in ATTENTION_KERNELS,
-               f"decode_attention must be one of {', '.join(ATTENTION_KERNELS)}")
-        _check(self.decode_step in DECODE_STEPS, f"decode_step must be one of {', '.join(DECODE_STEPS)}")
-        for name in ("decode_fused", "lm_head_screen"):
-            _check(getattr(self, name) in ("auto", "on", "off"), f"{name} must be one of auto, on, off")
+        for name, allowed in (("ec_connector", CONNECTORS), ("kv_connector", CONNECTORS), ("dtype", DTYPES),
+                              ("linear_kernel", LINEAR_KERNELS), ("decode_attention", ATTENTION_KERNELS),
+                              ("decode_step", DECODE_STEPS), ("event_loop", EVENT_LOOPS),
+                              ("decode_fused", ("auto", "on", "off")), ("lm_head_screen", ("auto", "on", "off"))):
+            _check(getattr(self, name) in allowed, f"{name} must be one of {', '.join(allowed)}")
         _check(self.decode_compile_budget_s >= 0, "decode_compile_budget_s must be >= 0")
         _check(self.decode_serial_rows >= -1, "decode_serial_rows must be -1 (auto), 0 or more")
         _check(_int_list_ok(self.decode_step_buckets, 1, self.decode_slots),

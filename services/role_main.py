@@ -8,6 +8,7 @@ import importlib
 import logging
 import sys
 
+from . import event_loop
 from .config import EpdConfig
 from .observability import setup_logging
 from .server import free_port
@@ -81,5 +82,5 @@ def run(role: str, config: EpdConfig) -> int:
             if announcer is not None:
                 await announcer.stop()
 
-    asyncio.run(main())
+    event_loop.run(main(), config.event_loop)
     return 0

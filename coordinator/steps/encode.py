@@ -35,7 +35,10 @@ class EncodeStep(Step):
         if not missing:
             return
         started = time.perf_counter()
-        replies = await asyncio.gather(*(self._encode_one(ctx, item) for item in missing))
+        if len(missing) == 1:   # awaited here: a gather's task would cost two more turns of the loop
+            replies = [await self._encode_one(ctx, missing[0])]
+        else:
+            replies = await asyncio.gather(*(self._encode_one(ctx, item) for item in missing))
         for encoded in replies:
             if encoded is None:  # left to prefill (inline encode)
                 continue

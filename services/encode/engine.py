@@ -17,6 +17,11 @@ ends, and the worker goes straight on to the next batch: whatever the caller
 does with the entry (the EC put) overlaps the next forward.  A cancelled future
 (a caller that gave up) is skipped if its forward has not started.
 
+`run_inline(items)` is the idle engine's short cut: when nothing waits or runs
+and the forward is small (`compute_threads.INLINE_FORWARD_FLOPS`), the caller's
+own thread runs it (the role's event loop: no hand-off to the worker and back,
+two thread wake-ups), and the worker takes nothing meanwhile.
+
 If a batched forward fails, its items are retried one by one so that one bad
 item fails only its own caller.  The counters (`num_forwards`; `num_items` and
 `num_tokens` of successfully encoded items) and `num_pending` feed metrics and
@@ -30,7 +35,7 @@ from collections import deque
 from concurrent.futures import Future, wait
 from typing import TYPE_CHECKING
 
-from services import activity, compute_threads
+from services import activity, compute_lease, compute_threads
 from services.compute_metrics import compute_timer
 from services.models import fused_rope
 from services.models.base import VisionModel
@@ -65,6 +70,7 @@ class EncodeEngine:
         self._pending: deque[_Job] = deque()
         self._wakeup = threading.Condition()
         self._closed = False
+        self._busy = False   # a forward runs (the worker's or an inline one): the other waits
         self._worker = threading.Thread(target=self._run, name="encode-engine", daemon=True)
         self._worker.start()
 
@@ -81,6 +87,27 @@ class EncodeEngine:
             self._pending.extend(jobs)
             self._wakeup.notify()
         return [job.future for job in jobs]
+
+    def run_inline(self, items: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]] | None:
+        """The items' entries, computed on the calling thread when the engine is idle and the forward small;
+        None when it is not (the caller submits them).  Raises what the forward raised."""
+        tokens = [self.vision.num_tokens(item) for item in items]
+        if sum(tokens) > self.max_batch_tokens or self._cost.flops(tokens) > compute_threads.INLINE_FORWARD_FLOPS:
+            return None
+        with self._wakeup:
+            if self._closed or self._pending or self._busy:
+                return None
+            self._busy = True
+        try:
+            with compute_lease.taken_now("encode") as taken:   # never waited for on the caller's loop
+                if not taken:
+                    return None
+                activity.mark("encode.engine_batch")
+                return self._forward(items, tokens)
+        finally:
+            with self._wakeup:
+                self._busy = False
+                self._wakeup.notify()   # items that came meanwhile: the worker's
 
     def encode(self, items: list[dict[str, torch.Tensor]],
                timeout: float | None = None) -> list[dict[str, torch.Tensor]]:
@@ -113,17 +140,22 @@ class EncodeEngine:
     def _run(self) -> None:
         compute_threads.enter()   # the process's one multi-threaded torch thread (compute_threads.py)
         while (batch := self._next_batch()) is not None:
-            if batch:
-                activity.mark("encode.engine_batch")
-                self._encode(batch)
+            try:
+                if batch:
+                    activity.mark("encode.engine_batch")
+                    self._encode(batch)
+            finally:
+                with self._wakeup:
+                    self._busy = False
 
     def _next_batch(self) -> list[_Job] | None:
         """Waiting items that fit the budget (at least one); [] if all were cancelled; None once closed."""
         with self._wakeup:
-            while not self._pending and not self._closed:
+            while (not self._pending or self._busy) and not self._closed:
                 self._wakeup.wait()
             if self._closed:
                 return None
+            self._busy = True   # cleared by _run after the forward, also for an all-cancelled []
             batch: list[_Job] = []
             tokens = 0
             while self._pending and (not batch or tokens + self._pending[0].num_tokens <= self.max_batch_tokens):
@@ -134,11 +166,10 @@ class EncodeEngine:
         return batch
 
     def _encode(self, batch: list[_Job]) -> None:
-        self.num_forwards += 1
-        compute_threads.use_for(self._cost.flops([job.num_tokens for job in batch]))
+        tokens = [job.num_tokens for job in batch]
+        compute_threads.use_for(self._cost.flops(tokens))
         try:
-            with compute_timer("encode"), fused_rope.active():
-                outputs = self.vision.encode_entries([job.item for job in batch])
+            outputs = self._forward([job.item for job in batch], tokens)
         except Exception as exc:  # reported to the callers, never lost
             if len(batch) == 1:
                 batch[0].future.set_exception(exc)
@@ -146,7 +177,14 @@ class EncodeEngine:
                 for job in batch:
                     self._encode([job])
             return
-        self.num_items += len(batch)
-        self.num_tokens += sum(job.num_tokens for job in batch)
         for job, output in zip(batch, outputs, strict=True):
             job.future.set_result(output)
+
+    def _forward(self, items: list[dict[str, torch.Tensor]], tokens: list[int]) -> list[dict[str, torch.Tensor]]:
+        """One forward over `items`, counted; only one runs at a time (`_busy`)."""
+        self.num_forwards += 1
+        with compute_timer("encode"), fused_rope.active():
+            outputs = self.vision.encode_entries(items)
+        self.num_items += len(items)
+        self.num_tokens += sum(tokens)
+        return outputs

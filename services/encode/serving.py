@@ -127,7 +127,12 @@ class EncodeService:
     async def _forward(self, mm_hash: str, item: Item) -> dict:
         tensors = {name: to_torch(elem.data) for name, elem in item.items() if elem.data is not None}
         # One entry per item: the embedding plus whatever else the family's prefill needs (deepstack).
-        # Awaited as a future, not in a thread: every waiting item can join the engine's next batch.
+        # An idle engine runs a small forward right here (no hand-off to its thread and back); otherwise the
+        # item is awaited as a future, not in a thread: every waiting item can join the engine's next batch.
+        inline = self.engine.run_inline([tensors])
+        if inline is not None:
+            activity.mark("encode.engine_done")
+            return inline[0]
         [future] = self.engine.submit([tensors])
         try:
             async with asyncio.timeout(self.timeout_s):   # not wait_for: it can drop a cancel (Python 3.11)

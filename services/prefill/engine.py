@@ -6,10 +6,13 @@ the KV into the KV store and whose `release` gives the blocks back; `prefill` is
 blocking form that returns a `PrefillResult` with a KV tensor of its own (tests, tools).
 
 One worker thread runs the forwards, one at a time (the model is shared and a CPU forward
-already uses every core).  Each forward packs the rows the scheduler picks — waiting prompts
-in arrival order under `max_num_batched_tokens`, long prompts in chunks (scheduler.py) — into
-one sequence (packing.py, attention.py).  The worker exits after `idle_exit_s` without work
-and starts again with the next submit, so an engine nobody uses holds no thread.
+already uses every core).  `submit(..., inline=True)` lets an idle engine run a small prompt
+(one forward, under `compute_threads.INLINE_FORWARD_FLOPS`) on the caller's own thread before
+returning its future, done: no hand-off to the worker and back (two thread wake-ups).  Each
+forward packs the rows the scheduler picks — waiting prompts in arrival order under
+`max_num_batched_tokens`, long prompts in chunks (scheduler.py) — into one sequence
+(packing.py, attention.py).  The worker exits after `idle_exit_s` without work and starts
+again with the next submit, so an engine nobody uses holds no thread.
 
 KV memory is one pool (kv_pool.py) of `block_size`-token blocks sized at construction:
 `prefix_cache_mb` for blocks kept for later prompts with the same prefix (the prefix cache,
@@ -30,7 +33,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from services import activity, compute_threads, role_cpu
+from services import activity, compute_lease, compute_threads, role_cpu
 from services.compute_metrics import compute_timer
 from services.decode.sampler import greedy_argmax
 from services.models.base import LanguageModel, MultiModalInput
@@ -83,6 +86,7 @@ class PrefillEngine:
         self._cond = threading.Condition()
         self._worker: threading.Thread | None = None
         self._closed = False
+        self._busy = False   # a forward runs (the worker's or an inline one): the other waits
         self.num_prefills = self.num_prompt_tokens = self.num_cached_tokens = 0
         self.num_forwards = 0
         self.recent_batches: deque[tuple[int, int]] = deque(maxlen=256)  # (chunks, rows) per forward
@@ -99,24 +103,54 @@ class PrefillEngine:
 
     def submit(self, token_ids: list[int], mm_items: list[MultiModalInput] | None = None,
                cache_salt: str | None = None,
-               on_finish: Callable[[HeldPrefill], None] | None = None, greedy: bool = False) -> Future[HeldPrefill]:
+               on_finish: Callable[[HeldPrefill], None] | None = None, greedy: bool = False,
+               inline: bool = False) -> Future[HeldPrefill]:
         """Queue one prompt; the future resolves to its HeldPrefill (release it!) or to the error
         (ValueError / InvalidMultiModalInput for items that do not fit the prompt).  `on_finish(held)`
         runs on the engine thread first (an exception from it fails the future, the blocks released).
         `greedy`: the caller takes the first token's plain argmax, so `HeldPrefill.first_token` carries it
         (decided by the LM head screen, or the full head's argmax on the engine thread) instead of
-        `first_logits`."""
+        `first_logits`.  `inline`: an idle engine may run it on this thread (returns the future done)."""
         self._check_length(token_ids)
         job = PrefillJob(list(token_ids), list(mm_items or []), cache_salt, on_finish=on_finish, greedy=greedy)
         with self._cond:
             if self._closed:
                 raise RuntimeError("the prefill engine is closed")
             self._scheduler.add(job)
-            if self._worker is None:
-                self._worker = threading.Thread(target=self._run, name="prefill-engine", daemon=True)
-                self._worker.start()
-            self._cond.notify()
+            batch = self._inline_batch(job) if inline else None
+            if batch is None:
+                self._wake_worker()
+                return job.future
+        try:
+            with compute_lease.taken_now("prefill") as taken:   # never waited for on the caller's loop
+                if taken:
+                    activity.mark("prefill.engine_batch")
+                    self._forward(batch)
+        finally:
+            with self._cond:
+                self._busy = False
+                if len(self._scheduler):
+                    self._wake_worker()   # prompts that came meanwhile, or this one when the lease was not free
         return job.future
+
+    def _wake_worker(self) -> None:
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._run, name="prefill-engine", daemon=True)
+            self._worker.start()
+        self._cond.notify()
+
+    def _inline_batch(self, job: PrefillJob) -> list[Scheduled] | None:
+        """(Under the lock.) The forward of `job`, just added, when it is the only prompt, the engine is idle and
+        the whole prompt is one forward small enough for the caller's thread: the engine is then marked busy.
+        Else None, and the job is left as it was (not admitted: a caller that gives up can still cancel it)."""
+        if self._busy or len(self._scheduler) != 1 or job.num_tokens > self.max_num_batched_tokens or \
+                self._cost.flops([(0, job.num_tokens)], 1) > compute_threads.INLINE_FORWARD_FLOPS:
+            return None
+        batch = self._scheduler.next_batch()   # admits it (blocks, inputs): the rows the worker would take
+        if len(batch) != 1 or not batch[0].finishes:
+            return None
+        self._busy = True
+        return batch
 
     def prefill(self, token_ids: list[int], mm_items: list[MultiModalInput] | None = None,
                 cache_salt: str | None = None, timeout: float | None = None) -> PrefillResult:
@@ -162,14 +196,19 @@ class PrefillEngine:
         compute_threads.enter()   # the process's one multi-threaded torch thread (compute_threads.py)
         while (batch := self._next_batch()) is not None:
             activity.mark("prefill.engine_batch")
-            self._forward(batch)
+            try:
+                self._forward(batch)
+            finally:
+                with self._cond:
+                    self._busy = False
 
     def _next_batch(self) -> list[Scheduled] | None:
         """The next forward's rows; None when closed or idle for idle_exit_s (the thread then ends)."""
         with self._cond:
             while not self._closed:
-                batch = self._scheduler.next_batch()
+                batch = [] if self._busy else self._scheduler.next_batch()
                 if batch:
+                    self._busy = True   # cleared by _run after the forward
                     return batch
                 role_cpu.long_prompt_running(False)   # idle: no long prompt runs (decode's board byte cleared)
                 if not self._cond.wait(self.idle_exit_s) and not len(self._scheduler):

@@ -159,7 +159,12 @@ class PrefillService:
         up leaves the blocks to be released, and the entry nobody will read to be deleted, when the prompt
         finishes."""
         on_finish = (lambda held: self._put_kv(key, held)) if self.kv_store.local else None
-        future = self.engine.submit(token_ids, mm_inputs, cache_salt, on_finish=on_finish, greedy=greedy)
+        # An idle engine runs a small prompt right here (the future comes back done: no thread hand-off)
+        future = self.engine.submit(token_ids, mm_inputs, cache_salt, on_finish=on_finish, greedy=greedy,
+                                    inline=True)
+        if future.done():
+            activity.mark("prefill.engine_done")
+            return future.result()
         try:
             held = await asyncio.wrap_future(future)
             activity.mark("prefill.engine_done")

@@ -267,6 +267,9 @@ class WorkerProcesses:
         if worker.loop is None:
             worker.loop = loop
             loop.add_reader(worker.conn.fileno(), self._on_reply, worker)
+            # uvloop (libuv's uv_poll) makes a watched fd non-blocking; a reply's body may lag its header by
+            # a moment, and `read` waits for it, so the socket stays blocking (only readiness is watched)
+            os.set_blocking(worker.conn.fileno(), True)
         # Not cancelled with its caller: the reply is read (and the slot freed) by _on_reply regardless.
         return await asyncio.shield(done)
 

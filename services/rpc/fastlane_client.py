@@ -57,7 +57,7 @@ class _Connection:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader, self.writer = reader, writer
         self.ids = itertools.count(1)
-        self.calls: dict[int, asyncio.Queue] = {}
+        self.calls: dict[int, asyncio.Queue | asyncio.Future] = {}   # a stream's frames, a unary call's answer
         self.closed = False
         self.task = asyncio.get_running_loop().create_task(self._read())
 
@@ -66,25 +66,24 @@ class _Connection:
             while True:
                 size, kind, call_id = fl.HEADER.unpack(await self.reader.readexactly(fl.HEADER.size))
                 payload = await self.reader.readexactly(size) if size else b""
-                queue = self.calls.get(call_id)
-                if queue is not None:
-                    queue.put_nowait((kind, payload))
+                _deliver(self.calls.get(call_id), kind, payload)
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
             pass
         finally:
             self.closed = True
             self.writer.close()
-            for queue in self.calls.values():
-                queue.put_nowait((None, b""))  # the connection is gone: every call fails UNAVAILABLE
+            for waiting in self.calls.values():
+                _deliver(waiting, None, b"")  # the connection is gone: every call fails UNAVAILABLE
 
-    def open_call(self, method: str, message: bytes, timeout: float | None, metadata: Any) -> tuple[int, asyncio.Queue]:
+    def open_call(self, method: str, message: bytes, timeout: float | None, metadata: Any,
+                  waiting: asyncio.Queue | asyncio.Future) -> int:
+        """Send the call; its frames go to `waiting`: a stream's queue, or a unary call's future (one frame)."""
         if self.closed:
             raise _unavailable("the connection is closed")
         call_id = next(self.ids)
-        queue: asyncio.Queue = asyncio.Queue()
-        self.calls[call_id] = queue
+        self.calls[call_id] = waiting
         self.writer.write(fl.frame(fl.REQUEST, call_id, fl.request_payload(method, metadata, timeout, message)))
-        return call_id, queue
+        return call_id
 
     def end_call(self, call_id: int, cancel: bool) -> None:
         if self.calls.pop(call_id, None) is not None and cancel and not self.closed:
@@ -92,6 +91,13 @@ class _Connection:
 
     def close(self) -> None:
         self.task.cancel()
+
+
+def _deliver(waiting: asyncio.Queue | asyncio.Future | None, kind: int | None, payload: bytes) -> None:
+    if isinstance(waiting, asyncio.Queue):
+        waiting.put_nowait((kind, payload))
+    elif waiting is not None and not waiting.done():
+        waiting.set_result((kind, payload))
 
 
 def _answer(kind: int | None, payload: bytes) -> None:
@@ -129,8 +135,9 @@ class _StreamCall:
                 self._fallback = getattr(self._stub.grpc_stub, self._method.rsplit("/", 1)[1])(
                     self._request, timeout=left, metadata=self._metadata)
                 return await self._fallback.read()
-            call_id, queue = connection.open_call(self._method, self._request.SerializeToString(), self._timeout,
-                                                  self._metadata)
+            queue: asyncio.Queue = asyncio.Queue()
+            call_id = connection.open_call(self._method, self._request.SerializeToString(), self._timeout,
+                                           self._metadata, queue)
             self._open = (connection, call_id, queue)
         connection, call_id, queue = self._open
         left = None if self._deadline is None else self._deadline - time.monotonic()
@@ -226,11 +233,12 @@ class FastLaneStub:
         except grpc.aio.AioRpcError:  # no fast lane after all: this call goes through gRPC
             name = method.rsplit("/", 1)[1]
             return await getattr(self._grpc, name)(request, timeout=timeout, metadata=metadata)
-        call_id, queue = connection.open_call(method, request.SerializeToString(), timeout, metadata)
+        answer: asyncio.Future = asyncio.get_running_loop().create_future()
+        call_id = connection.open_call(method, request.SerializeToString(), timeout, metadata, answer)
         finished = False
         try:
             async with asyncio.timeout(None if timeout is None or math.isinf(timeout) else timeout):
-                kind, payload = await queue.get()
+                kind, payload = await answer
             finished = True
         except TimeoutError:
             raise _rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None

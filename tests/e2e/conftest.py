@@ -107,14 +107,16 @@ def secure_tls(tmp_path_factory):
 
 @pytest.fixture(scope="package")
 def secure_cluster(demo_model_path, tmp_path_factory, secure_tls, stopped_together):
-    """Keys, admin token, and mutual TLS on every internal gRPC hop; vLLM's per-request metrics on answers."""
+    """Keys, admin token, and mutual TLS on every internal gRPC hop; vLLM's per-request metrics on answers; every
+    process on the standard library's event loop (`--event-loop asyncio`; the other clusters run uvloop)."""
     keyfile = tmp_path_factory.mktemp("secrets") / "api-keys"
     keyfile.write_text("# one key per tenant\n" + "\n".join(PUBLIC_KEYS) + "\n")
     tls = ("--grpc-tls-cert", str(secure_tls["cert"]), "--grpc-tls-key", str(secure_tls["key"]),
            "--grpc-tls-ca", str(secure_tls["ca"]))
     cluster = start_cluster("--api-key", f"@{keyfile}", "--role-api-key", ROLE_KEY, "--admin-token", ADMIN_TOKEN,
                             *tls, "--max-request-bytes", str(BODY_LIMIT), "--body-read-timeout-s", str(BODY_READ_S),
-                            "--ec-capacity-mb", "32", "--kv-capacity-mb", "32", "--enable-per-request-metrics")
+                            "--ec-capacity-mb", "32", "--kv-capacity-mb", "32", "--enable-per-request-metrics",
+                            "--event-loop", "asyncio")
     yield cluster
     cluster.terminate()
     stopped_together.append(cluster)

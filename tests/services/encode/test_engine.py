@@ -19,8 +19,10 @@ SIZES = [(448, 448), (224, 336), (448, 280), (224, 224), (280, 224)]
 class GatedVision(VisionModel):
     """The real tower, whose first forward waits for `release` so that later items pile up meanwhile."""
 
-    def __init__(self, inner: VisionModel) -> None:
+    def __init__(self, inner: VisionModel, costed: bool = False) -> None:
         self.inner, self.hidden_size, self.dtype = inner, inner.hidden_size, inner.dtype
+        if costed:   # the FLOP estimate can read the tower: small forwards may run inline (else never)
+            self.tower, self.patches_per_token = inner.tower, inner.patches_per_token
         self.started, self.release = threading.Event(), threading.Event()
         self.batch_sizes: list[int] = []
 
@@ -133,3 +135,70 @@ def test_timeout_and_close(vision, items):
     engine.close()
     with pytest.raises(Unavailable):
         engine.encode([items[3]], timeout=5)
+
+
+class ThreadNoting(VisionModel):
+    """The real tower, noting which thread ran each forward."""
+
+    def __init__(self, inner: VisionModel) -> None:
+        self.inner, self.hidden_size, self.dtype = inner, inner.hidden_size, inner.dtype
+        self.tower, self.patches_per_token = inner.tower, inner.patches_per_token   # what the FLOP estimate reads
+        self.threads: list[str] = []
+
+    def num_tokens(self, metadata):
+        return self.inner.num_tokens(metadata)
+
+    def encode(self, items):
+        self.threads.append(threading.current_thread().name)
+        return self.inner.encode(items)
+
+
+def test_an_idle_engine_runs_a_small_forward_on_the_callers_thread(vision, items):
+    noting = ThreadNoting(vision)
+    with EncodeEngine(noting, max_batch_tokens=100_000) as engine:
+        inline = engine.run_inline([items[3]])
+        queued = engine.encode([items[3]], timeout=30)
+    assert inline is not None and noting.threads == [threading.current_thread().name, "encode-engine"]
+    torch.testing.assert_close(inline[0]["embedding"], queued[0]["embedding"], rtol=0, atol=0)
+    assert engine.num_forwards == 2 and engine.num_items == 2
+    assert engine.num_tokens == 2 * vision.num_tokens(items[3])
+
+
+def test_a_busy_engine_or_a_large_forward_is_not_run_inline(vision, items, monkeypatch):
+    from services import compute_threads
+
+    gated = GatedVision(vision, costed=True)
+    with EncodeEngine(gated, max_batch_tokens=100_000) as engine:
+        [running] = engine.submit([items[3]])
+        assert gated.started.wait(30)
+        assert engine.run_inline([items[3]]) is None   # a forward runs
+        gated.release.set()
+        running.result(30)
+        wait_until(lambda: not engine._busy)
+        assert engine.run_inline([items[3]]) is not None
+        monkeypatch.setattr(compute_threads, "INLINE_FORWARD_FLOPS", 0.0)
+        assert engine.run_inline([items[3]]) is None   # too large to stall the caller's loop
+    assert gated.batch_sizes == [1, 1]
+
+
+def test_inline_never_waits_for_the_compute_lease(vision, items, tmp_path, monkeypatch):
+    import fcntl
+    import os
+
+    from services import compute_lease
+
+    path = compute_lease.create(str(tmp_path / "lease"))
+    monkeypatch.setattr(compute_lease, "_LEASE", [compute_lease.ComputeLease(path, 0)])
+    other = os.open(path, os.O_RDWR)   # another open file: as another process's holder
+    fcntl.flock(other, fcntl.LOCK_EX)
+    try:
+        with EncodeEngine(vision, max_batch_tokens=100_000) as engine:
+            began = time.monotonic()
+            assert engine.run_inline([items[3]]) is None
+            assert time.monotonic() - began < 0.5 and engine.num_forwards == 0
+            fcntl.flock(other, fcntl.LOCK_UN)
+            assert engine.run_inline([items[3]]) is not None and engine.num_forwards == 1
+            assert engine.encode([items[3]], timeout=30)   # the worker takes it afterwards as before
+    finally:
+        os.close(other)
+        compute_lease._LEASE[0].close()

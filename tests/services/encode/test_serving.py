@@ -159,3 +159,21 @@ def test_a_caller_that_gives_up_is_not_encoded(vision, items, store):
         gated.release.set()
         wait_until(lambda: engine.num_pending == 0)
     assert gated.batch_sizes == [1] and engine.num_items == 1  # item 1 never ran
+
+
+def test_an_idle_engine_encodes_a_small_item_on_the_loop(vision, items, store):
+    """No hand-off to the engine thread and back for a small forward the engine is free to run now; the same
+    entry as the engine thread's."""
+    from tests.services.encode.test_engine import ThreadNoting
+
+    noting = ThreadNoting(vision)
+
+    async def main(engine: EncodeEngine):
+        result = await EncodeService(engine, store, "m", timeout_s=60).encode("h-inline", items[0][0])
+        return result, threading.current_thread().name
+
+    with EncodeEngine(noting, max_batch_tokens=100_000) as engine:
+        result, loop_thread = asyncio.run(main(engine))
+    assert noting.threads == [loop_thread] and engine.num_forwards == 1
+    torch.testing.assert_close(store.get(result.handle)["embedding"], vision.encode([items[0][1]])[0],
+                               rtol=0, atol=0)

@@ -278,3 +278,74 @@ def test_the_last_layer_runs_o_proj_and_mlp_on_the_read_rows_only(parts, prompts
             engine.blocks.release(held)
     assert relative(some, every) <= 1e-5
     assert layer.mlp.rows is None and layer.self_attn.o_proj.rows is None    # reset after the forward
+
+
+def _noting_threads(engine: PrefillEngine) -> list[str]:
+    """The name of the thread that runs each of the engine's forwards, in order."""
+    threads: list[str] = []
+    forward = engine._forward
+
+    def noted(batch):
+        threads.append(threading.current_thread().name)
+        return forward(batch)
+
+    engine._forward = noted
+    return threads
+
+
+def test_an_idle_engine_runs_a_small_prompt_on_the_callers_thread(parts, prompts, alone):
+    engine = PrefillEngine(parts[2], prefix_cache_mb=0)
+    threads = _noting_threads(engine)
+    for index in (1, 2):   # an image prompt and a text one
+        future = engine.submit(*prompts[index], inline=True)
+        assert future.done()
+        assert_same(parts[2], results_of([future.result()])[0], alone[index])
+    assert threads == [threading.current_thread().name] * 2 and engine._worker is None   # no worker started
+    assert engine.num_prefills == 2 and engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_a_busy_engine_a_large_or_a_chunked_prompt_goes_to_the_worker(parts, prompts, alone, monkeypatch):
+    from services import compute_threads
+
+    engine = PrefillEngine(parts[2], prefix_cache_mb=0, max_num_batched_tokens=8192)
+    threads = _noting_threads(engine)
+    with engine._cond:   # the worker cannot look before both are queued
+        first = engine.submit(*prompts[2])
+        second = engine.submit(*prompts[3], inline=True)   # another prompt waits: the worker's
+    for future, index in ((first, 2), (second, 3)):
+        assert_same(parts[2], results_of([future.result(60)])[0], alone[index])
+    chunked = PrefillEngine(parts[2], prefix_cache_mb=0, max_num_batched_tokens=16)
+    chunked_threads = _noting_threads(chunked)
+    assert_same(parts[2], results_of([chunked.submit(*prompts[1], inline=True).result(60)])[0], alone[1])
+    monkeypatch.setattr(compute_threads, "INLINE_FORWARD_FLOPS", 0.0)
+    large = engine.submit(*prompts[2], inline=True)
+    assert_same(parts[2], results_of([large.result(60)])[0], alone[2])
+    assert set(threads) == set(chunked_threads) == {"prefill-engine"}
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_inline_never_waits_for_the_compute_lease(parts, prompts, alone, tmp_path, monkeypatch):
+    import fcntl
+    import os
+
+    from services import compute_lease
+
+    path = compute_lease.create(str(tmp_path / "lease"))
+    monkeypatch.setattr(compute_lease, "_LEASE", [compute_lease.ComputeLease(path, 0)])
+    other = os.open(path, os.O_RDWR)   # another open file: as another process's holder
+    fcntl.flock(other, fcntl.LOCK_EX)
+    try:
+        engine = PrefillEngine(parts[2], prefix_cache_mb=0)
+        threads = _noting_threads(engine)
+        began = time.monotonic()
+        future = engine.submit(*prompts[2], inline=True)
+        assert not future.done() and time.monotonic() - began < 0.5   # handed to the worker, which waits
+        fcntl.flock(other, fcntl.LOCK_UN)
+        assert_same(parts[2], results_of([future.result(60)])[0], alone[2])
+        assert threads == ["prefill-engine"]
+        inline = engine.submit(*prompts[2], inline=True)   # the lease is free now: inline again
+        assert inline.done() and threads == ["prefill-engine", threading.current_thread().name]
+        inline.result().release()
+    finally:
+        os.close(other)
+        compute_lease._LEASE[0].close()

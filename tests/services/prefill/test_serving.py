@@ -54,7 +54,10 @@ def test_the_kv_is_copied_once_into_the_store(lm, stores):
     assert engine.blocks.num_free == engine.blocks.num_blocks
 
 
-def test_concurrent_requests_share_forwards_and_return_their_blocks(lm, stores):
+def test_concurrent_requests_share_forwards_and_return_their_blocks(lm, stores, monkeypatch):
+    from services import compute_threads
+
+    monkeypatch.setattr(compute_threads, "INLINE_FORWARD_FLOPS", 0.0)   # every forward on the engine's worker
     ec, kv = stores
     engine = PrefillEngine(lm, prefix_cache_mb=0)
     service = PrefillService(engine, lm, ec, kv, "p0")
@@ -74,7 +77,10 @@ def test_concurrent_requests_share_forwards_and_return_their_blocks(lm, stores):
     assert engine.blocks.num_free == engine.blocks.num_blocks
 
 
-def test_a_caller_that_gives_up_leaves_no_blocks_held(lm, stores):
+def test_a_caller_that_gives_up_leaves_no_blocks_held(lm, stores, monkeypatch):
+    from services import compute_threads
+
+    monkeypatch.setattr(compute_threads, "INLINE_FORWARD_FLOPS", 0.0)   # every forward on the engine's worker
     ec, kv = stores
     engine = PrefillEngine(lm, prefix_cache_mb=0)
     service = PrefillService(engine, lm, ec, kv, "p0")
@@ -98,13 +104,16 @@ def test_a_caller_that_gives_up_leaves_no_blocks_held(lm, stores):
 
 @pytest.mark.parametrize("local", [True, False])
 def test_the_kv_is_put_on_the_engine_thread_right_after_the_forward(lm, stores, local):
-    """No thread hand-off between the forward and the put: the engine thread copies the blocks into a local
-    store and gives them back before the caller's loop hears of the prompt.  A store that does I/O (Redis) is
-    written from a worker thread instead, so the engine's next forward never waits on the network."""
+    """No thread hand-off between the forward and the put: the thread that ran the forward (the engine's, or the
+    idle engine's caller: here the loop) copies the blocks into a local store and gives them back before the
+    caller's loop hears of the prompt.  A store that does I/O (Redis) is written from a worker thread instead,
+    so the engine's next forward never waits on the network."""
     ec, kv = stores
     engine = PrefillEngine(lm, prefix_cache_mb=0)
     threads: list[str] = []
-    put_into = kv.put_into
+    put_into, forward = kv.put_into, engine._forward
+    forwards: list[str] = []
+    engine._forward = lambda batch: (forwards.append(threading.current_thread().name), forward(batch))[1]
 
     def noting(key, specs, fill):
         threads.append(threading.current_thread().name)
@@ -114,15 +123,18 @@ def test_the_kv_is_put_on_the_engine_thread_right_after_the_forward(lm, stores, 
     kv.local = local
     service = PrefillService(engine, lm, ec, kv, "p0")
     outcome = asyncio.run(service.prefill("r1", PROMPTS[0], [], {}, {}, None))
-    assert len(threads) == 1 and (threads[0] == "prefill-engine") is local
+    assert len(threads) == len(forwards) == 1 and (threads == forwards) is local
     handle = outcome.kv_transfer_params["handle"]
     assert handle["key"].startswith("req|r1|") and kv.lookup(handle["key"]) is not None
     assert engine.blocks.num_free == engine.blocks.num_blocks
 
 
-def test_a_caller_that_gives_up_during_the_forward_leaves_no_entry(lm, stores):
+def test_a_caller_that_gives_up_during_the_forward_leaves_no_entry(lm, stores, monkeypatch):
     """The prompt's forward finishes and its KV is put after the caller left: the entry nobody will read is
     deleted and every block comes back.  (The forward is held on purpose: a named fake for the timing.)"""
+    from services import compute_threads
+
+    monkeypatch.setattr(compute_threads, "INLINE_FORWARD_FLOPS", 0.0)   # on the worker: the caller can leave
     ec, kv = stores
     engine = PrefillEngine(lm, prefix_cache_mb=0)
     service = PrefillService(engine, lm, ec, kv, "p0")
@@ -150,3 +162,23 @@ def test_a_caller_that_gives_up_during_the_forward_leaves_no_entry(lm, stores):
         assert time.monotonic() < deadline
         time.sleep(0.01)
     assert engine.num_prefills == 1 and kv.stats().puts == 1  # it ran and was put, then dropped
+
+
+def test_an_idle_engine_prefills_a_small_prompt_on_the_loop(lm, stores):
+    """No hand-off to the engine thread and back: the loop runs the forward and the KV put; the same KV."""
+    ec, kv = stores
+    engine = PrefillEngine(lm, prefix_cache_mb=0)
+    service = PrefillService(engine, lm, ec, kv, "p0")
+    threads: list[str] = []
+    forward = engine._forward
+    engine._forward = lambda batch: (threads.append(threading.current_thread().name), forward(batch))[1]
+
+    async def main():
+        outcome = await service.prefill("r-inline", PROMPTS[1], [], {}, {}, None)
+        return outcome, threading.current_thread().name
+
+    outcome, loop_thread = asyncio.run(main())
+    assert threads == [loop_thread] and engine._worker is None
+    with kv.view(outcome.kv_transfer_params["handle"]) as views:
+        torch.testing.assert_close(views["kv"], engine.prefill(PROMPTS[1]).kv, rtol=0, atol=0)
+    assert engine.blocks.num_free == engine.blocks.num_blocks
