@@ -69,6 +69,8 @@ def measure(model: str, prompt_lens: list[int], output_lens: list[int], block_si
             stream.collect()
     finally:
         stop.set()
+        if sampler.is_alive():
+            sampler.join(5)   # not left running into interpreter exit (it printed "terminate called ...")
         engine.close()
     per_token = engine.pool.block_bytes // block_size
     full = [s for s in samples if s["streams"] == len(prompt_lens)] or samples
