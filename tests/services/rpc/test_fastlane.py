@@ -19,6 +19,8 @@ from services.rpc.v1 import epd_pb2 as pb
 from services.rpc.v1 import epd_pb2_grpc as rpc
 from services.server import free_port
 
+METHOD = f"{pb.DESCRIPTOR.services_by_name['DecodeService'].full_name}/Abort"
+
 
 class Servicer(rpc.DecodeServiceServicer):
     def __init__(self) -> None:
@@ -195,5 +197,48 @@ def test_a_socket_that_answers_for_another_port_is_not_used(tmp_path):
             assert (await stub.Abort(pb.AbortRequest(request_ids=["x"]), timeout=5)).aborted == 1
             assert both.servicer.peers[-1].startswith("ipv4:")  # HELLO named another port: gRPC carried it
             await stub.close()
+
+    asyncio.run(main())
+
+
+def test_a_request_header_round_trips_and_a_cut_one_is_refused():
+    import struct
+
+    body = pb.AbortRequest(request_ids=["a"]).SerializeToString()
+    for timeout in (None, 2.5, float("inf")):
+        payload = fastlane.request_payload(METHOD, [("x-request-id", "r-é1"), ("k", "")],
+                                           timeout, body)
+        assert fastlane.parse_request(payload) == (METHOD,
+                                                   [("x-request-id", "r-é1"), ("k", "")], timeout, body)
+    payload = fastlane.request_payload(METHOD, [("x-request-id", "r1")], 1.0, b"")
+    for cut in (payload[:5], payload[:12], payload[:-1]):
+        with pytest.raises((ValueError, struct.error)):
+            fastlane.parse_request(cut)
+
+
+def test_a_malformed_request_is_answered_internal_and_the_connection_serves_on():
+    """A frame whose header is cut short gets an ERROR (INTERNAL, "malformed fast-lane request"); the next call
+    on the same connection is served."""
+    import json
+
+    async def call(reader, writer, call_id: int, payload: bytes) -> tuple[int, int, bytes]:
+        writer.write(fastlane.frame(fastlane.REQUEST, call_id, payload))
+        size, kind, got_id = fastlane.HEADER.unpack(await reader.readexactly(fastlane.HEADER.size))
+        return kind, got_id, await reader.readexactly(size)
+
+    async def main() -> None:
+        async with Both(Servicer()) as both:
+            reader, writer = await asyncio.open_unix_connection(str(fastlane.socket_path(both.port)))
+            size, kind, _ = fastlane.HEADER.unpack(await reader.readexactly(fastlane.HEADER.size))
+            assert kind == fastlane.HELLO and json.loads(await reader.readexactly(size)) == {"grpc_port": both.port}
+            good = fastlane.request_payload(METHOD, [("x-request-id", "r1")], 5.0,
+                                            pb.AbortRequest(request_ids=["a", "b", "c"]).SerializeToString())
+            kind, call_id, payload = await call(reader, writer, 7, good[:11])
+            assert (kind, call_id) == (fastlane.ERROR, 7)
+            assert json.loads(payload) == {"code": grpc.StatusCode.INTERNAL.value[0],
+                                           "details": "malformed fast-lane request", "trailing": []}
+            kind, call_id, payload = await call(reader, writer, 8, good)
+            assert (kind, call_id) == (fastlane.REPLY, 8) and pb.AbortResponse.FromString(payload).aborted == 3
+            writer.close()
 
     asyncio.run(main())
