@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
@@ -33,6 +33,9 @@ from services.protocol.errors import (
 
 from .context import RequestContext
 from .routing.pool import Instance, InstancePool
+
+if TYPE_CHECKING:
+    from .ahead import Ahead
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -119,17 +122,19 @@ def pick_next(pool: InstancePool, key: str | None, tried: set[str], refused: Ove
 
 
 async def with_failover(pool: InstancePool, ctx: RequestContext, what: str,
-                        attempt: Callable[[Instance], Awaitable[T]], key: str | None = None) -> tuple[T, Instance]:
+                        attempt: Callable[[Instance], Awaitable[T]], key: str | None = None,
+                        first: Instance | None = None) -> tuple[T, Instance]:
     """The one failover loop: run `attempt` on one instance after another until one answers.
 
     `attempt` raises grpc.aio.AioRpcError for a failed call; a transport failure marks the instance
     down and tries the next, a refusal (Overloaded) tries the next without marking it down, any other
-    error is the request's own and is raised as the typed error the role sent.
+    error is the request's own and is raised as the typed error the role sent.  `first`: the instance
+    to try first (a call opened ahead of its inputs is there: coordinator/ahead.py).
     """
     tried: set[str] = set()
     refused: Overloaded | None = None
     while True:
-        instance = pick_next(pool, key, tried, refused)
+        instance = first if first is not None and not tried else pick_next(pool, key, tried, refused)
         tried.add(instance.address)
         try:
             result = await attempt(instance)
@@ -147,12 +152,24 @@ async def with_failover(pool: InstancePool, ctx: RequestContext, what: str,
         return result, instance
 
 
-async def call_unary(pool: InstancePool, ctx: RequestContext, method: str, request: Any,
-                     key: str | None = None) -> tuple[Any, Instance]:
-    """Call `method` on one instance of the pool, failing over on transport failures and refusals."""
+async def call_unary(pool: InstancePool, ctx: RequestContext, method: str, request: Any | Callable[[], Any],
+                     key: str | None = None, ahead: Ahead | None = None, inputs: Callable[[], Any] | None = None,
+                     relay: Any = None) -> tuple[Any, Instance]:
+    """Call `method` on one instance of the pool, failing over on transport failures and refusals.  With
+    `ahead` (the call opened ahead of its inputs), the first attempt sends it `inputs()`; `request` (or the
+    function that builds it) is the whole call any other attempt makes.  `relay`: where a fast-lane call's
+    answer goes on to as it arrives (services.rpc.fastlane_client.Relay)."""
     async def attempt(instance: Instance) -> Any:
+        if ahead is not None and not ahead.used and instance is ahead.instance:
+            assert inputs is not None
+            try:
+                return await ahead.take(inputs).answer()
+            finally:
+                ahead.end()
+        whole = request() if callable(request) else request
+        extra = {"relay": relay} if relay is not None and hasattr(instance.stub, "open_ahead") else {}
         with pool.track(instance):
-            return await getattr(instance.stub, method)(request, timeout=ctx.time_left(),
-                                                        metadata=call_metadata(ctx))
+            return await getattr(instance.stub, method)(whole, timeout=ctx.time_left(), metadata=call_metadata(ctx),
+                                                        **extra)
 
-    return await with_failover(pool, ctx, method, attempt, key)
+    return await with_failover(pool, ctx, method, attempt, key, ahead.instance if ahead is not None else None)

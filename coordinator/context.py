@@ -24,6 +24,9 @@ clears what a missing entry made stale before it runs steps again.
 | inline_items     | encode step                     | prefill step                              |
 | prefill          | prefill step; cleared by recovery | decode step, answers (prompt tokens)    |
 | decode_stream    | decode step                     | pipeline.stream                           |
+| ahead            | prefill, decode steps (open_ahead) | the same steps (their calls); pipeline (cancels the unused) |
+| encode_relay     | encode step (its one call)      | prefill step (open_ahead: the answer goes on to its call) |
+| running          | pipeline                        | pipeline (calls open ahead only while a step waits) |
 | recovered        | pipeline (recovery policy)      | pipeline (each recovery runs once)        |
 | failovers        | failover loop (clients.py)      | logs, tests                               |
 | failed_on        | failover loop (clients.py)      | failover loop: the retry budget           |
@@ -45,6 +48,9 @@ from services.protocol.generate import GenerateRequest
 from services.rpc.v1 import epd_pb2 as pb
 
 if TYPE_CHECKING:
+    from services.rpc.fastlane_client import Relay
+
+    from .ahead import Ahead
     from .decode_stream import DecodeStream
 
 Kind = Literal["chat", "completion", "generate"]
@@ -70,6 +76,9 @@ class RequestContext:
     inline_items: set[str] = field(default_factory=set)   # mm_hashes prefill encodes itself
     prefill: pb.PrefillResponse | None = None
     decode_stream: DecodeStream | None = None
+    ahead: dict[str, Ahead] = field(default_factory=dict)   # step name -> its call opened ahead of its inputs
+    running: str = ""                                     # the step Pipeline.prepare is running now
+    encode_relay: Relay | None = None                     # the one encode call's answer -> prefill's call ahead
     recovered: set[str] = field(default_factory=set)      # error codes the pipeline already recovered from
     failovers: int = 0
     failed_on: list[str] = field(default_factory=list)   # instances this request made fail (transport level)

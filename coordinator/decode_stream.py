@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -39,6 +40,9 @@ from services.rpc.v1 import epd_pb2 as pb
 from .clients import call_metadata, count_call, error_from_rpc, is_transport_failure, with_failover
 from .context import RequestContext
 from .routing.pool import Instance, InstancePool
+
+if TYPE_CHECKING:
+    from .ahead import Ahead
 
 
 class DecodeStream:
@@ -89,13 +93,24 @@ class DecodeStream:
             self.pool.end(self.instance)
 
 
-async def open_decode(pool: InstancePool, ctx: RequestContext, request: pb.DecodeRequest) -> DecodeStream:
+async def open_decode(pool: InstancePool, ctx: RequestContext, request: Callable[[], pb.DecodeRequest],
+                      ahead: Ahead | None = None) -> DecodeStream:
     """A running Decode call with its first chunk read; fails over between decode instances.
 
-    A missing KV entry comes back as NotFound `kv_entry_missing`: the pipeline's recovery policy,
-    not this call, decides to prefill again.
+    `request` builds the whole call; with `ahead` (the call opened ahead of its inputs, coordinator/ahead.py)
+    the first attempt sends it prefill's answer instead.  A missing KV entry comes back as NotFound
+    `kv_entry_missing`: the pipeline's recovery policy, not this call, decides to prefill again.
     """
-    stream, _ = await with_failover(pool, ctx, "Decode", lambda instance: _first_chunk(pool, instance, ctx, request))
+    def attempt(instance: Instance) -> Awaitable[DecodeStream]:
+        if ahead is not None and not ahead.used and instance is ahead.instance:
+            assert ctx.prefill is not None
+            first_token = ctx.time_left()
+            # Its in-flight count (pool.begin at opening) is now the stream's: DecodeStream.close ends it.
+            ahead.ended = True
+            return _read_first(pool, instance, ctx, ahead.take(lambda: ctx.prefill).stream, first_token)
+        return _first_chunk(pool, instance, ctx, request())
+
+    stream, _ = await with_failover(pool, ctx, "Decode", attempt, first=ahead.instance if ahead else None)
     return stream
 
 
@@ -106,6 +121,13 @@ async def _first_chunk(pool: InstancePool, instance: Instance, ctx: RequestConte
     total, first_token = ctx.total_left(), ctx.time_left()
     pool.begin(instance)
     call = instance.stub.Decode(request, timeout=total, metadata=call_metadata(ctx))
+    return await _read_first(pool, instance, ctx, call, first_token)
+
+
+async def _read_first(pool: InstancePool, instance: Instance, ctx: RequestContext, call: grpc.aio.UnaryStreamCall,
+                      first_token: float) -> DecodeStream:
+    """The open call's first chunk within `first_token` seconds; the call is cancelled (and the instance's
+    in-flight count given back) when there is none."""
     try:
         async with asyncio.timeout(None if first_token == math.inf else first_token):
             first = await call.read()

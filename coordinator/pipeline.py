@@ -8,11 +8,17 @@ from and what to forget first, and each code is recovered from once per
 request; failover between instances of one role is the one loop in
 clients.py, inside a step.
 
+While a step waits for its role, the later steps may open their calls ahead
+of their inputs (Step.open_ahead, coordinator/ahead.py); every one not used
+is cancelled when `prepare` ends or a recovery runs.
+
 Adding a step is one file in steps/ and one line in STEPS.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -32,6 +38,7 @@ from .steps.generate_input import GenerateInputStep
 from .steps.prefill import PrefillStep
 from .steps.render import RenderStep
 
+log = logging.getLogger(__name__)
 S = TypeVar("S", bound=Step)
 STEPS: list[type[Step]] = [GenerateInputStep, RenderStep, EncodeStep, PrefillStep, DecodeStep]
 EC_MISSING_CODE = "ec_entry_missing"
@@ -76,19 +83,45 @@ class Pipeline:
     async def prepare(self, ctx: RequestContext) -> None:
         """Run every step up to the decode stream's first chunk; each records its own timing."""
         inflight.bind(ctx.request_id, ctx.label, ctx.principal)  # POST /abort_requests can cancel it from now on
+        loop = asyncio.get_running_loop()
         index = 0
-        while index < len(self.steps):
-            step = self.steps[index]
-            activity.mark(f"coordinator.{step.name}.start")
+        try:
+            while index < len(self.steps):
+                step = self.steps[index]
+                activity.mark(f"coordinator.{step.name}.start")
+                ctx.running = step.name
+                if index + 1 < len(self.steps):
+                    loop.call_soon(self._open_ahead, ctx, index)  # runs once the step waits (its call sent)
+                try:
+                    await step.execute(ctx)
+                except EpdError as exc:
+                    self.cancel_ahead(ctx)   # opened from the context as it was: a recovery changes it
+                    index = self._recover(step, ctx, exc)
+                    continue
+                activity.mark(f"coordinator.{step.name}.end")
+                if step.name in ctx.timings:
+                    self.cluster.metrics.stage_seconds.labels(step.name).observe(ctx.timings[step.name])
+                index += 1
+        finally:
+            ctx.running = ""
+            self.cancel_ahead(ctx)
+
+    def _open_ahead(self, ctx: RequestContext, index: int) -> None:
+        """The later steps' calls, opened ahead of their inputs while the step at `index` waits
+        (coordinator/ahead.py); nothing when that step is over already (it had nothing to wait for)."""
+        if ctx.running != self.steps[index].name:
+            return
+        for step in self.steps[index + 1:]:
             try:
-                await step.execute(ctx)
-            except EpdError as exc:
-                index = self._recover(step, ctx, exc)
-                continue
-            activity.mark(f"coordinator.{step.name}.end")
-            if step.name in ctx.timings:
-                self.cluster.metrics.stage_seconds.labels(step.name).observe(ctx.timings[step.name])
-            index += 1
+                step.open_ahead(ctx)
+            except Exception:  # noqa: BLE001 - a callback: the step makes a whole call instead
+                log.exception("opening the %s call ahead failed", step.name)
+
+    @staticmethod
+    def cancel_ahead(ctx: RequestContext) -> None:
+        for ahead in ctx.ahead.values():
+            ahead.cancel()
+        ctx.ahead.clear()
 
     def _recover(self, step: Step, ctx: RequestContext, exc: EpdError) -> int:
         """The index to run from after `exc`, or `exc` raised again when it is not (or no longer) recoverable."""

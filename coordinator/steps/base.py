@@ -26,3 +26,8 @@ class Step(ABC):
 
     @abstractmethod
     async def execute(self, ctx: RequestContext) -> None: ...
+
+    def open_ahead(self, ctx: RequestContext) -> None:
+        """While an earlier step waits: open this step's call ahead of its inputs where it can, into
+        ctx.ahead[self.name] (coordinator/ahead.py).  Most steps cannot; never waits."""
+        return None

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import time
 
+from services.rpc.fastlane_client import Relay
 from services.rpc.v1 import epd_pb2 as pb
 
 from .. import inflight
+from ..ahead import open_ahead
 from ..context import RequestContext
 from ..decode_stream import open_decode
 from .base import Step
@@ -31,21 +33,42 @@ class DecodeStep(Step):
     name = "decode"
 
     @staticmethod
-    def request(ctx: RequestContext) -> pb.DecodeRequest:
-        assert ctx.prefill is not None and ctx.rendered is not None
-        request = pb.DecodeRequest(
-            request_id=ctx.request_id, kv_transfer_params_json=ctx.prefill.kv_transfer_params_json,
-            sampling=ctx.sampling, prompt_tokens=ctx.prefill.prompt_tokens,
-            first_token_id=ctx.prefill.first_token_id)
+    def request(ctx: RequestContext, ahead: bool = False) -> pb.DecodeRequest:
+        """The whole request; with `ahead` the one opened before prefill answered (its answer follows)."""
+        assert ctx.rendered is not None and (ahead or ctx.prefill is not None)
+        request = pb.DecodeRequest(request_id=ctx.request_id, sampling=ctx.sampling,
+                                   prompt_tokens=len(ctx.rendered.token_ids))
+        if ctx.prefill is not None and not ahead:
+            request.kv_transfer_params_json = ctx.prefill.kv_transfer_params_json
+            request.prompt_tokens = ctx.prefill.prompt_tokens
+            request.first_token_id = ctx.prefill.first_token_id
         if _needs_prompt_ids(request.sampling):
             request.prompt_token_ids.extend(ctx.rendered.token_ids)
         return request
+
+    def open_ahead(self, ctx: RequestContext) -> None:
+        """While prefill (or encode) computes: the call that reserves the request's decode slot and blocks."""
+        if ctx.rendered is None or ctx.prefill is not None or ctx.decode_stream is not None or self.name in ctx.ahead:
+            return
+        opened = open_ahead(self.cluster.decode, ctx, "Decode", lambda: self.request(ctx, ahead=True),
+                            ctx.total_left)
+        if opened is None:
+            return
+        ctx.ahead[self.name] = opened
+        prefill = ctx.ahead.get("prefill")
+        if prefill is not None:  # prefill's answer is exactly this call's inputs: on as it arrives
+            prefill.call.relay_answer(Relay(target=opened.call))
 
     async def execute(self, ctx: RequestContext) -> None:
         if ctx.decode_stream is not None:
             return
         started = time.perf_counter()
-        opened = await open_decode(self.cluster.decode, ctx, self.request(ctx))
+        ahead = ctx.ahead.pop(self.name, None)
+        try:
+            opened = await open_decode(self.cluster.decode, ctx, lambda: self.request(ctx), ahead)
+        finally:
+            if ahead is not None and not ahead.used:
+                ahead.cancel()
         ctx.decode_stream = opened
         ctx.instances["decode"] = opened.instance.address
         ctx.timings["decode_first_chunk"] = time.perf_counter() - started

@@ -18,6 +18,7 @@ import logging
 import time
 
 from services.protocol.errors import Overloaded, Unavailable
+from services.rpc.fastlane_client import Relay
 from services.rpc.v1 import epd_pb2 as pb
 
 from ..clients import call_unary
@@ -36,7 +37,12 @@ class EncodeStep(Step):
             return
         started = time.perf_counter()
         if len(missing) == 1:   # awaited here: a gather's task would cost two more turns of the loop
-            replies = [await self._encode_one(ctx, missing[0])]
+            # its answer may go on to prefill's call opened ahead as it arrives (PrefillStep.open_ahead)
+            ctx.encode_relay = Relay(missing[0].mm_hash)
+            try:
+                replies = [await self._encode_one(ctx, missing[0], ctx.encode_relay)]
+            finally:
+                ctx.encode_relay = None
         else:
             replies = await asyncio.gather(*(self._encode_one(ctx, item) for item in missing))
         for encoded in replies:
@@ -70,11 +76,13 @@ class EncodeStep(Step):
             self.cluster.ec_handles.pop(item.mm_hash)
             ctx.ec_handles.pop(item.mm_hash, None)
 
-    async def _encode_one(self, ctx: RequestContext, item: pb.MultiModalItem) -> pb.EncodedItem | None:
+    async def _encode_one(self, ctx: RequestContext, item: pb.MultiModalItem,
+                          relay: Relay | None = None) -> pb.EncodedItem | None:
         request = pb.EncodeRequest(request_id=ctx.request_id, items=[item])
         self.cluster.metrics.mm_payload_bytes.labels("encode").inc(len(item.kwargs_data))
         try:
-            reply, instance = await call_unary(self.cluster.encode, ctx, "Encode", request, key=item.mm_hash)
+            reply, instance = await call_unary(self.cluster.encode, ctx, "Encode", request, key=item.mm_hash,
+                                               relay=relay)
         except (Unavailable, Overloaded) as exc:
             if not self._can_inline(item, exc):
                 raise

@@ -88,13 +88,28 @@ class DecodeService:
         return self._num_waiting
 
     async def decode(self, request_id: str, kv_params: Any, sampling: dict[str, Any],
-                     prompt_token_ids: list[int] | None = None) -> AsyncIterator[DecodeEvent]:
+                     prompt_token_ids: list[int] | None = None,
+                     prompt_len: int | None = None) -> AsyncIterator[DecodeEvent]:
+        """`kv_params` may be a coroutine function (a call opened ahead, services/rpc/inputs_follow.py): the
+        request's blocks are then reserved for `prompt_len` tokens first, and the entry is opened once the
+        parameters came and name that same length."""
         params = decode_params(sampling)
-        handle, prompt_len, rope_delta, first_token = _transfer_fields(kv_params)
+        later = kv_params if callable(kv_params) else None
+        if later is None:
+            handle, prompt_len, rope_delta, first_token = _transfer_fields(kv_params)
+        elif prompt_len is None or prompt_len <= 0:
+            raise InvalidRequest("a decode call opened ahead must say its prompt_tokens", code="invalid_prompt_tokens")
         self._check_room()  # before the KV is loaded (and released): a full instance leaves it for another
         blocks = await self._reserve(prompt_len, params)
         views = contextlib.ExitStack()
         try:
+            if later is not None:
+                kv_params = await later()
+                handle, got_len, rope_delta, first_token = _transfer_fields(kv_params)
+                if got_len != prompt_len:
+                    raise InvalidRequest(f"kv_transfer_params name {got_len} prompt tokens, the call said {prompt_len}",
+                                         code="invalid_kv_transfer_params")
+                self._check_room()  # again: requests may have come while the inputs were on their way
             # The entry is opened and checked before anything is emitted: a missing or malformed one is a typed
             # error the coordinator can act on (kv_entry_missing: prefill again), not a stream that breaks.
             activity.mark("decode.kv_open.start")

@@ -9,6 +9,7 @@ from services.protocol.errors import InvalidRequest
 from services.protocol.serialization import decode_item
 from services.rpc.convert import dumps, loads, sampling_from_pb
 from services.rpc.handlers import rpc_method
+from services.rpc.inputs_follow import check_can_follow, inputs_that_follow
 from services.rpc.v1 import epd_pb2 as pb
 from services.rpc.v1 import epd_pb2_grpc as rpc
 
@@ -35,10 +36,14 @@ class PrefillServicer(rpc.PrefillServiceServicer):
     @rpc_method
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext):
         MM_BYTES.inc(sum(len(i.kwargs_data) + len(i.mm_metadata) for i in request.items))
-        ec_params = loads(request.ec_transfer_params_json) or {}
-        if request.items and not ec_params and not all(i.kwargs_data for i in request.items):
-            raise InvalidRequest("metadata-only multimodal items require ec_transfer_params",
-                                 code="missing_ec_transfer_params")
+        if request.inputs_follow_ms:   # opened ahead: the handles come once encode answered
+            check_can_follow(context, "Prefill")
+
+            async def ec_params() -> dict:
+                encoded = await inputs_that_follow(context, request.inputs_follow_ms, pb.EncodeResponse, "Prefill")
+                return _checked_handles(request, {i.mm_hash: loads(i.handle_json) for i in encoded.items})
+        else:
+            ec_params = _checked_handles(request, loads(request.ec_transfer_params_json) or {})
         salt = request.cache_salt if request.HasField("cache_salt") else None
         outcome = await self.service.prefill(request.request_id, list(request.token_ids),
                                              items_from_pb(list(request.items)), ec_params,
@@ -46,3 +51,10 @@ class PrefillServicer(rpc.PrefillServiceServicer):
         return pb.PrefillResponse(request_id=request.request_id, first_token_id=outcome.first_token_id,
                                   kv_transfer_params_json=dumps(outcome.kv_transfer_params),
                                   prompt_tokens=outcome.prompt_tokens, cached_tokens=outcome.cached_tokens)
+
+
+def _checked_handles(request: pb.PrefillRequest, ec_params: dict) -> dict:
+    if request.items and not ec_params and not all(i.kwargs_data for i in request.items):
+        raise InvalidRequest("metadata-only multimodal items require ec_transfer_params",
+                             code="missing_ec_transfer_params")
+    return ec_params

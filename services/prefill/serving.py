@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,7 @@ from services.connectors.base import ConnectorError, TensorStore
 from services.connectors.kv import kv_key
 from services.connectors.mm import MmRef, open_item
 from services.connectors.wiring import as_epd_error
+from services.decode.params import DecodeParams
 from services.decode.params_from import decode_params
 from services.decode.sampler import sample_first_logprobs
 from services.models.base import LanguageModel, MultiModalInput
@@ -92,15 +94,20 @@ class PrefillService:
         self.gauges = OwnedGauges(self, GAUGES)
 
     async def prefill(self, request_id: str, token_ids: list[int], items: list[PrefillItem],
-                      ec_params: dict[str, Any], sampling: dict[str, Any], cache_salt: str | None) -> PrefillOutcome:
-        """Refused at once (Overloaded) while `max_queue` prefills are already running or waiting."""
-        with self.admission.admit():
-            return await self._prefill(request_id, token_ids, items, ec_params, sampling, cache_salt)
-
-    async def _prefill(self, request_id: str, token_ids: list[int], items: list[PrefillItem],
-                       ec_params: dict[str, Any], sampling: dict[str, Any], cache_salt: str | None) -> PrefillOutcome:
+                      ec_params: dict[str, Any] | Callable[[], Awaitable[dict[str, Any]]], sampling: dict[str, Any],
+                      cache_salt: str | None) -> PrefillOutcome:
+        """Refused at once (Overloaded) while `max_queue` prefills are already running or waiting.  `ec_params`
+        may be a coroutine function (a call opened ahead: services/rpc/inputs_follow.py): the request is checked
+        first, then it waits for them, outside the queue (the coordinator bounds how many requests it runs)."""
         params = decode_params(sampling)
         self._check_ids(token_ids)
+        if callable(ec_params):
+            ec_params = await ec_params()
+        with self.admission.admit():
+            return await self._prefill(request_id, token_ids, items, ec_params, params, cache_salt)
+
+    async def _prefill(self, request_id: str, token_ids: list[int], items: list[PrefillItem],
+                       ec_params: dict[str, Any], params: DecodeParams, cache_salt: str | None) -> PrefillOutcome:
         key = kv_key(request_id)
         held = await self._forward(token_ids, items, ec_params, cache_salt, key, params.plain_greedy)
         if not self.kv_store.local:

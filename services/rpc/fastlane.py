@@ -18,6 +18,9 @@ Frames, both ways: a header `<IBI` (payload bytes, kind, call id) and the payloa
 - REPLY (unary answer), ITEM (one message of a server stream), END (the stream ended cleanly).
 - ERROR: JSON {"code": grpc status code value, "details", "trailing": [[k, v]...]}.
 - CANCEL (client -> server): the caller gave up; the handler is cancelled as gRPC would cancel it.
+- INPUTS (client -> server, at most one per call): the rest of a call opened ahead of its inputs (a request with
+  `inputs_follow_ms`), a protobuf message the handler reads with `context.next_input()`.  gRPC has no such
+  frame: over it the coordinator sends whole requests.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 HEADER = struct.Struct("<IBI")
-HELLO, REQUEST, REPLY, ITEM, END, ERROR, CANCEL = range(7)
+HELLO, REQUEST, REPLY, ITEM, END, ERROR, CANCEL, INPUTS = range(8)
 MAX_FRAME = 256 * 1024 * 1024  # gRPC's message limit here (services.server.GRPC_MAX_MESSAGE)
 ENV_DIR = "EPD_FAST_LANE_DIR"
 

@@ -58,6 +58,7 @@ class _Connection:
         self.reader, self.writer = reader, writer
         self.ids = itertools.count(1)
         self.calls: dict[int, asyncio.Queue | asyncio.Future] = {}   # a stream's frames, a unary call's answer
+        self.relays: dict[int, Relay] = {}   # unary calls whose answer also goes on to a call opened ahead
         self.closed = False
         self.task = asyncio.get_running_loop().create_task(self._read())
 
@@ -66,6 +67,8 @@ class _Connection:
             while True:
                 size, kind, call_id = fl.HEADER.unpack(await self.reader.readexactly(fl.HEADER.size))
                 payload = await self.reader.readexactly(size) if size else b""
+                if self.relays and call_id in self.relays:
+                    self.relays.pop(call_id)(kind, payload)   # on at once, before any task wakes for it
                 _deliver(self.calls.get(call_id), kind, payload)
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
             pass
@@ -76,16 +79,20 @@ class _Connection:
                 _deliver(waiting, None, b"")  # the connection is gone: every call fails UNAVAILABLE
 
     def open_call(self, method: str, message: bytes, timeout: float | None, metadata: Any,
-                  waiting: asyncio.Queue | asyncio.Future) -> int:
-        """Send the call; its frames go to `waiting`: a stream's queue, or a unary call's future (one frame)."""
+                  waiting: asyncio.Queue | asyncio.Future, relay: Relay | None = None) -> int:
+        """Send the call; its frames go to `waiting`: a stream's queue, or a unary call's future (one frame), and
+        a unary call's answer to `relay` too."""
         if self.closed:
             raise _unavailable("the connection is closed")
         call_id = next(self.ids)
         self.calls[call_id] = waiting
+        if relay is not None:
+            self.relays[call_id] = relay
         self.writer.write(fl.frame(fl.REQUEST, call_id, fl.request_payload(method, metadata, timeout, message)))
         return call_id
 
     def end_call(self, call_id: int, cancel: bool) -> None:
+        self.relays.pop(call_id, None)
         if self.calls.pop(call_id, None) is not None and cancel and not self.closed:
             self.writer.write(fl.frame(fl.CANCEL, call_id))
 
@@ -191,10 +198,10 @@ class FastLaneStub:
             self.__dict__[name] = stream  # built once per method: later lookups skip __getattr__
             return stream
 
-        def unary(request: Any, timeout: float | None = None, metadata: Any = None) -> Any:
+        def unary(request: Any, timeout: float | None = None, metadata: Any = None, relay: Relay | None = None) -> Any:
             if not self.up():
                 return getattr(self._grpc, name)(request, timeout=timeout, metadata=metadata)
-            return self._unary(full, request, timeout, metadata, reply)
+            return self._unary(full, request, timeout, metadata, reply, relay)
         self.__dict__[name] = unary
         return unary
 
@@ -227,32 +234,120 @@ class FastLaneStub:
             self._conn = _Connection(reader, writer)
             return self._conn
 
-    async def _unary(self, method: str, request: Any, timeout: float | None, metadata: Any, reply: Any) -> Any:
+    async def _unary(self, method: str, request: Any, timeout: float | None, metadata: Any, reply: Any,
+                     relay: Relay | None = None) -> Any:
         try:
             connection = await self.connection()
         except grpc.aio.AioRpcError:  # no fast lane after all: this call goes through gRPC
             name = method.rsplit("/", 1)[1]
             return await getattr(self._grpc, name)(request, timeout=timeout, metadata=metadata)
         answer: asyncio.Future = asyncio.get_running_loop().create_future()
-        call_id = connection.open_call(method, request.SerializeToString(), timeout, metadata, answer)
-        finished = False
-        try:
-            async with asyncio.timeout(None if timeout is None or math.isinf(timeout) else timeout):
-                kind, payload = await answer
-            finished = True
-        except TimeoutError:
-            raise _rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
-        finally:
-            connection.end_call(call_id, cancel=not finished)
-        if kind == fl.REPLY:
-            return reply.FromString(payload)
-        _answer(kind, payload)
+        call_id = connection.open_call(method, request.SerializeToString(), timeout, metadata, answer, relay)
+        return await _answer_of(connection, call_id, answer, timeout, reply)
+
+    def open_ahead(self, name: str, request: Any, timeout: float | None = None,
+                   metadata: Any = None) -> AheadCall | None:
+        """Send `request` (one that says its inputs follow) now, on the open connection; None when the fast lane
+        is not open at this moment (the caller then makes a whole call later).  Never waits."""
+        connection, method = self._conn, self._methods.get(name)
+        if connection is None or connection.closed or method is None:
+            return None
+        reply = message_factory.GetMessageClass(method.output_type)
+        full = f"{self._service.full_name}/{name}"
+        waiting: asyncio.Queue | asyncio.Future = (asyncio.Queue() if method.server_streaming
+                                                   else asyncio.get_running_loop().create_future())
+        call_id = connection.open_call(full, request.SerializeToString(), timeout, metadata, waiting)
+        stream = None
+        if method.server_streaming:
+            stream = _StreamCall(self, full, request, timeout, metadata, reply)
+            stream._open = (connection, call_id, waiting)  # type: ignore[assignment]
+        return AheadCall(connection, call_id, waiting, timeout, reply, stream)
 
     async def close(self) -> None:
         if self._conn is not None:
             self._conn.close()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._conn.task
+
+
+async def _answer_of(connection: _Connection, call_id: int, answer: asyncio.Future, timeout: float | None,
+                     reply: Any) -> Any:
+    finished = False
+    try:
+        async with asyncio.timeout(None if timeout is None or math.isinf(timeout) else timeout):
+            kind, payload = await answer
+        finished = True
+    except TimeoutError:
+        raise _rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+    finally:
+        connection.end_call(call_id, cancel=not finished)
+    if kind == fl.REPLY:
+        return reply.FromString(payload)
+    _answer(kind, payload)
+
+
+class AheadCall:
+    """A call opened ahead of its inputs (FastLaneStub.open_ahead): its request is with the role, which works on
+    what it can; `send_inputs(message)` sends the rest (one INPUTS frame), or a `Relay` does, with the answer of
+    the call before it as that answer arrives.  A unary call's answer is `await answer()`; a server stream's
+    calls are `stream` (read / cancel, as any stream call).  `cancel()` ends it (the role's handler is
+    cancelled, as gRPC would cancel it); ending a call that already ended does nothing."""
+
+    def __init__(self, connection: _Connection, call_id: int, waiting: asyncio.Queue | asyncio.Future,
+                 timeout: float | None, reply: Any, stream: _StreamCall | None) -> None:
+        self._connection, self._call_id, self._waiting = connection, call_id, waiting
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._reply, self.stream = reply, stream
+        self.sent = self.relayed = self._ended = False
+
+    def send_inputs(self, message: Any) -> None:
+        self.send_raw(message.SerializeToString())
+
+    def send_raw(self, payload: bytes) -> None:
+        """The inputs, once (later sends do nothing); on a closed connection nothing is sent (the answer then
+        fails UNAVAILABLE)."""
+        if self.sent or self._ended:
+            return
+        self.sent = True
+        if not self._connection.closed:
+            self._connection.writer.write(fl.frame(fl.INPUTS, self._call_id, payload))
+
+    def relay_answer(self, relay: Relay) -> bool:
+        """This (unary) call's answer goes on through `relay` as soon as it arrives; False when it is too late."""
+        if self.stream is not None or self._ended or self._waiting.done() or \
+                self._call_id not in self._connection.calls:
+            return False
+        self._connection.relays[self._call_id] = relay
+        return True
+
+    async def answer(self) -> Any:
+        assert isinstance(self._waiting, asyncio.Future), "a stream's frames are read through .stream"
+        self._ended = True
+        left = None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+        return await _answer_of(self._connection, self._call_id, self._waiting, left, self._reply)
+
+    def cancel(self) -> None:
+        if self.stream is not None:
+            self._ended = True
+            self.stream.cancel()
+        elif not self._ended:
+            self._ended = True
+            self._connection.end_call(self._call_id, cancel=True)
+
+
+class Relay:
+    """Where a unary call's answer goes on to, the moment the coordinator's connection reads it: `target`, a call
+    opened ahead, gets the answer's bytes (with `suffix` appended: protobuf merges two messages' repeated fields)
+    as its inputs.  No target (yet), an error answer or a target already fed: nothing is sent.  `about`: what
+    the answer is for (the item an encode call encodes)."""
+
+    def __init__(self, about: str = "", target: AheadCall | None = None, suffix: bytes = b"") -> None:
+        self.about, self.target, self.suffix = about, target, suffix
+
+    def __call__(self, kind: int | None, payload: bytes) -> None:
+        if kind == fl.REPLY and self.target is not None and not self.target.sent:
+            self.target.send_raw(payload + self.suffix)
+            self.target.relayed = True
 
 
 def with_fast_lane(stub: Any, address: str, secure: bool, enabled: bool = True) -> Any:

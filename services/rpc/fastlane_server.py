@@ -6,6 +6,8 @@ metrics) the gRPC server serves.  Each connection may carry many calls at once (
 each call is a task, cancelled when the client sends CANCEL, when its deadline passes (answered
 DEADLINE_EXCEEDED, as gRPC would) or when the connection drops.  A stream's items are written as they
 come, each write waiting for the socket to drain (a slow reader slows its own stream, nothing piles up).
+A call opened ahead of its inputs reads them with `context.next_input(within_s)` (the INPUTS frame); the time
+it waited is `context.waited_s`, which `epd_rpc_seconds` leaves out (services/rpc/handlers.py).
 """
 
 from __future__ import annotations
@@ -47,8 +49,10 @@ class _Recorder:
 class _Context:
     """What the servicers (and rpc_method / rpc_stream) use of grpc.aio.ServicerContext."""
 
-    def __init__(self, metadata: list[tuple[str, str]], deadline: float | None) -> None:
-        self._metadata, self._deadline = tuple(metadata), deadline
+    def __init__(self, metadata: list[tuple[str, str]], deadline: float | None,
+                 inputs: asyncio.Future | None = None) -> None:
+        self._metadata, self._deadline, self._inputs = tuple(metadata), deadline, inputs
+        self.waited_s = 0.0   # spent in next_input: waiting for the stage before, not working
         self.code: grpc.StatusCode | None = None
         self.details = ""
         self.trailing: tuple[tuple[str, str], ...] = ()
@@ -70,6 +74,17 @@ class _Context:
 
     def peer(self) -> str:
         return "unix:fast-lane"
+
+    async def next_input(self, within_s: float) -> bytes:
+        """The INPUTS frame's payload of a call opened ahead of its inputs; TimeoutError past `within_s`."""
+        if self._inputs is None:
+            raise RuntimeError("this call has no inputs to come")
+        started = time.monotonic()
+        try:
+            async with asyncio.timeout(within_s):
+                return await self._inputs
+        finally:
+            self.waited_s += time.monotonic() - started
 
     async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()) -> None:
         self.code, self.details = code, details
@@ -125,6 +140,8 @@ class FastLaneServer:
         assert task is not None
         self._connections.add(task)
         calls: dict[int, asyncio.Task] = {}
+        inputs: dict[int, asyncio.Future] = {}   # per running call: where its INPUTS frame goes
+        loop = asyncio.get_running_loop()
         try:
             writer.write(fl.frame(fl.HELLO, 0, fl.hello_payload(self.grpc_port)))
             while True:
@@ -135,13 +152,16 @@ class FastLaneServer:
                 if kind == fl.REQUEST and self._draining:
                     await _error(writer, call_id, grpc.StatusCode.UNAVAILABLE, "the role is shutting down")
                 elif kind == fl.REQUEST:
-                    call = asyncio.create_task(self._call(call_id, payload, writer))
+                    inputs[call_id] = loop.create_future()
+                    call = asyncio.create_task(self._call(call_id, payload, writer, inputs[call_id]))
                     calls[call_id] = call
                     self._running.add(call)
-                    call.add_done_callback(lambda done, cid=call_id: (calls.pop(cid, None),
+                    call.add_done_callback(lambda done, cid=call_id: (calls.pop(cid, None), inputs.pop(cid, None),
                                                                       self._running.discard(done)))
                 elif kind == fl.CANCEL and call_id in calls:
                     calls[call_id].cancel()
+                elif kind == fl.INPUTS and call_id in inputs and not inputs[call_id].done():
+                    inputs[call_id].set_result(payload)   # a second one, or one for an ended call, is dropped
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
             pass
         except Exception:  # noqa: BLE001 - a broken frame ends this connection only
@@ -152,13 +172,15 @@ class FastLaneServer:
             writer.close()
             self._connections.discard(task)
 
-    async def _call(self, call_id: int, payload: bytes, writer: asyncio.StreamWriter) -> None:
+    async def _call(self, call_id: int, payload: bytes, writer: asyncio.StreamWriter,
+                    inputs: asyncio.Future) -> None:
         try:
-            await self._run(call_id, payload, writer)
+            await self._run(call_id, payload, writer, inputs)
         except (ConnectionError, asyncio.CancelledError):
             pass  # the caller cancelled or went away: nobody to answer
 
-    async def _run(self, call_id: int, payload: bytes, writer: asyncio.StreamWriter) -> None:
+    async def _run(self, call_id: int, payload: bytes, writer: asyncio.StreamWriter,
+                   inputs: asyncio.Future | None = None) -> None:
         try:
             method, metadata, timeout, body = fl.parse_request(payload)
         except Exception:  # noqa: BLE001 - answered, not raised
@@ -172,7 +194,7 @@ class FastLaneServer:
         if counter is None:
             counter = self._counted[method] = CALLS.labels(method.rsplit("/", 1)[1])
         counter.inc()
-        context = _Context(metadata, None if timeout is None else time.monotonic() + timeout)
+        context = _Context(metadata, None if timeout is None else time.monotonic() + timeout, inputs)
         try:
             request = handler.request_deserializer(body)
             async with asyncio.timeout(None if timeout is None or math.isinf(timeout) else timeout):

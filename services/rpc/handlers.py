@@ -8,7 +8,8 @@ without leaking its text.  `rpc_stream` does the same for server streams.
 
 Every call is counted in `epd_rpc_requests{method, code}` (code "ok", the epd
 error code, or "cancelled" when the caller went away) and timed in
-`epd_rpc_seconds{method}`, and ends with one log line carrying the request id.
+`epd_rpc_seconds{method}`, and ends with one log line carrying the request id.  A call opened ahead of its
+inputs (the fast lane's `next_input`) is timed without its wait for them: the metric stays the role's own time.
 """
 
 from __future__ import annotations
@@ -55,8 +56,8 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     await context.abort(err.grpc_code, message)
 
 
-def _done(method: str, started: float, code: str) -> None:
-    elapsed = time.monotonic() - started
+def _done(method: str, started: float, code: str, context: Any = None) -> None:
+    elapsed = time.monotonic() - started - getattr(context, "waited_s", 0.0)
     RPC_REQUESTS.labels(method, code).inc()
     RPC_SECONDS.labels(method).observe(elapsed)
     level = logging.INFO if code in ("ok", "cancelled") else logging.WARNING
@@ -85,7 +86,7 @@ def rpc_method(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
             await _abort(context, exc)
             raise  # unreachable: abort raises
         finally:
-            _done(fn.__name__, started, code)
+            _done(fn.__name__, started, code, context)
 
     return wrapper
 
@@ -114,6 +115,6 @@ def rpc_stream(fn: Callable[..., AsyncIterator[T]]) -> Callable[..., AsyncIterat
             code = as_epd_error(exc).code
             await _abort(context, exc)
         finally:
-            _done(fn.__name__, started, code)
+            _done(fn.__name__, started, code, context)
 
     return wrapper

@@ -143,20 +143,22 @@ class EncodeResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[EncodedItem, _Mapping]]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "items", "ec_transfer_params_json", "sampling", "cache_salt")
+    __slots__ = ("request_id", "token_ids", "items", "ec_transfer_params_json", "sampling", "cache_salt", "inputs_follow_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     EC_TRANSFER_PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FOLLOW_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     items: _containers.RepeatedCompositeFieldContainer[MultiModalItem]
     ec_transfer_params_json: bytes
     sampling: SamplingParams
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., items: _Optional[_Iterable[_Union[MultiModalItem, _Mapping]]] = ..., ec_transfer_params_json: _Optional[bytes] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    inputs_follow_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., items: _Optional[_Iterable[_Union[MultiModalItem, _Mapping]]] = ..., ec_transfer_params_json: _Optional[bytes] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., inputs_follow_ms: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("request_id", "first_token_id", "kv_transfer_params_json", "prompt_tokens", "cached_tokens")
@@ -173,20 +175,22 @@ class PrefillResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., kv_transfer_params_json: _Optional[bytes] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "kv_transfer_params_json", "sampling", "prompt_tokens", "first_token_id", "prompt_token_ids")
+    __slots__ = ("request_id", "kv_transfer_params_json", "sampling", "prompt_tokens", "first_token_id", "prompt_token_ids", "inputs_follow_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FOLLOW_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     kv_transfer_params_json: bytes
     sampling: SamplingParams
     prompt_tokens: int
     first_token_id: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., kv_transfer_params_json: _Optional[bytes] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., first_token_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    inputs_follow_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., kv_transfer_params_json: _Optional[bytes] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., first_token_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., inputs_follow_ms: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens")
