@@ -51,6 +51,7 @@ class Exchange:
         self.status = 0
         self.is_sse = False
         self.sending_since: float | None = None  # a write to the client waiting since then
+        self._head: dict[str, Any] | None = None   # an event stream's response start, sent with its first event
 
     async def receive(self) -> dict[str, Any]:
         message = await self._receive()
@@ -62,13 +63,24 @@ class Exchange:
 
     async def send(self, message: dict[str, Any]) -> None:
         if message["type"] == "http.response.start":
-            self.started, self.status = True, int(message["status"])
+            self.status = int(message["status"])
             headers = dict(message.get("headers") or [])
             self.is_sse = headers.get(b"content-type", b"").startswith(b"text/event-stream")
+            # An event stream's head goes out with its first event: one write pair, one wake-up of the client
+            # for both (its head alone would wake it once more before the first token).  Another start (an
+            # error answer after a cancel) replaces a head not sent yet.
+            self._head = message if self.is_sse else None
+            if self.is_sse:
+                return
+            self.started = True
         elif message["type"] == "http.response.body" and not message.get("more_body", False):
             self.complete = True  # before sending: the server reports a disconnect once it is sent
         self.sending_since = time.monotonic()
         try:
+            if self._head is not None:
+                head, self._head = self._head, None
+                self.started = True
+                await self._send(head)
             await self._send(message)
         finally:
             self.sending_since = None

@@ -25,7 +25,7 @@ clears what a missing entry made stale before it runs steps again.
 | prefill          | prefill step; cleared by recovery | decode step, answers (prompt tokens)    |
 | decode_stream    | decode step                     | pipeline.stream                           |
 | ahead            | prefill, decode steps (open_ahead) | the same steps (their calls); pipeline (cancels the unused) |
-| encode_relay     | encode step (its one call)      | prefill step (open_ahead: the answer goes on to its call) |
+| relays           | encode, prefill steps (one whole call) | the next step's open_ahead (the answer goes on) |
 | running          | pipeline                        | pipeline (calls open ahead only while a step waits) |
 | recovered        | pipeline (recovery policy)      | pipeline (each recovery runs once)        |
 | failovers        | failover loop (clients.py)      | logs, tests                               |
@@ -78,7 +78,7 @@ class RequestContext:
     decode_stream: DecodeStream | None = None
     ahead: dict[str, Ahead] = field(default_factory=dict)   # step name -> its call opened ahead of its inputs
     running: str = ""                                     # the step Pipeline.prepare is running now
-    encode_relay: Relay | None = None                     # the one encode call's answer -> prefill's call ahead
+    relays: dict[str, Relay] = field(default_factory=dict)  # step -> where its one call's answer goes on to
     recovered: set[str] = field(default_factory=set)      # error codes the pipeline already recovered from
     failovers: int = 0
     failed_on: list[str] = field(default_factory=list)   # instances this request made fail (transport level)

@@ -55,9 +55,12 @@ class DecodeStep(Step):
         if opened is None:
             return
         ctx.ahead[self.name] = opened
-        prefill = ctx.ahead.get("prefill")
-        if prefill is not None:  # prefill's answer is exactly this call's inputs: on as it arrives
+        # prefill's answer is exactly this call's inputs: on as it arrives, from its call opened ahead or whole
+        prefill, relay = ctx.ahead.get("prefill"), ctx.relays.get("prefill")
+        if prefill is not None:
             prefill.call.relay_answer(Relay(target=opened.call))
+        elif relay is not None and relay.target is None:
+            relay.target = opened.call
 
     async def execute(self, ctx: RequestContext) -> None:
         if ctx.decode_stream is not None:

@@ -38,11 +38,11 @@ class EncodeStep(Step):
         started = time.perf_counter()
         if len(missing) == 1:   # awaited here: a gather's task would cost two more turns of the loop
             # its answer may go on to prefill's call opened ahead as it arrives (PrefillStep.open_ahead)
-            ctx.encode_relay = Relay(missing[0].mm_hash)
+            relay = ctx.relays[self.name] = Relay(missing[0].mm_hash)
             try:
-                replies = [await self._encode_one(ctx, missing[0], ctx.encode_relay)]
+                replies = [await self._encode_one(ctx, missing[0], relay)]
             finally:
-                ctx.encode_relay = None
+                del ctx.relays[self.name]
         else:
             replies = await asyncio.gather(*(self._encode_one(ctx, item) for item in missing))
         for encoded in replies:

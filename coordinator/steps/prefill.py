@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterable
 
 from services.rpc.convert import dumps, loads, metadata_only
+from services.rpc.fastlane_client import Relay
 from services.rpc.v1 import epd_pb2 as pb
 
 from ..ahead import open_ahead
@@ -36,7 +37,7 @@ class PrefillStep(Step):
         if opened is None:
             return
         ctx.ahead[self.name] = opened
-        relay = ctx.encode_relay
+        relay = ctx.relays.get("encode")
         known = [h for h in self._hashes(ctx) if h in ctx.ec_handles]
         if relay is not None and relay.target is None and set(self._hashes(ctx)) - set(known) == {relay.about}:
             # encode's answer is the one handle missing: it goes on to this call as it arrives, with the rest
@@ -52,9 +53,13 @@ class PrefillStep(Step):
             if ahead is not None and ctx.inline_items:
                 ahead.cancel()  # an item is left to prefill: its pixels go in a whole call
                 ahead = None
+            # a whole call's answer may go on to decode's call opened ahead as it arrives (DecodeStep.open_ahead)
+            relay = ctx.relays[self.name] = Relay()
             ctx.prefill, instance = await call_unary(self.cluster.prefill, ctx, "Prefill", lambda: self.whole(ctx),
-                                                     ahead=ahead, inputs=lambda: self._inputs(ctx, self._hashes(ctx)))
+                                                     ahead=ahead, inputs=lambda: self._inputs(ctx, self._hashes(ctx)),
+                                                     relay=relay)
         finally:
+            ctx.relays.pop(self.name, None)
             if ahead is not None and not ahead.used:
                 ahead.cancel()
         ctx.instances["prefill"] = instance.address

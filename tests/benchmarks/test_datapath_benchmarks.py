@@ -106,14 +106,15 @@ def test_request_trace_sees_one_request_cross_every_process_in_order():
     expected = ["client.send", "coordinator.http_in", "coordinator.render.start", "RenderChat.in", "RenderChat.out",
                 "coordinator.render.end", "coordinator.encode.start", "Encode.in", "encode.engine_batch",
                 "encode.compute.start", "encode.compute.end", "encode.engine_done", "encode.ec_put.start",
-                "encode.ec_put.end", "Encode.out", "coordinator.encode.end", "coordinator.prefill.start",
-                "Prefill.in", "prefill.ec_views.start", "prefill.ec_views.end", "prefill.engine_batch",
-                "prefill.compute.start", "prefill.compute.end", "prefill.kv_put.start", "prefill.kv_put.end",
-                "prefill.engine_done", "Prefill.out", "coordinator.prefill.end", "coordinator.decode.start",
-                "Decode.in", "decode.kv_open.start", "decode.kv_open.end", "Decode.first", "coordinator.decode.end",
+                "encode.ec_put.end", "Encode.out", "Prefill.inputs", "prefill.ec_views.start",
+                "prefill.ec_views.end", "prefill.engine_batch", "prefill.compute.start", "prefill.compute.end",
+                "prefill.kv_put.start", "prefill.kv_put.end", "prefill.engine_done", "Prefill.out", "Decode.inputs",
+                "decode.kv_open.start", "decode.kv_open.end", "Decode.first", "coordinator.decode.end",
                 "coordinator.first_delta", "client.first_token"]
     assert [name for name in order if name in expected] == expected
     assert result["on_path"] >= 2 and 0 < result["compute_us"] < result["ttft_us"]
+    # prefill and decode were called ahead of their inputs: their handlers started while encode computed
+    assert set(result["ahead_us"]) == {"Prefill", "Decode"} and all(us > 0 for us in result["ahead_us"].values())
 
 
 @pytest.mark.timeout(180)

@@ -38,3 +38,46 @@ def test_with_tls_every_hop_stays_on_grpc(secure_cluster):
                        headers={"Authorization": f"Bearer {PUBLIC_KEYS[0]}"})
     assert reply.status_code == 200, reply.text
     assert _served(secure_cluster) == {role: 0.0 for role in METHODS}
+
+
+def _ahead(cluster) -> dict[tuple[str, str], float]:
+    """epd_coordinator_ahead_calls_total by (role, outcome)."""
+    out: dict[tuple[str, str], float] = {}
+    for line in httpx.get(cluster.url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("epd_coordinator_ahead_calls_total{"):
+            head, _, value = line.rpartition(" ")
+            labels = dict(part.split("=") for part in head[head.index("{") + 1:-1].split(","))
+            out[(labels["role"].strip('"'), labels["outcome"].strip('"'))] = float(value)
+    return out
+
+
+def _delta(before: dict, after: dict) -> dict:
+    return {key: after[key] - before.get(key, 0.0) for key in after if after[key] != before.get(key, 0.0)}
+
+
+def test_prefill_and_decode_are_called_ahead_of_their_inputs_and_each_answer_is_relayed(shm_cluster):
+    """A new image: while encode computes, prefill and decode are called ahead; encode's answer goes on to prefill
+    and prefill's to decode as the coordinator reads them.  The same request again (the handle known: nothing to
+    wait for at encode) makes a whole prefill call, whose answer is relayed to decode's call opened meanwhile.
+    Both answers are the same tokens."""
+    body = chat("Describe it.", [noise_image(224, 224, seed=4403)], max_tokens=4, temperature=0)
+    answers, deltas = [], []
+    for _ in range(2):
+        before = _ahead(shm_cluster)
+        reply = httpx.post(shm_cluster.url + "/v1/chat/completions", json=body, timeout=120)
+        assert reply.status_code == 200, reply.text
+        answers.append(reply.json()["choices"][0]["message"]["content"])
+        deltas.append(_delta(before, _ahead(shm_cluster)))
+    assert deltas[0] == {("prefill", "opened"): 1.0, ("prefill", "relayed"): 1.0,
+                         ("decode", "opened"): 1.0, ("decode", "relayed"): 1.0}
+    assert deltas[1] == {("decode", "opened"): 1.0, ("decode", "relayed"): 1.0}
+    assert answers[0] == answers[1] and answers[0]
+    assert metric_value(shm_cluster.metrics("decode"), "epd_decode_kv_blocks_reserved") == 0.0
+
+
+def test_with_tls_no_call_is_opened_ahead(secure_cluster):
+    body = chat("Describe it.", [noise_image(224, 224, seed=4404)], max_tokens=2, temperature=0)
+    reply = httpx.post(secure_cluster.url + "/v1/chat/completions", json=body, timeout=120,
+                       headers={"Authorization": f"Bearer {PUBLIC_KEYS[0]}"})
+    assert reply.status_code == 200, reply.text
+    assert _ahead(secure_cluster) == {}

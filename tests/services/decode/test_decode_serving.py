@@ -14,7 +14,7 @@ import pytest
 
 from services.connectors import StoreConfig, create_store, wiring
 from services.decode.serving import DecodeService
-from services.protocol.errors import NotFound
+from services.protocol.errors import InvalidRequest, NotFound
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
@@ -181,3 +181,61 @@ def test_a_first_token_that_ends_the_request_copies_nothing(make_engine, story, 
     assert [e.token_ids for e in events] == [[story.first_token]] and events[-1].finish_reason == "length"
     wait_until(lambda: store.stats().entries == 0)   # released unread: its producer frees it
     assert loads == [] and all_back(engine)
+
+
+def test_a_call_opened_ahead_reserves_its_blocks_before_its_inputs_come(tiny, make_engine, story, store):
+    """Its KV parameters are a coroutine (the INPUTS frame, services/rpc/inputs_follow.py): the blocks are reserved
+    while they are on their way, and the answer is the same as a whole call's."""
+    engine = make_engine(num_slots=2)
+    service = DecodeService(engine, store)
+
+    async def main():
+        inputs = asyncio.get_running_loop().create_future()
+
+        async def later():
+            return await inputs
+
+        stream = service.decode("d1", later, {**GREEDY, "max_tokens": 6}, prompt_len=story.prompt_len)
+        first = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0.05)
+        reserved = engine.stats().kv.reserved_blocks
+        inputs.set_result(transfer(store, story))
+        return reserved, [await first, *await collect(stream)]
+
+    reserved, events = asyncio.run(main())
+    assert reserved > 0
+    assert [t for e in events for t in e.token_ids] == tiny.reference(story, 6)
+    wait_until(lambda: store.stats().entries == 0)
+    assert all_back(engine)
+
+
+def test_a_call_opened_ahead_frees_its_blocks_when_cancelled_or_given_another_prompt_length(make_engine, story,
+                                                                                            store):
+    engine = make_engine(num_slots=2)
+    service = DecodeService(engine, store)
+
+    async def never():
+        await asyncio.sleep(3600)
+
+    async def wrong_length():
+        return transfer(store, story)
+
+    async def main():
+        stream = service.decode("d1", never, {**GREEDY, "max_tokens": 6}, prompt_len=story.prompt_len)
+        waiting = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0.05)
+        assert engine.stats().kv.reserved_blocks > 0
+        waiting.cancel()          # the coordinator cancelled the call (an earlier stage failed)
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert all_back(engine)
+        with pytest.raises(InvalidRequest) as refused:
+            await collect(service.decode("d2", wrong_length, GREEDY, prompt_len=story.prompt_len + 1))
+        return refused.value
+
+    refused = asyncio.run(main())
+    assert refused.code == "invalid_kv_transfer_params"
+    assert str(refused) == (f"kv_transfer_params name {story.prompt_len} prompt tokens, "
+                            f"the call said {story.prompt_len + 1}")
+    assert all_back(engine)
+    assert store.stats().entries == 1   # the entry is left for its TTL (or another decode): nobody released it
