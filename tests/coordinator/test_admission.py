@@ -209,3 +209,41 @@ def test_a_client_that_stops_reading_a_stream_is_cut_after_the_stall_bound():
         client.close()
         server.should_exit = True
         thread.join(5)
+
+
+@pytest.mark.parametrize("media_type", [b"text/event-stream", b"application/json"])
+def test_an_event_streams_head_goes_out_with_its_first_event_and_any_other_head_at_once(media_type):
+    """One write pair for the head and the first event of a stream: the client wakes once for both (the first
+    token's time), instead of once for the head while the event is still being made."""
+    sent: list[dict] = []
+
+    async def main() -> list[str]:
+        made = asyncio.Event()
+
+        async def app(scope, receive, send):
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", media_type)]})
+            await made.wait()   # the first event is still being made
+            await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        async def receive():
+            await asyncio.sleep(3600)
+
+        async def send(message):
+            sent.append(message)
+
+        middleware = AdmissionMiddleware(app, registry=InflightRegistry(), max_inflight=2,
+                                         metrics=CoordinatorMetrics(CollectorRegistry()))
+        scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
+        running = asyncio.create_task(middleware(scope, receive, send))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        held = [m["type"] for m in sent]
+        made.set()
+        await asyncio.wait_for(running, 5)
+        return held
+
+    held = asyncio.run(main())
+    assert held == ([] if media_type == b"text/event-stream" else ["http.response.start"])
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body", "http.response.body"]
+    assert sent[0]["status"] == 200 and sent[1]["body"] == b"data: 1\n\n"
