@@ -19,6 +19,7 @@ so a token whose text is empty still counts).  The coordinator's own TTFT
     python -m benchmarks.overhead --model demo-medium   # the medium model's TTFT by stage (its own docs block)
     python -m benchmarks.overhead --model DIR --image-size 1024x768   # any checkpoint and image size (docs untouched)
     python -m benchmarks.overhead --compare-ref HEAD~1   # this tree vs another version, rounds alternating
+                                                          # (and the CPU the five processes spend per request)
 
 Target: <= 3 ms p50 (issue 11; issue 4 asked for 5).  The full run writes its figure and the breakdown
 (where the rest sits: each hop, the coordinator outside them, the client side) between the
@@ -127,6 +128,29 @@ async def measure(server: Server, model: str, count: int, warmup: int = 2,
     return samples
 
 
+async def cpu_per_request(server: Server, model: str, count: int,
+                          image_size: tuple[int, int] = (224, 224)) -> float:
+    """CPU seconds the five processes (`process_cpu_seconds_total` of each) spent per request over `count`
+    requests sent one at a time, read once before and once after (no scrape in between)."""
+    urls = [server.url, *(u for urls in server.roles.values() for u in urls)]
+    bodies = _bodies(model, count + 2, random.randrange(1 << 30), image_size)
+
+    async def total(session: aiohttp.ClientSession) -> float:
+        spent = 0.0
+        for url in urls:
+            async with session.get(url + "/metrics") as reply:
+                spent += metric_sum(await reply.text(), "process_cpu_seconds_total")
+        return spent
+
+    async with aiohttp.ClientSession() as session:
+        for body in bodies[:2]:
+            await _first_token_s(session, server.url, body)
+        before = await total(session)
+        for body in bodies[2:]:
+            await _first_token_s(session, server.url, body)
+        return (await total(session) - before) / count
+
+
 def summarize(samples: list[Sample]) -> dict[str, float]:
     def p50(values: list[float]) -> float:
         return percentile(values, 50) * 1e3
@@ -193,6 +217,7 @@ def compare(ref: str, model: str, count: int, rounds: int = 6,
     per_round = max(1, count // rounds)
     tree = tree_at(ref)
     samples: dict[str, list[Sample]] = {"A": [], "B": []}
+    cpu: dict[str, list[float]] = {"A": [], "B": []}
     # The cluster started first measured a few % slower compute and overhead with the same code on both sides
     # (2026-12-04): so each half of the rounds runs on a fresh pair, started in the other order.
     for half, first in enumerate(("A", "B")):
@@ -204,8 +229,14 @@ def compare(ref: str, model: str, count: int, rounds: int = 6,
                 for side in (("A", "B") if index % 2 == 0 else ("B", "A")):
                     samples[side] += asyncio.run(measure(by_side[side], by_side[side].model_id(), per_round,
                                                          image_size=image_size))
+            for side in order:   # the work itself: CPU per request, no scrape between the requests
+                cpu[side].append(asyncio.run(cpu_per_request(by_side[side], by_side[side].model_id(),
+                                                             max(20, count // 2), image_size)))
     s = {side: summarize(got) for side, got in samples.items()}
-    figures = []
+    spent = {side: 1e3 * sum(values) / len(values) for side, values in cpu.items()}
+    figures = [Figure(f"CPU per request, five processes, this tree / {ref} ({model}, one at a time)",
+                      spent["A"] / spent["B"], None, "le", unit="x", detail=spent,
+                      note=f"{spent['A']:.2f} vs {spent['B']:.2f} ms of CPU per request")]
     for key, what in (("overhead_ms", "orchestration overhead p50"), ("ttft_ms", "TTFT p50"),
                       ("transfers_and_handlers_ms", "in-role transfers p50"), ("render_ms", "render p50"),
                       ("encode_ms", "encode compute p50"), ("prefill_ms", "prefill compute p50")):

@@ -109,13 +109,21 @@ class Pipeline:
     def _open_ahead(self, ctx: RequestContext, index: int) -> None:
         """The later steps' calls, opened ahead of their inputs while the step at `index` waits
         (coordinator/ahead.py); nothing when that step is over already (it had nothing to wait for)."""
-        if ctx.running != self.steps[index].name:
+        if ctx.running != self.steps[index].name or not self._ahead_pays():
             return
         for step in self.steps[index + 1:]:
             try:
                 step.open_ahead(ctx)
             except Exception:  # noqa: BLE001 - a callback: the step makes a whole call instead
                 log.exception("opening the %s call ahead failed", step.name)
+
+    def _ahead_pays(self) -> bool:
+        """One request at a time a call opened ahead takes its hand-offs off the request's path; under load the
+        stages' waits overlap other requests' work anyway, and its extra frames and handler steps (the CPU per
+        request `python -m benchmarks.overhead --compare-ref` reports) would only cost throughput."""
+        limit = self.cluster.config.ahead_max_inflight
+        running = inflight.running_now()
+        return limit > 0 and (running is None or running <= limit)
 
     @staticmethod
     def cancel_ahead(ctx: RequestContext) -> None:

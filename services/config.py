@@ -215,6 +215,8 @@ class EpdConfig:
     fast_lane: bool = _f(True, "same-host calls between the coordinator and the roles over a Unix socket instead "
                          "of gRPC (plaintext gRPC to loopback addresses only; docs/architecture.md)")
     event_loop: str = _f("uvloop", "the event loop of every epd process: uvloop | asyncio (the standard library's)")
+    ahead_max_inflight: int = _f(2, "open calls ahead of their inputs (docs/architecture.md) while the coordinator "
+                                 "runs at most this many requests; 0: never", roles="coordinator")
 
     def __post_init__(self) -> None:
         for name, allowed in (("ec_connector", CONNECTORS), ("kv_connector", CONNECTORS), ("dtype", DTYPES),

@@ -17,10 +17,11 @@ import asyncio
 import logging
 import time
 
-from services.protocol.errors import Overloaded, Unavailable
+from services.protocol.errors import InternalError, Overloaded, Unavailable
 from services.rpc.fastlane_client import Relay
 from services.rpc.v1 import epd_pb2 as pb
 
+from ..ahead import Ahead, open_ahead
 from ..clients import call_unary
 from ..context import RequestContext
 from .base import Step
@@ -31,25 +32,83 @@ log = logging.getLogger(__name__)
 class EncodeStep(Step):
     name = "encode"
 
-    async def execute(self, ctx: RequestContext) -> None:
-        missing = self._missing_items(ctx)
-        if not missing:
+    def open_ahead(self, ctx: RequestContext) -> None:
+        """While render computes: the call that gets render's answer as its inputs, relayed as the coordinator
+        reads it (coordinator/ahead.py).  Only with one encode instance to take it (which one an image goes to
+        is chosen by its hash, not known before render answers) and a request that names an image at all."""
+        relay = ctx.relays.get("render")
+        if ctx.rendered is not None or relay is None or relay.target is not None or self.name in ctx.ahead or \
+                b"image" not in ctx.body or len(self.cluster.encode.healthy()) != 1:
             return
-        started = time.perf_counter()
+        opened = open_ahead(self.cluster.encode, ctx, "Encode", lambda: pb.EncodeRequest(request_id=ctx.request_id),
+                            ctx.time_left)
+        if opened is not None:
+            ctx.ahead[self.name] = opened
+            relay.target = opened.call
+
+    async def execute(self, ctx: RequestContext) -> None:
+        ahead = ctx.ahead.pop(self.name, None)
+        try:
+            missing = self._missing_items(ctx)
+            if not missing:
+                return
+            started = time.perf_counter()
+            if ahead is not None and not ctx.inline_items:
+                replies = await self._by_ahead(ctx, ahead, missing)
+                if replies is not None:
+                    self._keep(ctx, replies)
+                    ctx.timings["encode"] = time.perf_counter() - started
+                    return
+        finally:
+            if ahead is not None and not ahead.used:
+                ahead.cancel()
+        await self._each(ctx, missing, started)
+
+    async def _by_ahead(self, ctx: RequestContext, ahead: Ahead,
+                        missing: list[pb.MultiModalItem]) -> list[pb.EncodedItem] | None:
+        """Every missing item from the call opened ahead (render's answer its inputs), failing over to whole
+        calls of the same items; None when no encoder could take them (each item then goes its own way)."""
+        assert ctx.rendered is not None
+        self.cluster.metrics.mm_payload_bytes.labels("encode").inc(sum(len(i.kwargs_data) for i in ctx.rendered.items))
+        # its answer names every image of the prompt: it may go on to prefill's call opened ahead as it arrives
+        relay = ctx.relays[self.name] = Relay(frozenset(i.mm_hash for i in ctx.rendered.items))
+        ahead.call.relay_answer(relay)
+        try:
+            reply, instance = await call_unary(
+                self.cluster.encode, ctx, "Encode", lambda: pb.EncodeRequest(request_id=ctx.request_id, items=missing),
+                key=missing[0].mm_hash, ahead=ahead, inputs=lambda: ctx.rendered)
+        except (Unavailable, Overloaded):
+            return None
+        finally:
+            del ctx.relays[self.name]
+        found = {i.mm_hash: i for i in reply.items}
+        if any(item.mm_hash not in found for item in missing):
+            raise InternalError("encode answered without every image it was given", code="encode_incomplete")
+        ctx.instances.setdefault("encode", instance.address)
+        self.cluster.metrics.encode_calls.inc()
+        for item in missing:
+            self.cluster.metrics.mm_items.labels("cache_hit" if found[item.mm_hash].cache_hit else "encoded").inc()
+        return [found[item.mm_hash] for item in missing]
+
+    def _keep(self, ctx: RequestContext, replies: list[pb.EncodedItem | None]) -> None:
+        for encoded in replies:
+            if encoded is None:  # left to prefill (inline encode)
+                continue
+            ctx.ec_handles[encoded.mm_hash] = encoded.handle_json
+            self.cluster.ec_handles.put(encoded.mm_hash, encoded.handle_json)
+
+    async def _each(self, ctx: RequestContext, missing: list[pb.MultiModalItem], started: float) -> None:
+        """One call per item, in parallel, each failing over on its own."""
         if len(missing) == 1:   # awaited here: a gather's task would cost two more turns of the loop
             # its answer may go on to prefill's call opened ahead as it arrives (PrefillStep.open_ahead)
-            relay = ctx.relays[self.name] = Relay(missing[0].mm_hash)
+            relay = ctx.relays[self.name] = Relay(frozenset({missing[0].mm_hash}))
             try:
                 replies = [await self._encode_one(ctx, missing[0], relay)]
             finally:
                 del ctx.relays[self.name]
         else:
             replies = await asyncio.gather(*(self._encode_one(ctx, item) for item in missing))
-        for encoded in replies:
-            if encoded is None:  # left to prefill (inline encode)
-                continue
-            ctx.ec_handles[encoded.mm_hash] = encoded.handle_json
-            self.cluster.ec_handles.put(encoded.mm_hash, encoded.handle_json)
+        self._keep(ctx, replies)
         ctx.timings["encode"] = time.perf_counter() - started
 
     def _can_inline(self, item: pb.MultiModalItem, exc: Unavailable | Overloaded) -> bool:

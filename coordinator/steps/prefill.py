@@ -38,10 +38,10 @@ class PrefillStep(Step):
             return
         ctx.ahead[self.name] = opened
         relay = ctx.relays.get("encode")
-        known = [h for h in self._hashes(ctx) if h in ctx.ec_handles]
-        if relay is not None and relay.target is None and set(self._hashes(ctx)) - set(known) == {relay.about}:
-            # encode's answer is the one handle missing: it goes on to this call as it arrives, with the rest
-            relay.suffix = self._inputs(ctx, known).SerializeToString() if known else b""
+        rest = self._hashes(ctx) - relay.about if relay is not None else None
+        if relay is not None and relay.target is None and rest is not None and rest <= ctx.ec_handles.keys():
+            # encode's answer holds the handles missing here: it goes on to this call as it arrives, with the rest
+            relay.suffix = self._inputs(ctx, sorted(rest)).SerializeToString() if rest else b""
             relay.target = opened.call
 
     async def execute(self, ctx: RequestContext) -> None:

@@ -339,9 +339,9 @@ class Relay:
     """Where a unary call's answer goes on to, the moment the coordinator's connection reads it: `target`, a call
     opened ahead, gets the answer's bytes (with `suffix` appended: protobuf merges two messages' repeated fields)
     as its inputs.  No target (yet), an error answer or a target already fed: nothing is sent.  `about`: what
-    the answer is for (the item an encode call encodes)."""
+    the answer is for (the images an encode call encodes), for whoever sets the target."""
 
-    def __init__(self, about: str = "", target: AheadCall | None = None, suffix: bytes = b"") -> None:
+    def __init__(self, about: Any = None, target: AheadCall | None = None, suffix: bytes = b"") -> None:
         self.about, self.target, self.suffix = about, target, suffix
 
     def __call__(self, kind: int | None, payload: bytes) -> None:

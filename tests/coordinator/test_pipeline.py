@@ -261,3 +261,24 @@ def test_decode_request_carries_prompt_ids_only_for_penalties():
     plain, penalised = run(scenario)
     assert list(plain.prompt_token_ids) == [] and list(penalised.prompt_token_ids) == [1, 2, 3, 4, 5, 6, 7, 8]
     assert (plain.first_token_id, plain.prompt_tokens) == (5, 8)
+
+
+@pytest.mark.parametrize(("limit", "running", "opens"), [(2, 1, True), (2, 2, True), (2, 3, False), (0, 1, False),
+                                                         (2, None, True)])
+def test_calls_open_ahead_only_while_the_coordinator_runs_few_requests(limit, running, opens):
+    """--ahead-max-inflight: under load a call opened ahead saves no time and costs CPU (coordinator/ahead.py)."""
+    from prometheus_client import CollectorRegistry
+
+    from coordinator import inflight
+    from coordinator.cluster import Cluster
+    from coordinator.metrics import CoordinatorMetrics
+    from services.config import EpdConfig
+
+    registry = inflight.InflightRegistry()
+    records = [registry.open("/v1/chat/completions") for _ in range(running or 0)]
+    pipeline = Pipeline(Cluster(EpdConfig(ahead_max_inflight=limit), CoordinatorMetrics(CollectorRegistry())))
+    token = inflight.current_request.set(records[0] if records else None)
+    try:
+        assert pipeline._ahead_pays() is opens
+    finally:
+        inflight.current_request.reset(token)

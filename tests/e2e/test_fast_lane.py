@@ -56,10 +56,11 @@ def _delta(before: dict, after: dict) -> dict:
 
 
 def test_prefill_and_decode_are_called_ahead_of_their_inputs_and_each_answer_is_relayed(shm_cluster):
-    """A new image: while encode computes, prefill and decode are called ahead; encode's answer goes on to prefill
-    and prefill's to decode as the coordinator reads them.  The same request again (the handle known: nothing to
-    wait for at encode) makes a whole prefill call, whose answer is relayed to decode's call opened meanwhile.
-    Both answers are the same tokens."""
+    """A new image: while render computes, encode is called ahead, and while encode computes, prefill and decode
+    are; render's answer goes on to encode, encode's to prefill and prefill's to decode as the coordinator reads
+    them.  The same request again (the handle known: nothing to encode, so the call opened ahead is cancelled)
+    makes a whole prefill call, whose answer is relayed to decode's call opened meanwhile.  Both answers are the
+    same tokens."""
     body = chat("Describe it.", [noise_image(224, 224, seed=4403)], max_tokens=4, temperature=0)
     answers, deltas = [], []
     for _ in range(2):
@@ -68,9 +69,10 @@ def test_prefill_and_decode_are_called_ahead_of_their_inputs_and_each_answer_is_
         assert reply.status_code == 200, reply.text
         answers.append(reply.json()["choices"][0]["message"]["content"])
         deltas.append(_delta(before, _ahead(shm_cluster)))
-    assert deltas[0] == {("prefill", "opened"): 1.0, ("prefill", "relayed"): 1.0,
+    assert deltas[0] == {(role, outcome): 1.0 for role in ("encode", "prefill", "decode")
+                         for outcome in ("opened", "relayed")}
+    assert deltas[1] == {("encode", "opened"): 1.0, ("encode", "cancelled"): 1.0,
                          ("decode", "opened"): 1.0, ("decode", "relayed"): 1.0}
-    assert deltas[1] == {("decode", "opened"): 1.0, ("decode", "relayed"): 1.0}
     assert answers[0] == answers[1] and answers[0]
     assert metric_value(shm_cluster.metrics("decode"), "epd_decode_kv_blocks_reserved") == 0.0
 

@@ -117,12 +117,14 @@ class DetokenizeResponse(_message.Message):
     def __init__(self, text: _Optional[str] = ...) -> None: ...
 
 class EncodeRequest(_message.Message):
-    __slots__ = ("request_id", "items")
+    __slots__ = ("request_id", "items", "inputs_follow_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FOLLOW_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     items: _containers.RepeatedCompositeFieldContainer[MultiModalItem]
-    def __init__(self, request_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[MultiModalItem, _Mapping]]] = ...) -> None: ...
+    inputs_follow_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[MultiModalItem, _Mapping]]] = ..., inputs_follow_ms: _Optional[int] = ...) -> None: ...
 
 class EncodedItem(_message.Message):
     __slots__ = ("mm_hash", "handle_json", "cache_hit")
