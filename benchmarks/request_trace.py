@@ -11,11 +11,11 @@ the median of each segment between consecutive events, each marked compute (insi
 not.  The sum of the medians is not the median TTFT (medians do not add), but each row is that segment's
 own typical cost.
 
-The path is the critical one.  Prefill and decode calls are opened ahead of their inputs
-(coordinator/ahead.py): their handlers start (`Prefill.in`, `Decode.in`) while encode computes, and the
-coordinator's own prefill and decode step marks fall beside the path, since the answer before each goes on
-to the next call as it arrives.  Those marks (OFF_PATH) are left out of the path and reported on their own:
-how long before its inputs each call opened ahead was there.
+The path is the critical one.  Encode, prefill and decode calls are opened ahead of their inputs
+(coordinator/ahead.py): their handlers start (`Encode.in`, `Prefill.in`, `Decode.in`) while the stage before
+computes, and the coordinator's own step marks from render's end on fall beside the path, since the answer
+before each call goes on to it as it arrives.  Those marks (OFF_PATH) are left out of the path and reported
+on their own: how long before its inputs each call opened ahead was there.
 
     python -m benchmarks.request_trace            # 40 requests, tiny model; docs block refreshed
     python -m benchmarks.request_trace --quick    # 6 requests, docs untouched
@@ -42,9 +42,10 @@ from benchmarks.procs import running, start_epd
 COMPUTE = ("render", "encode", "prefill")
 CLIENT_SEND, CLIENT_FIRST = "client.send", "client.first_token"
 # Beside the critical path: calls opened ahead start there, and the coordinator's steps that relay answers on.
-OFF_PATH = ("Prefill.in", "Decode.in", "coordinator.encode.end", "coordinator.prefill.start",
-            "coordinator.prefill.end", "coordinator.decode.start")
-AHEAD = (("Prefill.in", "Prefill.inputs"), ("Decode.in", "Decode.inputs"))
+OFF_PATH = ("Encode.in", "Prefill.in", "Decode.in", "coordinator.render.end", "coordinator.encode.start",
+            "coordinator.encode.end", "coordinator.prefill.start", "coordinator.prefill.end",
+            "coordinator.decode.start")
+AHEAD = (("Encode.in", "Encode.inputs"), ("Prefill.in", "Prefill.inputs"), ("Decode.in", "Decode.inputs"))
 
 
 async def _send(url: str, bodies: list[bytes]) -> list[tuple[int, int]]:

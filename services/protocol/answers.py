@@ -233,9 +233,10 @@ class OpenAIAnswer:
         completion = 0
         pending: list[TokenLogprob] | None = None  # of tokens whose text is still held back
         offset = 0  # completions' text_offset: where the next chunk's text starts
+        # A chat stream's role chunk goes out in one write with the first event after it (the first token's, which
+        # the coordinator already holds when the stream starts): one wake-up of the client for both.
+        held = self._event(self.role_chunk()) if self.kind == "chat" else b""
         try:
-            if self.kind == "chat":
-                yield self._event(self.role_chunk())
             async for delta in deltas:
                 completion += len(delta.token_ids)
                 if self.timing is not None:
@@ -245,7 +246,11 @@ class OpenAIAnswer:
                 if delta.text or delta.finish_reason:
                     choice = self.delta_choice(delta.text, delta.finish_reason or None, self.logprobs(pending, offset))
                     pending, offset = None, offset + len(delta.text)
-                    yield self._event(self.chunk([choice]))
+                    event, held = held + self._event(self.chunk([choice])), b""
+                    yield event
+            if held:   # no event came (no delta at all): the role chunk alone
+                event, held = held, b""
+                yield event
             if self.include_usage:  # vLLM: per-request metrics ride on this final usage chunk only
                 last = self.chunk([], usage(self.prompt_tokens, completion))
                 if self.timing is None:
@@ -253,7 +258,7 @@ class OpenAIAnswer:
                 else:
                     yield sse_event({**last.model_dump(mode="json"), "metrics": self.timing.metrics()})
         except Exception as exc:  # noqa: BLE001 - every failure after the first byte becomes an in-stream error
-            yield sse_error(as_epd_error(exc))
+            yield held + sse_error(as_epd_error(exc))
         yield SSE_DONE
 
     def _event(self, chunk: BaseModel) -> bytes:

@@ -104,7 +104,7 @@ def test_request_trace_sees_one_request_cross_every_process_in_order():
     result = run("demo", 3, warmup=2)
     order = [result["rows"][0]["from"]] + [row["to"] for row in result["rows"]]
     expected = ["client.send", "coordinator.http_in", "coordinator.render.start", "RenderChat.in", "RenderChat.out",
-                "coordinator.render.end", "coordinator.encode.start", "Encode.in", "encode.engine_batch",
+                "Encode.inputs", "encode.engine_batch",
                 "encode.compute.start", "encode.compute.end", "encode.engine_done", "encode.ec_put.start",
                 "encode.ec_put.end", "Encode.out", "Prefill.inputs", "prefill.ec_views.start",
                 "prefill.ec_views.end", "prefill.engine_batch", "prefill.compute.start", "prefill.compute.end",
@@ -113,8 +113,10 @@ def test_request_trace_sees_one_request_cross_every_process_in_order():
                 "coordinator.first_delta", "client.first_token"]
     assert [name for name in order if name in expected] == expected
     assert result["on_path"] >= 2 and 0 < result["compute_us"] < result["ttft_us"]
-    # prefill and decode were called ahead of their inputs: their handlers started while encode computed
-    assert set(result["ahead_us"]) == {"Prefill", "Decode"} and all(us > 0 for us in result["ahead_us"].values())
+    # encode, prefill and decode were called ahead of their inputs: each handler started while the stage before
+    # it computed
+    assert set(result["ahead_us"]) == {"Encode", "Prefill", "Decode"}
+    assert all(us > 0 for us in result["ahead_us"].values())
 
 
 @pytest.mark.timeout(180)

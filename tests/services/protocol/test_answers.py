@@ -21,11 +21,26 @@ async def _source(deltas, fail: Exception | None = None):
         raise fail
 
 
-def _frames(builder, deltas, fail=None) -> list:
+def _writes(builder, deltas, fail=None) -> list[bytes]:
+    """What the stream hands the server to write, write by write."""
     async def run():
-        return [parse_sse_data(f) or f async for f in builder.sse(_source(deltas, fail))]
+        return [f async for f in builder.sse(_source(deltas, fail))]
 
     return asyncio.run(run())
+
+
+def _frames(builder, deltas, fail=None) -> list:
+    """Every SSE event, parsed (a write may carry more than one)."""
+    return [parse_sse_data(event + b"\n\n") or event + b"\n\n" for write in _writes(builder, deltas, fail)
+            for event in write.split(b"\n\n") if event]
+
+
+def test_a_chat_streams_role_chunk_goes_out_with_its_first_token():
+    """One write for both: the client wakes once for the first token, not first for the role chunk."""
+    writes = _writes(OpenAIAnswer("chat", "chatcmpl-x", "m", 7), DELTAS)
+    first = [parse_sse_data(e + b"\n\n") for e in writes[0].split(b"\n\n") if e]
+    assert [e["choices"][0]["delta"] for e in first] == [{"role": "assistant", "content": ""}, {"content": "Hel"}]
+    assert len(writes) == len(DELTAS) + 1   # the role chunk rode on the first; [DONE] is its own
 
 
 def test_chat_collect():
