@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterable
 
 from services.protocol.errors import InternalError, Overloaded, Unavailable
 from services.rpc.fastlane_client import Relay
@@ -44,7 +45,18 @@ class EncodeStep(Step):
                             ctx.time_left)
         if opened is not None:
             ctx.ahead[self.name] = opened
+            relay.shape = self._unknown_images
             relay.target = opened.call
+
+    def _unknown_images(self, rendered: bytes) -> bytes | None:
+        """Render's answer as encode's inputs: its images this coordinator has no handle for, each once (what a
+        whole call would send), or None when there is none (the step then cancels the call)."""
+        items = self._unknown(pb.RenderResponse.FromString(rendered).items)
+        return pb.RenderResponse(items=items).SerializeToString() if items else None
+
+    def _unknown(self, items: Iterable[pb.MultiModalItem]) -> list[pb.MultiModalItem]:
+        unique = {i.mm_hash: i for i in items}
+        return [i for h, i in unique.items() if self.cluster.ec_handles.get(h) is None]
 
     async def execute(self, ctx: RequestContext) -> None:
         ahead = ctx.ahead.pop(self.name, None)
@@ -68,15 +80,14 @@ class EncodeStep(Step):
                         missing: list[pb.MultiModalItem]) -> list[pb.EncodedItem] | None:
         """Every missing item from the call opened ahead (render's answer its inputs), failing over to whole
         calls of the same items; None when no encoder could take them (each item then goes its own way)."""
-        assert ctx.rendered is not None
-        self.cluster.metrics.mm_payload_bytes.labels("encode").inc(sum(len(i.kwargs_data) for i in ctx.rendered.items))
-        # its answer names every image of the prompt: it may go on to prefill's call opened ahead as it arrives
-        relay = ctx.relays[self.name] = Relay(frozenset(i.mm_hash for i in ctx.rendered.items))
+        self.cluster.metrics.mm_payload_bytes.labels("encode").inc(sum(len(i.kwargs_data) for i in missing))
+        # its answer holds the missing images' handles: it may go on to prefill's call opened ahead as it arrives
+        relay = ctx.relays[self.name] = Relay(frozenset(i.mm_hash for i in missing))
         ahead.call.relay_answer(relay)
         try:
             reply, instance = await call_unary(
                 self.cluster.encode, ctx, "Encode", lambda: pb.EncodeRequest(request_id=ctx.request_id, items=missing),
-                key=missing[0].mm_hash, ahead=ahead, inputs=lambda: ctx.rendered)
+                key=missing[0].mm_hash, ahead=ahead, inputs=lambda: pb.RenderResponse(items=missing))
         except (Unavailable, Overloaded):
             return None
         finally:

@@ -25,10 +25,16 @@ class ProtocolModel(BaseModel):
     @classmethod
     def _null_means_default(cls, data: Any) -> Any:
         # Clients send `"temperature": null` for "use the default"; only fields defaulting to None keep null.
-        if not isinstance(data, dict):
-            return data
-        keep_null = {name for name, f in cls.model_fields.items() if f.is_required() or f.default is None}
+        if not isinstance(data, dict) or not any(v is None for v in data.values()):
+            return data   # nothing to drop (`is`, not `in`: a value's own == may not give a bool)
+        keep_null = _KEEP_NULL.get(cls)
+        if keep_null is None:
+            keep_null = _KEEP_NULL[cls] = frozenset(name for name, f in cls.model_fields.items()
+                                                    if f.is_required() or f.default is None)
         return {k: v for k, v in data.items() if v is not None or k in keep_null}
+
+
+_KEEP_NULL: dict[type, frozenset[str]] = {}   # per model class: the fields whose null is kept (built once)
 
 
 def fresh_id() -> str:

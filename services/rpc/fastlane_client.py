@@ -22,6 +22,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -339,14 +340,19 @@ class Relay:
     """Where a unary call's answer goes on to, the moment the coordinator's connection reads it: `target`, a call
     opened ahead, gets the answer's bytes (with `suffix` appended: protobuf merges two messages' repeated fields)
     as its inputs.  No target (yet), an error answer or a target already fed: nothing is sent.  `about`: what
-    the answer is for (the images an encode call encodes), for whoever sets the target."""
+    the answer is for (the images an encode call encodes), for whoever sets the target.  `shape`, when set,
+    turns the answer into the inputs to send (None: send nothing; the step then sends what it decides)."""
 
     def __init__(self, about: Any = None, target: AheadCall | None = None, suffix: bytes = b"") -> None:
         self.about, self.target, self.suffix = about, target, suffix
+        self.shape: Callable[[bytes], bytes | None] | None = None
 
     def __call__(self, kind: int | None, payload: bytes) -> None:
-        if kind == fl.REPLY and self.target is not None and not self.target.sent:
-            self.target.send_raw(payload + self.suffix)
+        if kind != fl.REPLY or self.target is None or self.target.sent:
+            return
+        inputs = payload if self.shape is None else self.shape(payload)
+        if inputs is not None:
+            self.target.send_raw(inputs + self.suffix)
             self.target.relayed = True
 
 

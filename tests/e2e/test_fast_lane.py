@@ -83,3 +83,24 @@ def test_with_tls_no_call_is_opened_ahead(secure_cluster):
                        headers={"Authorization": f"Bearer {PUBLIC_KEYS[0]}"})
     assert reply.status_code == 200, reply.text
     assert _ahead(secure_cluster) == {}
+
+
+def test_encode_called_ahead_gets_only_the_images_it_has_to_encode(shm_cluster):
+    """Render's answer goes on to encode without the images the coordinator already has handles for (what a
+    whole call would send): a prompt with one known and one new image makes encode encode one, look up none."""
+    known, new = noise_image(224, 224, seed=4405), noise_image(224, 224, seed=4406)
+    first = httpx.post(shm_cluster.url + "/v1/chat/completions", json=chat("A.", [known], max_tokens=2), timeout=120)
+    assert first.status_code == 200, first.text
+
+    def items() -> dict[str, float]:
+        text = shm_cluster.metrics("encode")
+        return {result: metric_value(text, "epd_encode_items_total", f'result="{result}"')
+                for result in ("encoded", "cache_hit")}
+
+    before, ahead_before = items(), _ahead(shm_cluster)
+    reply = httpx.post(shm_cluster.url + "/v1/chat/completions", json=chat("B.", [known, new], max_tokens=2),
+                       timeout=120)
+    assert reply.status_code == 200, reply.text
+    after = items()
+    assert {k: after[k] - before[k] for k in after} == {"encoded": 1.0, "cache_hit": 0.0}
+    assert _delta(ahead_before, _ahead(shm_cluster))[("encode", "relayed")] == 1.0
