@@ -114,13 +114,21 @@ class LanguageModel(ABC):
         """[B, L] ids -> [B, L, hidden] embeddings."""
 
     @abstractmethod
-    def prefill_inputs(self, token_ids: list[int], mm_items: list[MultiModalInput]) -> PrefillInputs:
-        """Embeddings with item embeddings scattered in, and positions, for one prompt.
+    def prefill_inputs(self, token_ids: list[int], mm_items: list[MultiModalInput],
+                       early: PrefillInputs | None = None) -> PrefillInputs:
+        """Embeddings with item embeddings scattered in, and positions, for one prompt; `early`: what
+        `early_inputs` made of the same prompt before the embeddings came (its embeddings are written in place).
 
         Raises ValueError when an item's range does not hold its placeholder
         tokens, its embedding has the wrong number of rows, or a placeholder
         token is not covered by an item.
         """
+
+    def early_inputs(self, token_ids: list[int], mm_items: list[MultiModalInput]) -> PrefillInputs | None:
+        """What of the prompt's inputs needs no item embedding (the text's embeddings, the positions), made while
+        they are on their way (a prefill called ahead of its inputs); `mm_items` carry their placement and
+        metadata, no embedding.  None: nothing to make early (`prefill_inputs` makes it all)."""
+        return None
 
     @abstractmethod
     def decode_position_ids(self, positions: torch.Tensor) -> torch.Tensor:

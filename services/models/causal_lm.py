@@ -56,7 +56,8 @@ class TextLanguage(LanguageModel):
         rows = positions.to(self.device, torch.long)
         return rows[:, None] if rows.dim() == 1 else rows
 
-    def prefill_inputs(self, token_ids: list[int], mm_items: list[MultiModalInput]) -> PrefillInputs:
+    def prefill_inputs(self, token_ids: list[int], mm_items: list[MultiModalInput],
+                       early: PrefillInputs | None = None) -> PrefillInputs:
         import torch
 
         items = self._check_items(token_ids, mm_items)

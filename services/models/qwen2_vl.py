@@ -105,14 +105,24 @@ class QwenVLLanguage(LanguageModel):
         rows = rows[:, None] if rows.dim() == 1 else rows
         return rows[None].expand(3, -1, -1)
 
-    def prefill_inputs(self, token_ids: list[int], mm_items: list[MultiModalInput]) -> PrefillInputs:
+    def prefill_inputs(self, token_ids: list[int], mm_items: list[MultiModalInput],
+                       early: PrefillInputs | None = None) -> PrefillInputs:
+        import torch
+
+        items = self._check_items(token_ids, mm_items)
+        if early is None:
+            early = self.early_inputs(token_ids, items)
+        with torch.no_grad():
+            embeds = scatter(early.inputs_embeds, items)
+        return PrefillInputs(inputs_embeds=embeds, position_ids=early.position_ids, rope_delta=early.rope_delta)
+
+    def early_inputs(self, token_ids: list[int], mm_items: list[MultiModalInput]) -> PrefillInputs:
         import torch
 
         ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
-        items = self._check_items(token_ids, mm_items)
         with torch.no_grad():
-            embeds = scatter(self.embed(ids), items)
-        position_ids, rope_delta = self._positions(ids, items)
+            embeds = self.embed(ids)
+        position_ids, rope_delta = self._positions(ids, sorted(mm_items, key=lambda item: item.offset))
         return PrefillInputs(inputs_embeds=embeds, position_ids=position_ids, rope_delta=rope_delta)
 
     def _positions(self, ids: torch.Tensor, items: list[MultiModalInput]) -> tuple[torch.Tensor, int]:

@@ -58,10 +58,11 @@ class Qwen3VLLanguage(QwenVLLanguage):
         super().__init__(hf_model, path, max_model_len)
         self.num_deepstack = len(hf_model.config.vision_config.deepstack_visual_indexes)
 
-    def prefill_inputs(self, token_ids: list[int], mm_items: list[MultiModalInput]) -> PrefillInputs:
+    def prefill_inputs(self, token_ids: list[int], mm_items: list[MultiModalInput],
+                       early: PrefillInputs | None = None) -> PrefillInputs:
         import torch
 
-        inputs = super().prefill_inputs(token_ids, mm_items)
+        inputs = super().prefill_inputs(token_ids, mm_items, early)
         items = sorted(mm_items, key=lambda item: item.offset)
         if items and self.num_deepstack:
             for item in items:

@@ -38,7 +38,7 @@ from services.protocol.items import Item
 from services.protocol.logprobs import TokenLogprob
 from services.protocol.tensors import to_torch
 
-from .engine import PrefillEngine
+from .engine import Early, PrefillEngine
 from .inline_encode import InlineEncoder
 from .jobs import HeldPrefill, release_when_done
 
@@ -101,15 +101,27 @@ class PrefillService:
         first, then it waits for them, outside the queue (the coordinator bounds how many requests it runs)."""
         params = decode_params(sampling)
         self._check_ids(token_ids)
-        if callable(ec_params):
+        early = None
+        if callable(ec_params):   # meanwhile: the text's embeddings, the positions, the prefix keys
+            early = self._early(token_ids, items, cache_salt)
             ec_params = await ec_params()
         with self.admission.admit():
-            return await self._prefill(request_id, token_ids, items, ec_params, params, cache_salt)
+            return await self._prefill(request_id, token_ids, items, ec_params, params, cache_salt, early)
+
+    def _early(self, token_ids: list[int], items: list[PrefillItem], cache_salt: str | None) -> Early | None:
+        """The prompt's early inputs, or None (a prompt the engine will refuse: it says why, as for any)."""
+        try:
+            placed = [MultiModalInput(i.modality, i.offset, i.length, _metadata(i), None,  # type: ignore[arg-type]
+                                      mm_hash=i.mm_hash) for i in items]
+            return self.engine.early(token_ids, placed, cache_salt)
+        except Exception:  # noqa: BLE001 - the whole path (PrefillEngine.submit) raises the request's error
+            return None
 
     async def _prefill(self, request_id: str, token_ids: list[int], items: list[PrefillItem],
-                       ec_params: dict[str, Any], params: DecodeParams, cache_salt: str | None) -> PrefillOutcome:
+                       ec_params: dict[str, Any], params: DecodeParams, cache_salt: str | None,
+                       early: Early | None = None) -> PrefillOutcome:
         key = kv_key(request_id)
-        held = await self._forward(token_ids, items, ec_params, cache_salt, key, params.plain_greedy)
+        held = await self._forward(token_ids, items, ec_params, cache_salt, key, params.plain_greedy, early)
         if not self.kv_store.local:
             await self._put_remote(key, held)
         if held.kv_error is not None:
@@ -135,7 +147,8 @@ class PrefillService:
         return PrefillOutcome(first, params_out, held.num_prompt_tokens, held.num_cached_tokens, logprobs)
 
     async def _forward(self, token_ids: list[int], items: list[PrefillItem], ec_params: dict[str, Any],
-                       cache_salt: str | None, key: str, greedy: bool = False) -> HeldPrefill:
+                       cache_salt: str | None, key: str, greedy: bool = False,
+                       early: Early | None = None) -> HeldPrefill:
         """The prompt through the engine with each embedding read as a zero-copy view of the EC store, kept
         open until the forward is done: the scatter into the prompt's embeddings is the one copy.  An entry
         evicted meanwhile fails the prompt (ec_entry_missing) rather than use bytes that changed under it.
@@ -151,7 +164,7 @@ class PrefillService:
                 else:
                     mm_inputs = await asyncio.to_thread(self._load_embeddings, items, ec_params, views)
                 activity.mark("prefill.ec_views.end")
-                held = await self._run_engine(token_ids, mm_inputs, cache_salt, key, greedy)
+                held = await self._run_engine(token_ids, mm_inputs, cache_salt, key, greedy, early)
         except ConnectorError as exc:
             if held is not None:
                 held.release()
@@ -159,7 +172,8 @@ class PrefillService:
         return held
 
     async def _run_engine(self, token_ids: list[int], mm_inputs: list[MultiModalInput],
-                          cache_salt: str | None, key: str, greedy: bool = False) -> HeldPrefill:
+                          cache_salt: str | None, key: str, greedy: bool = False,
+                          early: Early | None = None) -> HeldPrefill:
         """Wait for the engine without holding a thread (so every waiting prompt can join a batch).  With a
         local store the engine thread puts the KV into it as soon as the prompt's last forward ends
         (`_put_kv`: a memcpy), so the result comes back with its blocks already released.  A caller that gives
@@ -168,7 +182,7 @@ class PrefillService:
         on_finish = (lambda held: self._put_kv(key, held)) if self.kv_store.local else None
         # An idle engine runs a small prompt right here (the future comes back done: no thread hand-off)
         future = self.engine.submit(token_ids, mm_inputs, cache_salt, on_finish=on_finish, greedy=greedy,
-                                    inline=True)
+                                    inline=True, early=early)
         if future.done():
             activity.mark("prefill.engine_done")
             return future.result()
@@ -232,8 +246,7 @@ class PrefillService:
         for item in items:
             extras = self._entry(item, ec_params, views)
             embedding = extras.pop("embedding")  # the rest (e.g. Qwen3-VL deepstack) goes to the adapter
-            metadata = {k: to_torch(e.data) for k, e in item.metadata.items() if e.data is not None}
-            inputs.append(MultiModalInput(item.modality, item.offset, item.length, metadata, embedding,
+            inputs.append(MultiModalInput(item.modality, item.offset, item.length, _metadata(item), embedding,
                                           mm_hash=item.mm_hash, extras=extras))
         return inputs
 
@@ -268,3 +281,8 @@ class PrefillService:
             raise as_epd_error(exc, "ec") from None
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidRequest(f"bad EC handle for {item.mm_hash}: {exc}", code="invalid_ec_handle") from None
+
+
+def _metadata(item: PrefillItem) -> dict[str, Any]:
+    """The item's mm_metadata as tensors (image_grid_thw: what its positions come from)."""
+    return {k: to_torch(e.data) for k, e in item.metadata.items() if e.data is not None}
