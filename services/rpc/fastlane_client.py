@@ -69,7 +69,7 @@ class _Connection:
                 size, kind, call_id = fl.HEADER.unpack(await self.reader.readexactly(fl.HEADER.size))
                 payload = await self.reader.readexactly(size) if size else b""
                 if self.relays and call_id in self.relays:
-                    self.relays.pop(call_id)(kind, payload)   # on at once, before any task wakes for it
+                    _relay(self.relays.pop(call_id), kind, payload)   # on at once, before any task wakes for it
                 _deliver(self.calls.get(call_id), kind, payload)
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
             pass
@@ -99,6 +99,15 @@ class _Connection:
 
     def close(self) -> None:
         self.task.cancel()
+
+
+def _relay(relay: Relay, kind: int | None, payload: bytes) -> None:
+    """A relay that fails (its target's connection going away, an answer it cannot shape) only loses the shortcut:
+    the step sends the inputs itself; this connection and its calls carry on."""
+    try:
+        relay(kind, payload)
+    except Exception:  # noqa: BLE001 - the shortcut is optional, the connection is not
+        log.exception("relaying an answer on failed; the step sends the inputs itself")
 
 
 def _deliver(waiting: asyncio.Queue | asyncio.Future | None, kind: int | None, payload: bytes) -> None:
@@ -310,8 +319,12 @@ class AheadCall:
         if self.sent or self._ended:
             return
         self.sent = True
-        if not self._connection.closed:
+        if self._connection.closed:
+            return
+        try:
             self._connection.writer.write(fl.frame(fl.INPUTS, self._call_id, payload))
+        except (RuntimeError, ConnectionError):
+            pass   # the connection is going away: its calls fail UNAVAILABLE (a transport failure, failed over)
 
     def relay_answer(self, relay: Relay) -> bool:
         """This (unary) call's answer goes on through `relay` as soon as it arrives; False when it is too late."""

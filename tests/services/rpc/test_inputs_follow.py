@@ -224,3 +224,22 @@ def test_cancelling_a_call_opened_ahead_cancels_its_handler_and_a_closed_connect
             assert served.prefill.open_ahead("Prefill", pb.PrefillRequest(request_id="p3"), timeout=5) is None
 
     asyncio.run(main())
+
+
+def test_a_relay_that_fails_loses_only_the_shortcut():
+    """A named fault (a relay that cannot shape the answer; for real its target's connection would be going away):
+    the caller still gets its answer, the connection carries on, and the step sends the inputs itself."""
+    async def main() -> None:
+        async with Served() as served:
+            decode = served.decode.open_ahead("Decode", pb.DecodeRequest(request_id="d1", prompt_tokens=1,
+                                                                           inputs_follow_ms=5000), timeout=10)
+            relay = Relay(target=decode)
+            relay.shape = lambda raw: 1 / 0
+            whole = pb.PrefillRequest(request_id="p1", token_ids=[4, 5], ec_transfer_params_json=b"kv")
+            answer = await served.prefill.Prefill(whole, timeout=10, relay=relay)
+            assert answer.first_token_id == 2 and not decode.sent
+            assert (await served.prefill.Prefill(whole, timeout=10)).first_token_id == 2   # the same connection
+            decode.send_inputs(answer)
+            assert (await decode.stream.read()).token_ids == [2]
+
+    asyncio.run(main())
