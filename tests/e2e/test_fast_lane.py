@@ -61,6 +61,8 @@ def test_prefill_and_decode_are_called_ahead_of_their_inputs_and_each_answer_is_
     them.  The same request again (the handle known: nothing to encode, so the call opened ahead is cancelled)
     makes a whole prefill call, whose answer is relayed to decode's call opened meanwhile.  Both answers are the
     same tokens."""
+    warm = chat("Warm up.", [noise_image(224, 224, seed=4407)], max_tokens=1)   # every fast-lane connection open
+    assert httpx.post(shm_cluster.url + "/v1/chat/completions", json=warm, timeout=120).status_code == 200
     body = chat("Describe it.", [noise_image(224, 224, seed=4403)], max_tokens=4, temperature=0)
     answers, deltas = [], []
     for _ in range(2):
