@@ -1,26 +1,26 @@
-"""Calls opened ahead of their inputs: prefill and decode start on a request while the stage before them computes.
+"""Calls opened ahead of their inputs: a role starts on a request while the stage before it computes.
 
 One request at a time, every hop costs a turn of the coordinator (build the request, write it) and a handler's
 start in the role (parse it, check it, reserve what it needs): ~0.3 ms each on a 2-core box
-(`python -m benchmarks.request_trace`).  So while encode computes, the pipeline opens the Prefill call (its token
-ids, mm_metadata and sampling are known since render) and the Decode call (sampling, prompt length) with
-`inputs_follow_ms` set; each role parses and checks its request, and decode reserves the request's KV blocks,
-during encode's forward.  When a stage answers, the next step sends only what that answer carries, as one
-INPUTS frame on the call already open: encode's handles to prefill (an EncodeResponse), prefill's answer to
-decode (its PrefillResponse).  Where the answer before is exactly those inputs (one encode call; prefill's
-answer), the coordinator's connection forwards it the moment it reads it (a `Relay`), before any task of the
-coordinator wakes for it.
+(`python -m benchmarks.request_trace`).  So while render computes, the pipeline opens the Encode call, and while
+encode computes, the Prefill call (its token ids, mm_metadata and sampling are known since render) and the Decode
+call (sampling, prompt length), each with `inputs_follow_ms` set: prefill parses and checks its request and makes
+its early inputs, decode reserves the request's KV blocks.  When a stage answers, the next step sends only what
+that answer carries, as one INPUTS frame on the call already open: render's images to encode (a RenderResponse),
+encode's handles to prefill (an EncodeResponse), prefill's answer to decode (its PrefillResponse).  Where the
+answer before is those inputs, the coordinator's connection forwards it the moment it reads it (a `Relay`),
+before any task of the coordinator wakes for it.
 
-Where it applies: a role reached over the same-host fast lane with its connection open (FastLaneStub.open_ahead);
-TLS, other hosts and gRPC keep whole calls.  What goes wrong is handled as for a whole call: an instance that
-fails or refuses is failed over from by the one failover loop (clients.with_failover, whose first attempt is
-the call opened ahead), a typed error goes to the pipeline's recovery policy, and every call opened ahead that
-is not used (an earlier step failed, a recovery ran, the client left) is cancelled when `prepare` ends.
+Where it applies: a role reached over the same-host fast lane with its connection open (FastLaneStub.open_ahead),
+while the coordinator runs at most --ahead-max-inflight requests (Pipeline._ahead_pays); TLS, other hosts and
+gRPC keep whole calls.  What goes wrong is handled as for a whole call: an instance that fails or refuses is
+failed over from by the one failover loop (clients.with_failover, whose first attempt is the call opened ahead),
+a typed error goes to the pipeline's recovery policy, and every call opened ahead that is not used (an earlier
+step failed, a recovery ran, the client left) is cancelled when `prepare` ends.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,8 +30,6 @@ from services.protocol.errors import EpdError
 from .clients import call_metadata
 from .context import RequestContext
 from .routing.pool import Instance, InstancePool
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -75,7 +73,7 @@ def open_ahead(pool: InstancePool, ctx: RequestContext, method: str, build: Call
     try:
         instance = pool.pick()
         opener = getattr(instance.stub, "open_ahead", None)
-        if opener is None or not instance.stub.up():
+        if opener is None:
             return None
         request = build()
         request.inputs_follow_ms = max(1, int(ctx.time_left() * 1000))

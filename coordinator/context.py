@@ -24,8 +24,8 @@ clears what a missing entry made stale before it runs steps again.
 | inline_items     | encode step                     | prefill step                              |
 | prefill          | prefill step; cleared by recovery | decode step, answers (prompt tokens)    |
 | decode_stream    | decode step                     | pipeline.stream                           |
-| ahead            | prefill, decode steps (open_ahead) | the same steps (their calls); pipeline (cancels the unused) |
-| relays           | encode, prefill steps (one whole call) | the next step's open_ahead (the answer goes on) |
+| ahead            | encode, prefill, decode steps (open_ahead) | the same steps; pipeline (cancels the unused) |
+| relays           | render, encode, prefill steps (their call) | the next step's open_ahead (the answer goes on) |
 | running          | pipeline                        | pipeline (calls open ahead only while a step waits) |
 | recovered        | pipeline (recovery policy)      | pipeline (each recovery runs once)        |
 | failovers        | failover loop (clients.py)      | logs, tests                               |

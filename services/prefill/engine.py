@@ -31,12 +31,12 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from services import activity, compute_lease, compute_threads, role_cpu
 from services.compute_metrics import compute_timer
 from services.decode.sampler import greedy_argmax
-from services.models.base import LanguageModel, MultiModalInput
+from services.models.base import LanguageModel, MultiModalInput, PrefillInputs
 from services.models.forward_cost import PrefillCost
 from services.models.head_screen import build_screen
 from services.prefill import attention, last_rows
@@ -59,8 +59,8 @@ DEFAULT_PREFIX_CACHE_MB = 256
 class Early:
     """What of one prompt was made before its item embeddings came (PrefillEngine.early)."""
 
-    inputs: Any            # the model's early inputs (LanguageModel.early_inputs), or None
-    keys: list[bytes]      # prefix keys of its full blocks
+    inputs: PrefillInputs | None   # the model's early inputs (LanguageModel.early_inputs)
+    keys: list[bytes]              # prefix keys of its full blocks
 
 
 @dataclass
