@@ -7,6 +7,9 @@ the pipeline, never this module:
 
     app.py ─▶ openai_api.py, generate_api.py, control_api.py, openapi.py ─▶ pipeline.py ─▶ steps/ ─▶ clients.py
 
+The generation POSTs are served by direct.py under the same drain and admission middleware, without
+Starlette's other layers; everything else goes through the Starlette app.
+
 The public app sits behind the API keys (services.auth: every route but
 PROBE_PATHS); the control routes are not on it (404) but on the admin app
 (admin.py), served on --admin-host/--admin-port.
@@ -36,8 +39,9 @@ from services.config import EpdConfig
 from services.server import PROBE_PATHS, route_table
 
 from .admin import build_admin_app
-from .admission import AdmissionMiddleware
+from .admission import GENERATION_PATHS, AdmissionMiddleware
 from .cluster import Cluster
+from .direct import DirectRoutes
 from .drain import Drain, DrainMiddleware
 from .errors_http import JSON_ERRORS
 from .generate_api import GenerateApi
@@ -56,6 +60,8 @@ class CoordinatorApp:
         self.pipeline = Pipeline(self.cluster)
         self.inflight = InflightRegistry()
         self.drain = Drain(self.inflight, config.shutdown_grace_s)
+        self.generate_api = GenerateApi(config, self.cluster, self.pipeline)
+        self.openai_api = OpenAIApi(config, self.cluster, self.pipeline)
 
     async def models(self, _: Request) -> Response:
         card = {"id": self.config.served_model_id(), "object": "model", "created": 0, "owned_by": "epd",
@@ -92,8 +98,8 @@ class CoordinatorApp:
     def routes(self) -> list[Route]:
         title = f"epd coordinator ({self.config.served_model_id()})"
         return [
-            *GenerateApi(self.config, self.cluster, self.pipeline).routes(),
-            *OpenAIApi(self.config, self.cluster, self.pipeline).routes(),
+            *self.generate_api.routes(),
+            *self.openai_api.routes(),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/ready", self.ready, methods=["GET"]),
@@ -123,7 +129,11 @@ class CoordinatorApp:
         log.info("coordinator http routes: %s", json.dumps(route_table(routes)))
         app = Starlette(routes=routes, lifespan=self.lifespan, middleware=self.middleware(),
                         exception_handlers=JSON_ERRORS)
-        return protect(app, self.config.api_keys(), PROBE_PATHS, "the coordinator API")
+        # The generation routes skip Starlette's layers (direct.py); the same middleware guards them.
+        direct = DirectRoutes(app, {route.path: route.endpoint for route in routes
+                                    if route.path in GENERATION_PATHS and "POST" in (route.methods or ())},
+                              self.middleware())
+        return protect(direct, self.config.api_keys(), PROBE_PATHS, "the coordinator API")
 
     def build_admin(self) -> Any:
         """The private control plane (admin.py), sharing this app's cluster and in-flight registry."""

@@ -69,10 +69,10 @@ class OpenAIApi:
         return JSONResponse(await built.collect(deltas), headers=headers)
 
     async def chat(self, request: Request) -> Response:
-        return await answer(self.cluster.metrics, request.url.path, lambda: self._run(request, "chat"))
+        return await answer(self.cluster.metrics, request.scope["path"], lambda: self._run(request, "chat"))
 
     async def completions(self, request: Request) -> Response:
-        return await answer(self.cluster.metrics, request.url.path, lambda: self._run(request, "completion"))
+        return await answer(self.cluster.metrics, request.scope["path"], lambda: self._run(request, "completion"))
 
     def routes(self) -> list[Route]:
         return [Route("/v1/chat/completions", self.chat, methods=["POST"]),

@@ -18,12 +18,8 @@ def test_document_is_openapi_31_with_resolvable_refs():
     assert {ref for ref in re.findall(r"#/components/schemas/(\w+)", text)} <= set(schemas)
 
 
-def test_every_coordinator_route_is_documented():
-    from coordinator.app import CoordinatorApp
-    from services.config import EpdConfig
-
-    app = CoordinatorApp(EpdConfig(render_urls="127.0.0.1:1", encode_urls="127.0.0.1:2",
-                                   prefill_urls="127.0.0.1:3", decode_urls="127.0.0.1:4"))
+def test_every_coordinator_route_is_documented(coordinator_app):
+    app = coordinator_app
     routes = {(m.lower(), r.path) for r in app.routes() for m in (r.methods or ()) if m != "HEAD"}
     documented = {(method, path) for method, path, *_ in OPERATIONS}
     undocumented = routes - documented - {("get", "/metrics"), ("get", "/openapi.json")}

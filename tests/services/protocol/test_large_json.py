@@ -78,3 +78,31 @@ def test_b64_is_binascii_exactly():
             b64decode_strict(bad)
     with pytest.raises(ValueError):
         b64decode_strict(text[:PIECE + 8] + "é" + text[PIECE + 9:])
+
+
+@pytest.mark.parametrize("bad", [0x00, 0x1F, 0x7F, 0x80, 0xFF, 0x5C])
+@pytest.mark.parametrize("at", [0, 1, PIECE - 1, PIECE, PIECE + 1, -1])
+def test_a_long_string_is_plain_only_without_control_non_ascii_or_backslash_bytes(bad, at):
+    text = bytearray(b"A" * (PIECE + 300))
+    assert large_json._is_plain(bytes(text), 0, len(text))
+    text[at] = bad
+    assert not large_json._is_plain(bytes(text), 0, len(text))
+    assert large_json._is_plain(bytes(text), 0, len(text) - 1) == (at == -1)   # the span's end is its own
+
+
+def test_every_printable_byte_but_the_backslash_is_plain():
+    printable = bytes(c for c in range(0x20, 0x7F) if c != 0x5C)
+    text = printable * (large_json.LONG_STRING // len(printable) + 1)
+    assert large_json._is_plain(text, 0, len(text))
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"a": "' + LONG.encode() + b'\x01"}',                       # a raw control byte inside a long string
+    b'{"a": "' + LONG.encode() + b'", "b": "\\ud800"}',            # a lone surrogate beside one
+])
+def test_invalid_long_strings_fail_as_in_parse_json(raw):
+    with pytest.raises(InvalidRequest) as expected:
+        parse_json(raw)
+    with pytest.raises(InvalidRequest) as got:
+        parse_json_large(raw)
+    assert got.value.message == expected.value.message

@@ -61,3 +61,15 @@ def test_parse_accepts_bytes_str_and_mapping():
     for body in bodies:
         assert parse_model(GenerateRequest, body).token_ids == [5]
     assert parse_json(memoryview(b"[1]")) == [1]
+
+
+@pytest.mark.parametrize("raw", [b'{"t": "\\ud800"}', '{"t": "\\udfff x"}', bytearray(b'{"t": "\\udbff"}')])
+def test_a_lone_surrogate_escape_is_refused(raw):
+    with pytest.raises(InvalidRequest, match="lone UTF-16 surrogate"):
+        parse_json(raw)
+
+
+def test_a_surrogate_pair_an_escaped_backslash_and_a_body_without_escapes_parse():
+    assert parse_json(b'{"t": "\\ud83d\\ude00"}') == {"t": "\U0001F600"}
+    assert parse_json(b'{"t": "a\\\\ud800"}') == {"t": "a\\ud800"}
+    assert parse_json(b'{"t": "no escape at all"}') == {"t": "no escape at all"}
