@@ -21,11 +21,13 @@ step failed, a recovery ran, the client left) is cancelled when `prepare` ends.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from services.protocol.errors import EpdError
+from services.rpc.fastlane import TOKEN_BYTES
 
 from .clients import call_metadata
 from .context import RequestContext
@@ -48,7 +50,7 @@ class Ahead:
         self.used = True
         if not self.call.sent:
             self.call.send_inputs(inputs())
-        _count(self.pool, "relayed" if self.call.relayed else "used")
+        _count(self.pool, "forwarded" if self.call.forwarded else "relayed" if self.call.relayed else "used")
         return self.call
 
     def end(self) -> None:
@@ -65,19 +67,46 @@ class Ahead:
         self.end()
 
 
-def open_ahead(pool: InstancePool, ctx: RequestContext, method: str, build: Callable[[], Any],
-               timeout: Callable[[], float | None]) -> Ahead | None:
-    """`method` opened now on one instance with the request `build()` makes (its inputs_follow_ms set here) and
-    the call timeout `timeout()` gives, or None where it cannot be (no instance, no open fast lane): the step
-    then makes a whole call when its turn comes."""
+@dataclass(frozen=True)
+class Reserved:
+    """The instance a later step's call opened ahead will go to, and the token its inputs will come by: the call
+    before it was told (a FORWARD) to send its answer there as soon as it has one."""
+
+    instance: Instance
+    token: bytes
+
+
+def reserve(pool: InstancePool, before: Any) -> Reserved | None:
+    """Pick the instance of `pool` a later call opened ahead will use and tell `before` (an AheadCall, whose role
+    has not started computing) to forward its answer to it: told now, the role knows it before its compute
+    starts (a FORWARD sent while the role computes on its loop is read only after it answered)."""
     try:
         instance = pool.pick()
+    except EpdError:
+        return None
+    port = getattr(instance.stub, "port", None)
+    token = secrets.token_bytes(TOKEN_BYTES)
+    if not isinstance(port, int) or not before.forward_to(port, token):
+        return None
+    return Reserved(instance, token)
+
+
+def open_ahead(pool: InstancePool, ctx: RequestContext, method: str, build: Callable[[], Any],
+               timeout: Callable[[], float | None], reserved: Reserved | None = None) -> Ahead | None:
+    """`method` opened now on one instance with the request `build()` makes (its inputs_follow_ms set here) and
+    the call timeout `timeout()` gives, or None where it cannot be (no instance, no open fast lane): the step
+    then makes a whole call when its turn comes.  `reserved`: the instance and inputs token to use, while that
+    instance is still healthy."""
+    try:
+        use = reserved if reserved is not None and reserved.instance in pool.healthy() else None
+        instance = use.instance if use is not None else pool.pick()
         opener = getattr(instance.stub, "open_ahead", None)
         if opener is None:
             return None
         request = build()
         request.inputs_follow_ms = max(1, int(ctx.time_left() * 1000))
-        call = opener(method, request, timeout=timeout(), metadata=call_metadata(ctx))
+        call = opener(method, request, timeout=timeout(), metadata=call_metadata(ctx),
+                      **({"token": use.token} if use is not None else {}))
     except EpdError:
         return None   # no instance now, a deadline already passed, a bad id: the whole call will say so
     if call is None:

@@ -26,6 +26,7 @@ clears what a missing entry made stale before it runs steps again.
 | decode_stream    | decode step                     | pipeline.stream                           |
 | ahead            | encode, prefill, decode steps (open_ahead) | the same steps; pipeline (cancels the unused) |
 | relays           | render, encode, prefill steps (their call) | the next step's open_ahead (the answer goes on) |
+| reserved         | encode step (open_ahead)        | prefill step's open_ahead (where encode forwards) |
 | running          | pipeline                        | pipeline (calls open ahead only while a step waits) |
 | recovered        | pipeline (recovery policy)      | pipeline (each recovery runs once)        |
 | failovers        | failover loop (clients.py)      | logs, tests                               |
@@ -50,7 +51,7 @@ from services.rpc.v1 import epd_pb2 as pb
 if TYPE_CHECKING:
     from services.rpc.fastlane_client import Relay
 
-    from .ahead import Ahead
+    from .ahead import Ahead, Reserved
     from .decode_stream import DecodeStream
 
 Kind = Literal["chat", "completion", "generate"]
@@ -79,6 +80,7 @@ class RequestContext:
     ahead: dict[str, Ahead] = field(default_factory=dict)   # step name -> its call opened ahead of its inputs
     running: str = ""                                     # the step Pipeline.prepare is running now
     relays: dict[str, Relay] = field(default_factory=dict)  # step -> where its one call's answer goes on to
+    reserved: dict[str, Reserved] = field(default_factory=dict)  # step -> where the call before forwards to
     recovered: set[str] = field(default_factory=set)      # error codes the pipeline already recovered from
     failovers: int = 0
     failed_on: list[str] = field(default_factory=list)   # instances this request made fail (transport level)

@@ -54,8 +54,9 @@ class CoordinatorMetrics:
         self.rejected = Counter("epd_coordinator_rejected_requests",
                                 "Requests refused with 429 before any work, by reason", ["reason"])
         self.ahead_calls = Counter("epd_coordinator_ahead_calls", "Calls opened ahead of their inputs "
-                                   "(coordinator/ahead.py) by role and outcome: opened, relayed (the answer "
-                                   "before it went on as it arrived), used (the step sent its inputs), cancelled "
+                                   "(coordinator/ahead.py) by role and outcome: opened, forwarded (the role "
+                                   "before sent its answer on itself), relayed (the coordinator sent the answer "
+                                   "before on as it arrived), used (the step sent its inputs), cancelled "
                                    "(not used: an earlier step failed, a recovery ran, the client left)",
                                    ["role", "outcome"])
         self.cancelled = Counter("epd_coordinator_cancelled_requests",

@@ -60,7 +60,7 @@ class DecodeStep(Step):
         if prefill is not None:
             prefill.call.relay_answer(Relay(target=opened.call))
         elif relay is not None and relay.target is None:
-            relay.target = opened.call
+            relay.aim(opened.call)
 
     async def execute(self, ctx: RequestContext) -> None:
         if ctx.decode_stream is not None:

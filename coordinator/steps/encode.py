@@ -22,7 +22,7 @@ from services.protocol.errors import InternalError, Overloaded, Unavailable
 from services.rpc.fastlane_client import Relay
 from services.rpc.v1 import epd_pb2 as pb
 
-from ..ahead import Ahead, open_ahead
+from ..ahead import Ahead, open_ahead, reserve
 from ..clients import call_unary
 from ..context import RequestContext
 from .base import Step
@@ -47,6 +47,10 @@ class EncodeStep(Step):
             ctx.ahead[self.name] = opened
             relay.shape = self._unknown_images
             relay.target = opened.call
+            # encode's answer goes straight to prefill's call opened ahead: encode is told now, before it computes
+            reserved = reserve(self.cluster.prefill, opened.call)
+            if reserved is not None:
+                ctx.reserved["prefill"] = reserved
 
     def _unknown_images(self, rendered: bytes) -> bytes | None:
         """Render's answer as encode's inputs: its images this coordinator has no handle for, each once (what a

@@ -32,17 +32,18 @@ class PrefillStep(Step):
         """While encode computes: the call with everything but the handles (coordinator/ahead.py)."""
         if ctx.rendered is None or ctx.prefill is not None or ctx.inline_items or self.name in ctx.ahead:
             return
+        reserved = ctx.reserved.pop(self.name, None)
+        relay = ctx.relays.get("encode")
+        rest = self._hashes(ctx) - relay.about if relay is not None else None
+        # encode forwards its answer to the reserved call as it is: only where that answer is all the inputs
         opened = open_ahead(self.cluster.prefill, ctx, "Prefill", lambda: self.request(ctx, handles=False),
-                            ctx.time_left)
+                            ctx.time_left, reserved=reserved if rest == set() else None)
         if opened is None:
             return
         ctx.ahead[self.name] = opened
-        relay = ctx.relays.get("encode")
-        rest = self._hashes(ctx) - relay.about if relay is not None else None
         if relay is not None and relay.target is None and rest is not None and rest <= ctx.ec_handles.keys():
             # encode's answer holds the handles missing here: it goes on to this call as it arrives, with the rest
-            relay.suffix = self._inputs(ctx, sorted(rest)).SerializeToString() if rest else b""
-            relay.target = opened.call
+            relay.aim(opened.call, self._inputs(ctx, sorted(rest)).SerializeToString() if rest else b"")
 
     async def execute(self, ctx: RequestContext) -> None:
         if ctx.prefill is not None:

@@ -21,6 +21,18 @@ Frames, both ways: a header `<IBI` (payload bytes, kind, call id) and the payloa
 - INPUTS (client -> server, at most one per call): the rest of a call opened ahead of its inputs (a request with
   `inputs_follow_ms`), a protobuf message the handler reads with `context.next_input()`.  gRPC has no such
   frame: over it the coordinator sends whole requests.
+
+Answers forwarded role to role (services/rpc/fastlane_forward.py): a call opened ahead names a random token in
+its metadata (INPUTS_TOKEN_KEY, 32 hex digits); its inputs may then come from any connection to this socket.
+
+- FORWARD (client -> server, on a running unary call): `<I` (a role's gRPC port), the 16-byte token of a call
+  opened on that role, then suffix bytes.  When this call's answer is ready the role writes it, with the suffix
+  appended (protobuf merges the two messages), to that role's socket as the named call's inputs, then answers
+  REPLY_FORWARDED instead of REPLY.  A FORWARD that comes after the answer, or names a socket this role cannot
+  reach now, changes nothing: the answer is a plain REPLY and the coordinator sends the inputs on itself.
+- TOKEN_INPUTS (role -> role, call id 0): the token, then the inputs of the call that named it.
+- REPLY_FORWARDED (server -> client): the token the answer went on to (the last FORWARD read before the answer
+  was ready), then the unary answer's bytes.
 """
 
 from __future__ import annotations
@@ -33,7 +45,9 @@ from pathlib import Path
 from typing import Any
 
 HEADER = struct.Struct("<IBI")
-HELLO, REQUEST, REPLY, ITEM, END, ERROR, CANCEL, INPUTS = range(8)
+HELLO, REQUEST, REPLY, ITEM, END, ERROR, CANCEL, INPUTS, FORWARD, TOKEN_INPUTS, REPLY_FORWARDED = range(11)
+TOKEN_BYTES = 16
+INPUTS_TOKEN_KEY = "epd-inputs-token"
 MAX_FRAME = 256 * 1024 * 1024  # gRPC's message limit here (services.server.GRPC_MAX_MESSAGE)
 ENV_DIR = "EPD_FAST_LANE_DIR"
 
@@ -86,3 +100,30 @@ def parse_request(payload: bytes) -> tuple[str, list[tuple[str, str]], float | N
 def error_payload(code: int, details: str, trailing: Any) -> bytes:
     return json.dumps({"code": code, "details": details,
                        "trailing": [[str(k), str(v)] for k, v in (trailing or ())]}).encode()
+
+
+_PORT = struct.Struct("<I")
+
+
+def forward_payload(port: int, token: bytes, suffix: bytes = b"") -> bytes:
+    return _PORT.pack(port) + token + suffix
+
+
+def parse_forward(payload: bytes) -> tuple[int, bytes, bytes]:
+    """(port, token, suffix) of a FORWARD frame; ValueError when it is too short to hold them."""
+    if len(payload) < _PORT.size + TOKEN_BYTES:
+        raise ValueError("a FORWARD frame shorter than its port and token")
+    return _PORT.unpack_from(payload)[0], payload[_PORT.size:_PORT.size + TOKEN_BYTES], \
+        payload[_PORT.size + TOKEN_BYTES:]
+
+
+def inputs_token(metadata: list[tuple[str, str]]) -> bytes | None:
+    """The token a call opened ahead named for inputs sent by token, or None (none, or not 16 bytes of hex)."""
+    for key, value in metadata:
+        if key == INPUTS_TOKEN_KEY:
+            try:
+                token = bytes.fromhex(value)
+            except ValueError:
+                return None
+            return token if len(token) == TOKEN_BYTES else None
+    return None

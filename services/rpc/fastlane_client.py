@@ -21,8 +21,8 @@ import itertools
 import json
 import logging
 import math
+import secrets
 import time
-from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -30,6 +30,9 @@ from google.protobuf import message_factory
 from google.protobuf.descriptor import ServiceDescriptor
 
 from . import fastlane as fl
+from .relay import Relay, relay_answer
+
+__all__ = ["AheadCall", "FastLaneStub", "Relay", "close_stub", "fast_lane_port", "with_fast_lane"]
 
 log = logging.getLogger(__name__)
 FAILED_RETRY_S = 1.0
@@ -60,6 +63,7 @@ class _Connection:
         self.ids = itertools.count(1)
         self.calls: dict[int, asyncio.Queue | asyncio.Future] = {}   # a stream's frames, a unary call's answer
         self.relays: dict[int, Relay] = {}   # unary calls whose answer also goes on to a call opened ahead
+        self.forwarded_to: dict[int, bytes] = {}   # unary calls told to send their answer on (FORWARD): the token
         self.closed = False
         self.task = asyncio.get_running_loop().create_task(self._read())
 
@@ -68,8 +72,15 @@ class _Connection:
             while True:
                 size, kind, call_id = fl.HEADER.unpack(await self.reader.readexactly(fl.HEADER.size))
                 payload = await self.reader.readexactly(size) if size else b""
+                if kind == fl.REPLY_FORWARDED:   # the role sent it on itself (a FORWARD): a REPLY for the caller
+                    kind, token, payload = fl.REPLY, payload[:fl.TOKEN_BYTES], payload[fl.TOKEN_BYTES:]
+                    self.forwarded_to.pop(call_id, None)
+                    relay = self.relays.get(call_id)
+                    if relay is not None and relay.target is not None and relay.target.token == token:
+                        del self.relays[call_id]
+                        relay.forwarded()
                 if self.relays and call_id in self.relays:
-                    _relay(self.relays.pop(call_id), kind, payload)   # on at once, before any task wakes for it
+                    relay_answer(self.relays.pop(call_id), kind, payload)   # on at once, before any task wakes
                 _deliver(self.calls.get(call_id), kind, payload)
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
             pass
@@ -87,27 +98,32 @@ class _Connection:
             raise _unavailable("the connection is closed")
         call_id = next(self.ids)
         self.calls[call_id] = waiting
+        self.writer.write(fl.frame(fl.REQUEST, call_id, fl.request_payload(method, metadata, timeout, message)))
         if relay is not None:
             self.relays[call_id] = relay
-        self.writer.write(fl.frame(fl.REQUEST, call_id, fl.request_payload(method, metadata, timeout, message)))
+            relay.attach(self, call_id)
         return call_id
+
+    def forward(self, call_id: int, port: int, token: bytes, suffix: bytes = b"") -> bool:
+        """Tell the role to send call `call_id`'s answer (with `suffix`) on to the call that named `token` on the
+        role at `port` (a FORWARD frame); False when the connection is going away."""
+        if self.closed or call_id not in self.calls:
+            return False
+        try:
+            self.writer.write(fl.frame(fl.FORWARD, call_id, fl.forward_payload(port, token, suffix)))
+        except (RuntimeError, ConnectionError):
+            return False
+        self.forwarded_to[call_id] = token
+        return True
 
     def end_call(self, call_id: int, cancel: bool) -> None:
         self.relays.pop(call_id, None)
+        self.forwarded_to.pop(call_id, None)
         if self.calls.pop(call_id, None) is not None and cancel and not self.closed:
             self.writer.write(fl.frame(fl.CANCEL, call_id))
 
     def close(self) -> None:
         self.task.cancel()
-
-
-def _relay(relay: Relay, kind: int | None, payload: bytes) -> None:
-    """A relay that fails (its target's connection going away, an answer it cannot shape) only loses the shortcut:
-    the step sends the inputs itself; this connection and its calls carry on."""
-    try:
-        relay(kind, payload)
-    except Exception:  # noqa: BLE001 - the shortcut is optional, the connection is not
-        log.exception("relaying an answer on failed; the step sends the inputs itself")
 
 
 def _deliver(waiting: asyncio.Queue | asyncio.Future | None, kind: int | None, payload: bytes) -> None:
@@ -219,6 +235,11 @@ class FastLaneStub:
     def grpc_stub(self) -> Any:
         return self._grpc
 
+    @property
+    def port(self) -> int:
+        """The role's gRPC port, which names its fast-lane socket."""
+        return self._port
+
     def up(self) -> bool:
         """Whether calls go over the fast lane now (open, or worth trying to open)."""
         if self._conn is not None and not self._conn.closed:
@@ -255,10 +276,11 @@ class FastLaneStub:
         call_id = connection.open_call(method, request.SerializeToString(), timeout, metadata, answer, relay)
         return await _answer_of(connection, call_id, answer, timeout, reply)
 
-    def open_ahead(self, name: str, request: Any, timeout: float | None = None,
-                   metadata: Any = None) -> AheadCall | None:
+    def open_ahead(self, name: str, request: Any, timeout: float | None = None, metadata: Any = None,
+                   token: bytes | None = None) -> AheadCall | None:
         """Send `request` (one that says its inputs follow) now, on the open connection; None when the fast lane
-        is not open at this moment (the caller then makes a whole call later).  Never waits."""
+        is not open at this moment (the caller then makes a whole call later).  Never waits.  Its inputs may also
+        come from another role by `token` (one already named in a FORWARD, or a new one)."""
         connection, method = self._conn, self._methods.get(name)
         if connection is None or connection.closed or method is None:
             return None
@@ -266,12 +288,16 @@ class FastLaneStub:
         full = f"{self._service.full_name}/{name}"
         waiting: asyncio.Queue | asyncio.Future = (asyncio.Queue() if method.server_streaming
                                                    else asyncio.get_running_loop().create_future())
+        token = token or secrets.token_bytes(fl.TOKEN_BYTES)   # its inputs may come from another role (FORWARD)
+        metadata = [*(metadata or ()), (fl.INPUTS_TOKEN_KEY, token.hex())]
         call_id = connection.open_call(full, request.SerializeToString(), timeout, metadata, waiting)
         stream = None
         if method.server_streaming:
             stream = _StreamCall(self, full, request, timeout, metadata, reply)
             stream._open = (connection, call_id, waiting)  # type: ignore[assignment]
-        return AheadCall(connection, call_id, waiting, timeout, reply, stream)
+        call = AheadCall(connection, call_id, waiting, timeout, reply, stream)
+        call.port, call.token = self._port, token
+        return call
 
     async def close(self) -> None:
         if self._conn is not None:
@@ -308,7 +334,9 @@ class AheadCall:
         self._connection, self._call_id, self._waiting = connection, call_id, waiting
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self._reply, self.stream = reply, stream
-        self.sent = self.relayed = self._ended = False
+        self.sent = self.relayed = self.forwarded = self._ended = False
+        self.port: int | None = None      # the role's gRPC port and the token its inputs may come by from another
+        self.token: bytes | None = None   # role (FastLaneStub.open_ahead sets both)
 
     def send_inputs(self, message: Any) -> None:
         self.send_raw(message.SerializeToString())
@@ -326,12 +354,17 @@ class AheadCall:
         except (RuntimeError, ConnectionError):
             pass   # the connection is going away: its calls fail UNAVAILABLE (a transport failure, failed over)
 
+    def forward_to(self, port: int, token: bytes) -> bool:
+        """This (unary) call's answer goes from its role straight to the call that names `token` at `port`."""
+        return self.stream is None and not self._ended and self._connection.forward(self._call_id, port, token)
+
     def relay_answer(self, relay: Relay) -> bool:
         """This (unary) call's answer goes on through `relay` as soon as it arrives; False when it is too late."""
         if self.stream is not None or self._ended or self._waiting.done() or \
                 self._call_id not in self._connection.calls:
             return False
         self._connection.relays[self._call_id] = relay
+        relay.attach(self._connection, self._call_id)
         return True
 
     async def answer(self) -> Any:
@@ -347,26 +380,6 @@ class AheadCall:
         elif not self._ended:
             self._ended = True
             self._connection.end_call(self._call_id, cancel=True)
-
-
-class Relay:
-    """Where a unary call's answer goes on to, the moment the coordinator's connection reads it: `target`, a call
-    opened ahead, gets the answer's bytes (with `suffix` appended: protobuf merges two messages' repeated fields)
-    as its inputs.  No target (yet), an error answer or a target already fed: nothing is sent.  `about`: what
-    the answer is for (the images an encode call encodes), for whoever sets the target.  `shape`, when set,
-    turns the answer into the inputs to send (None: send nothing; the step then sends what it decides)."""
-
-    def __init__(self, about: Any = None, target: AheadCall | None = None, suffix: bytes = b"") -> None:
-        self.about, self.target, self.suffix = about, target, suffix
-        self.shape: Callable[[bytes], bytes | None] | None = None
-
-    def __call__(self, kind: int | None, payload: bytes) -> None:
-        if kind != fl.REPLY or self.target is None or self.target.sent:
-            return
-        inputs = payload if self.shape is None else self.shape(payload)
-        if inputs is not None:
-            self.target.send_raw(inputs + self.suffix)
-            self.target.relayed = True
 
 
 def with_fast_lane(stub: Any, address: str, secure: bool, enabled: bool = True) -> Any:

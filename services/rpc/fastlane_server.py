@@ -6,8 +6,10 @@ metrics) the gRPC server serves.  Each connection may carry many calls at once (
 each call is a task, cancelled when the client sends CANCEL, when its deadline passes (answered
 DEADLINE_EXCEEDED, as gRPC would) or when the connection drops.  A stream's items are written as they
 come, each write waiting for the socket to drain (a slow reader slows its own stream, nothing piles up).
-A call opened ahead of its inputs reads them with `context.next_input(within_s)` (the INPUTS frame); the time
-it waited is `context.waited_s`, which `epd_rpc_seconds` leaves out (services/rpc/handlers.py).
+A call opened ahead of its inputs reads them with `context.next_input(within_s)` (the INPUTS frame, or a
+TOKEN_INPUTS frame another role sent: services/rpc/fastlane_forward.py); the time it waited is
+`context.waited_s`, which `epd_rpc_seconds` leaves out (services/rpc/handlers.py).  A unary call the client sent
+a FORWARD for has its answer written on to the role and call it names before its REPLY_FORWARDED.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import grpc
 from prometheus_client import Counter
 
 from . import fastlane as fl
+from .fastlane_forward import Forwarder
 
 log = logging.getLogger(__name__)
 CALLS = Counter("epd_fast_lane_calls", "Calls served over the same-host fast lane (services/rpc/fastlane.py)",
@@ -102,6 +105,7 @@ class FastLaneServer:
         self._running: set[asyncio.Task] = set()
         self._draining = False
         self._counted: dict[str, Any] = {}   # method -> its child of CALLS, looked up once
+        self.forwarder = Forwarder()   # answers sent on to other roles, inputs other roles send here
 
     @classmethod
     def from_registration(cls, register: Callable[[Any], None], grpc_port: int) -> FastLaneServer:
@@ -131,6 +135,7 @@ class FastLaneServer:
             self._server.close()
         for task in list(self._connections):
             task.cancel()
+        await self.forwarder.close()
         if self._path is not None:
             with contextlib.suppress(FileNotFoundError):
                 self._path.unlink()
@@ -141,6 +146,7 @@ class FastLaneServer:
         self._connections.add(task)
         calls: dict[int, asyncio.Task] = {}
         inputs: dict[int, asyncio.Future] = {}   # per running call: where its INPUTS frame goes
+        forwards: dict[int, tuple[int, bytes, bytes]] = {}   # per running unary call: where its answer goes on
         loop = asyncio.get_running_loop()
         try:
             writer.write(fl.frame(fl.HELLO, 0, fl.hello_payload(self.grpc_port)))
@@ -153,15 +159,21 @@ class FastLaneServer:
                     await _error(writer, call_id, grpc.StatusCode.UNAVAILABLE, "the role is shutting down")
                 elif kind == fl.REQUEST:
                     inputs[call_id] = loop.create_future()
-                    call = asyncio.create_task(self._call(call_id, payload, writer, inputs[call_id]))
+                    call = asyncio.create_task(self._call(call_id, payload, writer, inputs[call_id], forwards))
                     calls[call_id] = call
                     self._running.add(call)
                     call.add_done_callback(lambda done, cid=call_id: (calls.pop(cid, None), inputs.pop(cid, None),
+                                                                      forwards.pop(cid, None),
                                                                       self._running.discard(done)))
                 elif kind == fl.CANCEL and call_id in calls:
                     calls[call_id].cancel()
                 elif kind == fl.INPUTS and call_id in inputs and not inputs[call_id].done():
                     inputs[call_id].set_result(payload)   # a second one, or one for an ended call, is dropped
+                elif kind == fl.TOKEN_INPUTS and len(payload) >= fl.TOKEN_BYTES:
+                    self.forwarder.deliver(payload[:fl.TOKEN_BYTES], payload[fl.TOKEN_BYTES:])
+                elif kind == fl.FORWARD and call_id in calls:
+                    forwards[call_id] = fl.parse_forward(payload)   # one too short ends the connection (bad frame)
+                    self.forwarder.prepare(forwards[call_id][0])
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
             pass
         except Exception:  # noqa: BLE001 - a broken frame ends this connection only
@@ -173,14 +185,15 @@ class FastLaneServer:
             self._connections.discard(task)
 
     async def _call(self, call_id: int, payload: bytes, writer: asyncio.StreamWriter,
-                    inputs: asyncio.Future) -> None:
+                    inputs: asyncio.Future, forwards: dict[int, tuple[int, bytes, bytes]]) -> None:
         try:
-            await self._run(call_id, payload, writer, inputs)
+            await self._run(call_id, payload, writer, inputs, forwards)
         except (ConnectionError, asyncio.CancelledError):
             pass  # the caller cancelled or went away: nobody to answer
 
     async def _run(self, call_id: int, payload: bytes, writer: asyncio.StreamWriter,
-                   inputs: asyncio.Future | None = None) -> None:
+                   inputs: asyncio.Future | None = None,
+                   forwards: dict[int, tuple[int, bytes, bytes]] | None = None) -> None:
         try:
             method, metadata, timeout, body = fl.parse_request(payload)
         except Exception:  # noqa: BLE001 - answered, not raised
@@ -195,6 +208,8 @@ class FastLaneServer:
             counter = self._counted[method] = CALLS.labels(method.rsplit("/", 1)[1])
         counter.inc()
         context = _Context(metadata, None if timeout is None else time.monotonic() + timeout, inputs)
+        token = fl.inputs_token(metadata) if inputs is not None else None
+        forget = self.forwarder.expect(token, inputs) if token is not None and inputs is not None else None
         try:
             request = handler.request_deserializer(body)
             async with asyncio.timeout(None if timeout is None or math.isinf(timeout) else timeout):
@@ -203,8 +218,13 @@ class FastLaneServer:
                         await _send(writer, fl.frame(fl.ITEM, call_id, handler.response_serializer(item)))
                     await _send(writer, fl.frame(fl.END, call_id))
                 else:
-                    reply = await handler.unary_unary(request, context)
-                    await _send(writer, fl.frame(fl.REPLY, call_id, handler.response_serializer(reply)))
+                    reply = handler.response_serializer(await handler.unary_unary(request, context))
+                    forward = forwards.pop(call_id, None) if forwards else None
+                    # forwarded first: the next role's wake-up is the one the request waits for
+                    if forward is not None and self.forwarder.send(forward[0], forward[1], reply + forward[2]):
+                        await _send(writer, fl.frame(fl.REPLY_FORWARDED, call_id, forward[1] + reply))
+                    else:
+                        await _send(writer, fl.frame(fl.REPLY, call_id, reply))
         except grpc.aio.AbortError:
             await _error(writer, call_id, context.code or grpc.StatusCode.UNKNOWN, context.details, context.trailing)
         except TimeoutError:
@@ -214,6 +234,9 @@ class FastLaneServer:
         except Exception:  # noqa: BLE001 - a handler outside rpc_method; answered as gRPC answers it
             log.exception("fast-lane call %s failed", method)
             await _error(writer, call_id, grpc.StatusCode.UNKNOWN, "Unexpected error in the handler")
+        finally:
+            if forget is not None:
+                forget()
 
 
 async def _error(writer: asyncio.StreamWriter, call_id: int, code: grpc.StatusCode, details: str,

@@ -55,12 +55,13 @@ def _delta(before: dict, after: dict) -> dict:
     return {key: after[key] - before.get(key, 0.0) for key in after if after[key] != before.get(key, 0.0)}
 
 
-def test_prefill_and_decode_are_called_ahead_of_their_inputs_and_each_answer_is_relayed(shm_cluster):
+def test_prefill_and_decode_are_called_ahead_of_their_inputs_and_each_answer_goes_on(shm_cluster):
     """A new image: while render computes, encode is called ahead, and while encode computes, prefill and decode
-    are; render's answer goes on to encode, encode's to prefill and prefill's to decode as the coordinator reads
-    them.  The same request again (the handle known: nothing to encode, so the call opened ahead is cancelled)
-    makes a whole prefill call, whose answer is relayed to decode's call opened meanwhile.  Both answers are the
-    same tokens."""
+    are; render's answer goes on to encode as the coordinator reads it (relayed: it is shaped to the images to
+    encode), encode's to prefill and prefill's to decode straight from the role that answered (forwarded).  The
+    same request again (the handle known: nothing to encode, so the call opened ahead is cancelled) makes a
+    whole prefill call, whose answer goes on to decode's call opened meanwhile (forwarded when prefill read the
+    FORWARD before it computed, else relayed).  Both answers are the same tokens."""
     warm = chat("Warm up.", [noise_image(224, 224, seed=4407)], max_tokens=1)   # every fast-lane connection open
     assert httpx.post(shm_cluster.url + "/v1/chat/completions", json=warm, timeout=120).status_code == 200
     body = chat("Describe it.", [noise_image(224, 224, seed=4403)], max_tokens=4, temperature=0)
@@ -71,10 +72,11 @@ def test_prefill_and_decode_are_called_ahead_of_their_inputs_and_each_answer_is_
         assert reply.status_code == 200, reply.text
         answers.append(reply.json()["choices"][0]["message"]["content"])
         deltas.append(_delta(before, _ahead(shm_cluster)))
-    assert deltas[0] == {(role, outcome): 1.0 for role in ("encode", "prefill", "decode")
-                         for outcome in ("opened", "relayed")}
+    assert deltas[0] == {("encode", "opened"): 1.0, ("encode", "relayed"): 1.0, ("prefill", "opened"): 1.0,
+                         ("prefill", "forwarded"): 1.0, ("decode", "opened"): 1.0, ("decode", "forwarded"): 1.0}
+    went_on = ("decode", "forwarded") if ("decode", "forwarded") in deltas[1] else ("decode", "relayed")
     assert deltas[1] == {("encode", "opened"): 1.0, ("encode", "cancelled"): 1.0,
-                         ("decode", "opened"): 1.0, ("decode", "relayed"): 1.0}
+                         ("decode", "opened"): 1.0, went_on: 1.0}
     assert answers[0] == answers[1] and answers[0]
     assert metric_value(shm_cluster.metrics("decode"), "epd_decode_kv_blocks_reserved") == 0.0
 
