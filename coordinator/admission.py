@@ -52,6 +52,7 @@ class Exchange:
         self.is_sse = False
         self.sending_since: float | None = None  # a write to the client waiting since then
         self._head: dict[str, Any] | None = None   # an event stream's response start, sent with its first event
+        self._stall_timer: asyncio.TimerHandle | None = None
 
     async def receive(self) -> dict[str, Any]:
         message = await self._receive()
@@ -85,14 +86,26 @@ class Exchange:
         finally:
             self.sending_since = None
 
-    async def watch_stall(self, record: InflightRequest, bound_s: float) -> None:
-        """Cancel the request once one write has waited `bound_s` for the client to read."""
-        while not self.complete:
-            await asyncio.sleep(min(1.0, bound_s / 2))
+    def watch_stall(self, record: InflightRequest, bound_s: float) -> asyncio.TimerHandle:
+        """Cancel the request once one write has waited `bound_s` for the client to read: a timer that checks
+        every min(1 s, bound/2) (no task: a request starts one task fewer).  Its handle, to cancel at the end."""
+        loop, every = asyncio.get_running_loop(), min(1.0, bound_s / 2)
+
+        def check() -> None:
+            if self.complete:
+                return
             since = self.sending_since
             if since is not None and time.monotonic() - since > bound_s:
                 record.cancel("slow_reader")
                 return
+            self._stall_timer = loop.call_later(every, check)
+
+        self._stall_timer = loop.call_later(every, check)
+        return self._stall_timer
+
+    def stop_watching_stall(self) -> None:
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
 
     async def watch_disconnect(self, record: InflightRequest) -> None:
         """Once the endpoint has read the body, the only message left to come is the disconnect."""
@@ -146,9 +159,9 @@ class AdmissionMiddleware:
         token = current_request.set(record)  # the endpoint task copies this context
         try:
             record.task = asyncio.create_task(self.app(scope, exchange.receive, exchange.send))
-            watchers = [asyncio.create_task(exchange.watch_disconnect(record))]
+            watcher = asyncio.create_task(exchange.watch_disconnect(record))
             if self.send_stall_s is not None:
-                watchers.append(asyncio.create_task(exchange.watch_stall(record, self.send_stall_s)))
+                exchange.watch_stall(record, self.send_stall_s)
             timer = None if self.max_request_s is None else \
                 asyncio.get_running_loop().call_later(self.max_request_s, record.cancel, "deadline")
             try:
@@ -159,8 +172,8 @@ class AdmissionMiddleware:
                     raise
                 await self._after_cancel(scope, exchange, record)
             finally:
-                for watcher in watchers:
-                    watcher.cancel()
+                watcher.cancel()
+                exchange.stop_watching_stall()
                 if timer is not None:
                     timer.cancel()
         finally:

@@ -28,6 +28,7 @@ clears what a missing entry made stale before it runs steps again.
 | relays           | render, encode, prefill steps (their call) | the next step's open_ahead (the answer goes on) |
 | reserved         | encode step (open_ahead)        | prefill step's open_ahead (where encode forwards) |
 | running          | pipeline                        | pipeline (calls open ahead only while a step waits) |
+| while_waiting    | http entry (the answer's first event) | pipeline (runs it once a step waits, after render) |
 | recovered        | pipeline (recovery policy)      | pipeline (each recovery runs once)        |
 | failovers        | failover loop (clients.py)      | logs, tests                               |
 | failed_on        | failover loop (clients.py)      | failover loop: the retry budget           |
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -81,6 +83,7 @@ class RequestContext:
     running: str = ""                                     # the step Pipeline.prepare is running now
     relays: dict[str, Relay] = field(default_factory=dict)  # step -> where its one call's answer goes on to
     reserved: dict[str, Reserved] = field(default_factory=dict)  # step -> where the call before forwards to
+    while_waiting: list[Callable[[], None]] = field(default_factory=list)  # work for a wait after render
     recovered: set[str] = field(default_factory=set)      # error codes the pipeline already recovered from
     failovers: int = 0
     failed_on: list[str] = field(default_factory=list)   # instances this request made fail (transport level)

@@ -61,8 +61,12 @@ class OpenAIApi:
         ctx = self.context(request, kind, raw, body)
         request_id_var.set(ctx.request_id)
         timing = RequestTiming(arrived, time.monotonic()) if self.config.enable_per_request_metrics else None
+        ahead: list[tuple[object, OpenAIAnswer]] = []   # built while a stage computes, for the render it used
+        if ctx.stream:
+            ctx.while_waiting.append(lambda: ahead.append((ctx.rendered, openai_answer(ctx, timing).prebuild())))
         await self.pipeline.prepare(ctx)
-        built, deltas = openai_answer(ctx, timing), self.pipeline.stream(ctx)
+        deltas = self.pipeline.stream(ctx)
+        built = ahead[0][1] if ahead and ahead[0][0] is ctx.rendered else openai_answer(ctx, timing)
         headers = {"X-Request-Id": ctx.label}
         if ctx.stream:
             return StreamingResponse(built.sse(deltas), media_type=SSE_MEDIA_TYPE, headers=headers)

@@ -109,13 +109,21 @@ class Pipeline:
     def _open_ahead(self, ctx: RequestContext, index: int) -> None:
         """The later steps' calls, opened ahead of their inputs while the step at `index` waits
         (coordinator/ahead.py); nothing when that step is over already (it had nothing to wait for)."""
-        if ctx.running != self.steps[index].name or not self._ahead_pays():
+        if ctx.running != self.steps[index].name:
             return
-        for step in self.steps[index + 1:]:
-            try:
-                step.open_ahead(ctx)
-            except Exception:  # noqa: BLE001 - a callback: the step makes a whole call instead
-                log.exception("opening the %s call ahead failed", step.name)
+        if self._ahead_pays():
+            for step in self.steps[index + 1:]:
+                try:
+                    step.open_ahead(ctx)
+                except Exception:  # noqa: BLE001 - a callback: the step makes a whole call instead
+                    log.exception("opening the %s call ahead failed", step.name)
+        if ctx.rendered is not None and ctx.while_waiting:   # the route's own work for after the first token
+            work, ctx.while_waiting = ctx.while_waiting, []
+            for do in work:
+                try:
+                    do()
+                except Exception:  # noqa: BLE001 - a callback: the route does it after the first token instead
+                    log.exception("work ahead of the first token failed")
 
     def _ahead_pays(self) -> bool:
         """One request at a time a call opened ahead takes its hand-offs off the request's path; under load the

@@ -13,6 +13,7 @@ process that never reads tensors never imports it.
 from __future__ import annotations
 
 import hashlib
+import math
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -85,7 +86,7 @@ class TensorSpec:
         """The spec is self-consistent: known dtype, nbytes = numel * itemsize, aligned offset."""
         if self.dtype not in ITEMSIZE:
             raise EntryCorrupt(f"tensor {self.name!r}: unknown dtype {self.dtype!r}")
-        numel = int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+        numel = math.prod(self.shape)   # exact (Python ints); a C loop, not np.prod's Python wrapper
         itemsize = ITEMSIZE[self.dtype]
         if min(self.shape, default=0) < 0 or numel * itemsize != self.nbytes:
             raise EntryCorrupt(f"tensor {self.name!r}: shape {self.shape} of {self.dtype} is not "
@@ -111,7 +112,7 @@ def plan_specs(specs: dict[str, tuple[Any, tuple[int, ...]]]) -> tuple[list[Tens
     for name, (dtype, shape) in specs.items():
         wire = dtype_name(dtype)
         shape = tuple(int(n) for n in shape)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * ITEMSIZE[wire] if shape else ITEMSIZE[wire]
+        nbytes = math.prod(shape) * ITEMSIZE[wire]
         out.append(TensorSpec(name, wire, shape, offset, nbytes))
         offset = align_up(offset + nbytes)
     return out, offset

@@ -282,3 +282,17 @@ def test_calls_open_ahead_only_while_the_coordinator_runs_few_requests(limit, ru
         assert pipeline._ahead_pays() is opens
     finally:
         inflight.current_request.reset(token)
+
+
+def test_work_for_after_the_first_token_runs_once_while_a_stage_computes_after_render():
+    """ctx.while_waiting (the coordinator's answer builds its first event there): run once, with the render answer
+    in hand, before the first token; never when no step waits."""
+    async def scenario(bench, pipeline):
+        ctx = chat_context()
+        seen: list[tuple[bool, bool]] = []
+        ctx.while_waiting.append(lambda: seen.append((ctx.rendered is not None, ctx.decode_stream is None)))
+        await answer(pipeline, ctx)
+        return seen, ctx.while_waiting
+
+    seen, left = run(scenario)
+    assert seen == [(True, True)] and left == []
