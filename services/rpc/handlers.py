@@ -57,7 +57,17 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
 
 
 def _done(method: str, started: float, code: str, context: Any = None) -> None:
+    """The call's time, taken now; its counters and log line once the answer is on its way: recorded on the loop's
+    next turn (the server writes the answer first, and the next role or the coordinator wakes for it before the
+    bookkeeping runs), in this call's context (its request id)."""
     elapsed = time.monotonic() - started - getattr(context, "waited_s", 0.0)
+    try:
+        asyncio.get_running_loop().call_soon(_record, method, code, elapsed)
+    except RuntimeError:   # no loop running (a servicer called directly): recorded at once
+        _record(method, code, elapsed)
+
+
+def _record(method: str, code: str, elapsed: float) -> None:
     RPC_REQUESTS.labels(method, code).inc()
     RPC_SECONDS.labels(method).observe(elapsed)
     level = logging.INFO if code in ("ok", "cancelled") else logging.WARNING

@@ -243,3 +243,32 @@ def test_a_relay_that_fails_loses_only_the_shortcut():
             assert (await decode.stream.read()).token_ids == [2]
 
     asyncio.run(main())
+
+
+
+def test_a_calls_metrics_are_recorded_on_the_loops_next_turn_after_it_answered():
+    """rpc_method times the call when the handler returns and records its counters on the loop's next turn, so the
+    server writes the answer first (the next role wakes for it before the bookkeeping runs)."""
+    from services.rpc.handlers import RPC_REQUESTS
+
+    class Context:
+        waited_s = 0.0
+
+        def invocation_metadata(self):
+            return (("x-request-id", "r1"),)
+
+    class Servicer:
+        @rpc_method
+        async def Prefill(self, request, context):
+            return "answer"
+
+    async def main() -> tuple[float, float, float]:
+        counted = RPC_REQUESTS.labels("Prefill", "ok")
+        before = counted._value.get()
+        assert await Servicer().Prefill(pb.PrefillRequest(request_id="r1"), Context()) == "answer"
+        at_answer = counted._value.get()
+        await asyncio.sleep(0)
+        return before, at_answer, counted._value.get()
+
+    before, at_answer, after = asyncio.run(main())
+    assert at_answer == before and after == before + 1
