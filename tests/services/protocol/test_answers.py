@@ -48,7 +48,7 @@ def test_a_prebuilt_chat_stream_sends_the_same_bytes_and_builds_its_role_chunk_o
     ahead = OpenAIAnswer("chat", "chatcmpl-x", "m", 7).prebuild()
     monkeypatch.setattr(OpenAIAnswer, "role_chunk", lambda self: (_ for _ in ()).throw(AssertionError("rebuilt")))
     assert _writes(ahead, DELTAS) == fresh
-    assert OpenAIAnswer("completion", "cmpl-x", "m", 7).prebuild()._role_event is None   # completions have none
+    assert OpenAIAnswer("completion", "cmpl-x", "m", 7).prebuild().role_event is None   # completions have none
 
 
 def test_chat_collect():
