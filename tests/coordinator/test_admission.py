@@ -22,6 +22,7 @@ from coordinator.admission import AdmissionMiddleware
 from coordinator.inflight import InflightRegistry
 from coordinator.metrics import CoordinatorMetrics
 from services.server import free_port
+from tests.support.asgi_server import served_app
 
 
 class App:
@@ -56,16 +57,8 @@ class App:
 @pytest.fixture(scope="module")
 def served():
     app = App()
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app.build(), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    yield app, f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(5)
+    with served_app(app.build()) as url:
+        yield app, url
 
 
 def _post(url: str, request_id: str, body: dict, timeout: float = 10) -> httpx.Response:

@@ -3,12 +3,8 @@ endpoint; every other request goes through the Starlette app as before."""
 
 from __future__ import annotations
 
-import threading
-import time
-
 import httpx
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -17,7 +13,7 @@ from starlette.routing import Route
 
 from coordinator.admission import GENERATION_PATHS
 from coordinator.direct import DirectRoutes
-from services.server import free_port
+from tests.support.asgi_server import served_app
 
 
 class Tag:
@@ -52,17 +48,8 @@ def served():
     guards = [Middleware(Tag, name="outer", seen=seen), Middleware(Tag, name="inner", seen=seen)]
     routes = [Route("/v1/chat/completions", chat, methods=["POST"]), Route("/other", other, methods=["POST"])]
     app = Starlette(routes=routes, middleware=[Middleware(Tag, name="starlette", seen=seen)])
-    direct = DirectRoutes(app, {"/v1/chat/completions": chat}, guards)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(direct, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    yield seen, f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(5)
+    with served_app(DirectRoutes(app, {"/v1/chat/completions": chat}, guards)) as url:
+        yield seen, url
 
 
 def test_a_generation_post_runs_under_the_guards_in_order_and_skips_starlette(served):
