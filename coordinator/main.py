@@ -49,8 +49,11 @@ async def _serve(public: DrainingServer, admin: _AdminServer, config: EpdConfig)
 def run_coordinator(config: EpdConfig) -> int:
     keep_freed_memory()   # before any thread takes an arena of its own (services/heap.py)
     coordinator = CoordinatorApp(config)
+    # access_log off: uvicorn would format each response's access-log arguments before its first byte goes out,
+    # for a logger kept at WARNING (services/observability.py); admission.py logs each generation request once
     public = DrainingServer(uvicorn.Config(coordinator.build(), host=config.host, port=config.port,
-                                           log_level="warning", timeout_graceful_shutdown=AFTER_DRAIN_S),
+                                           log_level="warning", access_log=False,
+                                           timeout_graceful_shutdown=AFTER_DRAIN_S),
                             coordinator.drain)
     admin = _AdminServer(uvicorn.Config(coordinator.build_admin(), host=config.admin_host, port=config.admin_port,
                                         log_level="warning", lifespan="off", timeout_graceful_shutdown=1))

@@ -223,7 +223,7 @@ async def serve(role: RoleServer, host: str, grpc_port: int, http_port: int, log
         await fast.start()
     await _set_serving(health_servicer, readiness.ready)
     http = _QuietServer(uvicorn.Config(build_http_app(role, readiness, keys), host=host, port=http_port,
-                                       log_level="warning", lifespan="off",
+                                       log_level="warning", lifespan="off", access_log=False,   # never printed
                                        timeout_graceful_shutdown=math.ceil(grace_s)))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
