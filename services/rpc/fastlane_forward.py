@@ -12,7 +12,8 @@ A role holds, in its `Forwarder`:
 
 - outgoing connections to the sockets of the roles it forwards to, one per port, opened when a FORWARD first
   names the port (the stage's compute leaves the time) and checked by the HELLO naming that port; a port
-  whose socket cannot be reached is not tried again for FAILED_RETRY_S (the coordinator relays meanwhile);
+  whose socket cannot be reached is not tried again for FAILED_RETRY_S (the coordinator relays meanwhile); at
+  most MAX_PEERS of them, the one named least recently closed for a new one;
 - the calls of its own waiting for inputs by token (`expect`), and inputs that came before their call had
   registered (the two roles' sockets are read in either order): at most EARLY_MAX of them, EARLY_MAX_BYTES in
   all, each dropped after EARLY_TTL_S, oldest first.
@@ -42,6 +43,7 @@ CONNECT_TIMEOUT_S = 2.0
 EARLY_MAX = 64
 EARLY_MAX_BYTES = 64 * 1024 * 1024
 EARLY_TTL_S = 10.0
+MAX_PEERS = 64    # roles this one keeps a connection to for forwarding (a cluster's prefill and decode instances)
 
 
 class _Peer:
@@ -97,10 +99,16 @@ class Forwarder:
     # ---- this role as the one that forwards ------------------------------------------------------------
 
     def prepare(self, port: int) -> None:
-        """A FORWARD named `port`: its connection is opened now (if not open) so the answer finds it ready."""
-        peer = self._peers.get(port)
+        """A FORWARD named `port`: its connection is opened now (if not open) so the answer finds it ready.  At
+        most MAX_PEERS are kept: the one named least recently goes (its connection closed) for a new one."""
+        peer = self._peers.pop(port, None)
         if peer is None:
-            peer = self._peers[port] = _Peer(port)
+            peer = _Peer(port)
+            while len(self._peers) >= MAX_PEERS:
+                gone = self._peers.pop(next(iter(self._peers)))
+                if gone.task is not None:
+                    gone.task.cancel()
+        self._peers[port] = peer   # last: the dict's order is the order ports were last named
         peer.ensure()
 
     def send(self, port: int, token: bytes, inputs: bytes) -> bool:

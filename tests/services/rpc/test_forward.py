@@ -185,3 +185,18 @@ def test_a_call_that_ended_forgets_its_token():
         await forwarder.close()
 
     asyncio.run(main())
+
+
+def test_the_roles_forwarded_to_are_bounded_the_least_recently_named_closed(monkeypatch):
+    async def main() -> None:
+        monkeypatch.setattr(fwd, "MAX_PEERS", 2)
+        forwarder = fwd.Forwarder()
+        ports = [free_port() for _ in range(3)]   # no socket behind them: each connect fails at once
+        forwarder.prepare(ports[0])
+        forwarder.prepare(ports[1])
+        forwarder.prepare(ports[0])   # named again: now the most recent
+        forwarder.prepare(ports[2])
+        assert list(forwarder._peers) == [ports[0], ports[2]]
+        await forwarder.close()
+
+    asyncio.run(main())
