@@ -97,7 +97,7 @@ def _closing_quote(body: bytes | bytearray, pos: int) -> int:
 
 def _is_plain(body: bytes | bytearray, start: int, end: int) -> bool:
     """Every byte in [start, end) is printable ASCII (0x20-0x7E) but the backslash: a vectorised min and max
-    per PIECE (~10x a `bytes.translate`, and no copy of the span), the backslash by `find`."""
+    per PIECE (no copy of the span, unlike a `bytes.translate`), the backslash by `find`."""
     for at in range(start, end, PIECE):
         stop = min(at + PIECE, end)
         piece = np.frombuffer(body, np.uint8, stop - at, at)

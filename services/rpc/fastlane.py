@@ -37,6 +37,7 @@ its metadata (INPUTS_TOKEN_KEY, 32 hex digits); its inputs may then come from an
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import struct
@@ -54,6 +55,25 @@ ENV_DIR = "EPD_FAST_LANE_DIR"
 def socket_path(grpc_port: int) -> Path:
     """Where the role serving gRPC on `grpc_port` listens (EPD_FAST_LANE_DIR, else the temp folder)."""
     return Path(os.environ.get(ENV_DIR) or tempfile.gettempdir()) / f"epd-rpc-{grpc_port}.sock"
+
+
+CONNECT_ERRORS = (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError)
+
+
+async def connect(grpc_port: int, timeout_s: float) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection to the fast lane of the role serving gRPC on `grpc_port`, its HELLO read and checked; one of
+    CONNECT_ERRORS when there is none (no socket, a slow or foreign one, a socket answering for another port)."""
+    reader, writer = await asyncio.wait_for(
+        asyncio.open_unix_connection(str(socket_path(grpc_port)), limit=MAX_FRAME), timeout_s)
+    try:
+        size, kind, _ = HEADER.unpack(await asyncio.wait_for(reader.readexactly(HEADER.size), timeout_s))
+        hello = json.loads(await asyncio.wait_for(reader.readexactly(size), timeout_s))
+        if kind != HELLO or not isinstance(hello, dict) or hello.get("grpc_port") != grpc_port:
+            raise ConnectionError(f"the socket answers for {hello}, not port {grpc_port}")
+    except BaseException:
+        writer.close()
+        raise
+    return reader, writer
 
 
 def frame(kind: int, call_id: int, payload: bytes = b"") -> bytes:

@@ -251,14 +251,8 @@ class FastLaneStub:
             if self._conn is not None and not self._conn.closed:
                 return self._conn
             try:
-                reader, writer = await asyncio.wait_for(
-                    asyncio.open_unix_connection(str(fl.socket_path(self._port)), limit=fl.MAX_FRAME), 2.0)
-                size, kind, _ = fl.HEADER.unpack(await asyncio.wait_for(reader.readexactly(fl.HEADER.size), 2.0))
-                hello = json.loads(await asyncio.wait_for(reader.readexactly(size), 2.0))
-                if kind != fl.HELLO or hello.get("grpc_port") != self._port:
-                    writer.close()
-                    raise ConnectionError(f"the socket answers for {hello}, not port {self._port}")
-            except (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError) as exc:
+                reader, writer = await fl.connect(self._port, 2.0)
+            except fl.CONNECT_ERRORS as exc:
                 self._failed_at = time.monotonic()
                 log.debug("fast lane to port %d not available (%s): gRPC", self._port, exc)
                 raise _unavailable(f"no fast lane to port {self._port} ({exc})") from None
