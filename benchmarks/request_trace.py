@@ -14,8 +14,10 @@ own typical cost.
 The path is the critical one.  Encode, prefill and decode calls are opened ahead of their inputs
 (coordinator/ahead.py): their handlers start (`Encode.in`, `Prefill.in`, `Decode.in`) while the stage before
 computes, and the coordinator's own step marks from render's end on fall beside the path, since the answer
-before each call goes on to it as it arrives.  Those marks (OFF_PATH) are left out of the path and reported
-on their own: how long before its inputs each call opened ahead was there.
+before each call goes on to it as it arrives.  Decode's marks are beside the path too: the first token goes
+to the client from prefill's answer while decode reads the KV (services/decode/judge.py).  Those marks
+(OFF_PATH) are left out of the path and reported on their own: how long before its inputs each call opened
+ahead was there.
 
     python -m benchmarks.request_trace            # 40 requests, tiny model; docs block refreshed
     python -m benchmarks.request_trace --quick    # 6 requests, docs untouched
@@ -44,7 +46,7 @@ CLIENT_SEND, CLIENT_FIRST = "client.send", "client.first_token"
 # Beside the critical path: calls opened ahead start there, and the coordinator's steps that relay answers on.
 OFF_PATH = ("Encode.in", "Prefill.in", "Decode.in", "coordinator.render.end", "coordinator.encode.start",
             "coordinator.encode.end", "coordinator.prefill.start", "coordinator.prefill.end",
-            "coordinator.decode.start")
+            "coordinator.decode.start", "Decode.inputs", "decode.kv_open.start", "decode.kv_open.end", "Decode.first")
 AHEAD = (("Encode.in", "Encode.inputs"), ("Prefill.in", "Prefill.inputs"), ("Decode.in", "Decode.inputs"))
 
 

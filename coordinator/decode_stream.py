@@ -13,6 +13,11 @@ token reaches the client is still recoverable and still a plain HTTP error:
 
 Both retries are the one failover loop of clients.py (`with_failover`).
 
+A call opened ahead acknowledges its reservation first (`ack_reserved`); when prefill's answer carries the
+first chunk (services/decode/judge.py), that ack is enough: the stream starts with prefill's chunk and checks
+decode's own first chunk against it when it comes (docs/architecture.md, "The first token leaves with
+prefill's answer"; a failure in between is in-stream, as below).
+
 After the first chunk, `DecodeStream.chunks` reads the rest.  Tokens already
 sent cannot be replayed elsewhere, so an instance that dies mid-stream ends
 the stream with Unavailable (`decode_failed`), which the endpoints send
@@ -47,14 +52,17 @@ if TYPE_CHECKING:
 
 class DecodeStream:
     def __init__(self, pool: InstancePool, instance: Instance, call: grpc.aio.UnaryStreamCall,
-                 first: pb.DecodeChunk, ctx: RequestContext) -> None:
+                 first: pb.DecodeChunk, ctx: RequestContext, from_prefill: bool = False) -> None:
         self.pool, self.instance, self.call, self.first, self.ctx = pool, instance, call, first, ctx
+        self.from_prefill = from_prefill   # `first` is prefill's: decode's own first chunk is still to come
         self._closed = False
 
     async def chunks(self) -> AsyncIterator[OutputDelta]:
         """Every chunk, the first included, as answer deltas; closes the call at the end."""
         try:
             yield chunk_delta(self.first, self.ctx.sampling)
+            if self.from_prefill:
+                await self._confirm_first()
             while True:
                 chunk = await self._next()
                 if chunk is grpc.aio.EOF:
@@ -64,6 +72,25 @@ class DecodeStream:
             raise self._failure(exc) from None
         finally:
             self.close()
+
+    async def _confirm_first(self) -> None:
+        """Decode's own first chunk, read and dropped: it must be the one prefill judged and the client has."""
+        metrics = self.pool.metrics
+        try:
+            own = await self._next()
+        except BaseException:
+            if metrics is not None:
+                metrics.first_chunks.labels("missing").inc()
+            raise
+        same = own is not grpc.aio.EOF and _judged(own) == _judged(self.first)
+        if metrics is not None:
+            metrics.first_chunks.labels("same" if same else "different" if own is not grpc.aio.EOF else "missing").inc()
+        if own is grpc.aio.EOF:
+            raise InternalError("decode ended the stream without any output", code="decode_error")
+        if not same:   # prefill and decode judge by one rule (services/decode/judge.py): their configs differ
+            raise InternalError(f"decode's first chunk {_judged(own)} is not prefill's {_judged(self.first)}: do "
+                                "prefill and decode serve the same model, tokenizer and --max-model-len?",
+                                code="first_chunk_mismatch")
 
     async def _next(self) -> pb.DecodeChunk | object:
         """The next chunk within the stall bound (--stream-idle-timeout-s)."""
@@ -128,9 +155,14 @@ async def _read_first(pool: InstancePool, instance: Instance, ctx: RequestContex
                       first_token: float) -> DecodeStream:
     """The open call's first chunk within `first_token` seconds; the call is cancelled (and the instance's
     in-flight count given back) when there is none."""
+    early: pb.DecodeChunk | None = None
     try:
         async with asyncio.timeout(None if first_token == math.inf else first_token):
             first = await call.read()
+            if first is not grpc.aio.EOF and first.reserved:   # decode took the request (ack_reserved)
+                early = _prefill_first_chunk(ctx)
+                if early is None:
+                    first = await call.read()
     except TimeoutError:
         call.cancel()
         pool.end(instance)
@@ -146,10 +178,22 @@ async def _read_first(pool: InstancePool, instance: Instance, ctx: RequestContex
         call.cancel()
         pool.end(instance)
         raise
+    if early is not None:   # the client gets prefill's first chunk now; decode's own is checked against it
+        return DecodeStream(pool, instance, call, early, ctx, from_prefill=True)
     if first is grpc.aio.EOF:
         pool.end(instance)
         raise InternalError("decode ended the stream without any output", code="decode_error")
     return DecodeStream(pool, instance, call, first, ctx)
+
+
+def _prefill_first_chunk(ctx: RequestContext) -> pb.DecodeChunk | None:
+    """Prefill's answer's first chunk (PrefillRequest.first_chunk), when it has one."""
+    return ctx.prefill.first_chunk if ctx.prefill is not None and ctx.prefill.HasField("first_chunk") else None
+
+
+def _judged(chunk: pb.DecodeChunk) -> tuple:
+    """What a first chunk says about its token: what prefill and decode must agree on."""
+    return (list(chunk.token_ids), chunk.text, chunk.finish_reason, chunk.stop_reason)
 
 
 def chunk_delta(chunk: pb.DecodeChunk, sampling: pb.SamplingParams) -> OutputDelta:

@@ -59,6 +59,10 @@ class CoordinatorMetrics:
                                    "before on as it arrived), used (the step sent its inputs), cancelled "
                                    "(not used: an earlier step failed, a recovery ran, the client left)",
                                    ["role", "outcome"])
+        self.first_chunks = Counter("epd_coordinator_first_chunks", "First tokens sent from prefill's answer "
+                                    "before decode's stream had its own first chunk, by how that chunk compared: "
+                                    "same, different (the request then ends with an error), missing (decode "
+                                    "failed before it)", ["outcome"])
         self.cancelled = Counter("epd_coordinator_cancelled_requests",
                                  "Requests cancelled by reason (disconnect, abort)", ["reason"])
 

@@ -44,6 +44,7 @@ class DecodeStep(Step):
             request.first_token_id = ctx.prefill.first_token_id
         if _needs_prompt_ids(request.sampling):
             request.prompt_token_ids.extend(ctx.rendered.token_ids)
+        request.ack_reserved = ahead   # decode says when it took the request: prefill's first chunk may go then
         return request
 
     def open_ahead(self, ctx: RequestContext) -> None:

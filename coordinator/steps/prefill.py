@@ -91,7 +91,9 @@ class PrefillStep(Step):
         request = pb.PrefillRequest(
             request_id=ctx.request_id, token_ids=ctx.rendered.token_ids,
             items=[i if i.mm_hash in inline else metadata_only(i) for i in ctx.image_items()],
-            ec_transfer_params_json=dumps(ec) if ec else b"", sampling=ctx.sampling)
+            ec_transfer_params_json=dumps(ec) if ec else b"", sampling=ctx.sampling,
+            # its first token as decode's first chunk: sent on before decode answers (DecodeStep, decode_stream.py)
+            first_chunk=not ctx.sampling.HasField("logprobs"))
         if ctx.rendered.HasField("cache_salt"):
             request.cache_salt = ctx.rendered.cache_salt
         return request

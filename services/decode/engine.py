@@ -41,6 +41,7 @@ from services.decode.block_pool import BlockPool
 from services.decode.compiled import StepReport
 from services.decode.detokenizer import IncrementalDetokenizer, decode_function
 from services.decode.errors import ContextTooLong, EngineClosed, EngineFull
+from services.decode.judge import token_budget
 from services.decode.metrics import EngineStats
 from services.decode.params import DecodeParams
 from services.decode.request import DecodeRequest
@@ -222,13 +223,13 @@ class DecodeEngine:
         self.close()
 
     def _max_tokens(self, prompt_len: int, params: DecodeParams) -> int:
+        budget = token_budget(prompt_len, params, self.max_model_len)   # the rule prefill's judge uses too
+        if budget is not None:
+            return budget
         if not 1 <= prompt_len < self.max_model_len:
             raise ContextTooLong(f"prompt_len {prompt_len} must be in [1, {self.max_model_len - 1}]")
-        max_tokens = params.max_tokens or self.max_model_len - prompt_len
-        if prompt_len + max_tokens > self.max_model_len:
-            raise ContextTooLong(f"prompt_len {prompt_len} + max_tokens {max_tokens} > max_model_len "
-                                 f"{self.max_model_len}")
-        return max_tokens
+        raise ContextTooLong(f"prompt_len {prompt_len} + max_tokens {params.max_tokens} > max_model_len "
+                             f"{self.max_model_len}")
 
     def _build(self, request_id: str, kv: torch.Tensor | RequestBlocks, prompt_len: int, rope_delta: int,
                first_token: int, params: DecodeParams, on_event: Callable[[DecodeEvent], None] | None,

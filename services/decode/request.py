@@ -2,8 +2,8 @@
 
 Created by `DecodeEngine.submit`; from then on touched only by the engine's
 worker thread.  `accept(token)` runs the same path for the first token (from
-prefill) and for every sampled one: record, token-level stop, detokenize,
-stop strings; it returns the event to emit.
+prefill) and for every sampled one: record, then judge it (services/decode/judge.py:
+token-level stop, detokenize, stop strings); it returns the event to emit.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import logging
 from collections.abc import Callable, Sequence
 
 from services.decode.detokenizer import IncrementalDetokenizer
+from services.decode.judge import OutputJudge
 from services.decode.params import DecodeParams
 from services.decode.request_blocks import RequestBlocks
 from services.decode.sampler import RowSampling
-from services.decode.stop import FINISH_STOP, StopChecker
 from services.decode.stream import DecodeEvent, DecodeStream
 
 logger = logging.getLogger(__name__)
@@ -34,8 +34,7 @@ class DecodeRequest:
         self.first_token = first_token
         self.params = params
         self.sampling = RowSampling(params, eos_token_ids, prompt_token_ids)
-        self.stop = StopChecker(params, eos_token_ids, max_tokens)
-        self.detokenizer = detokenizer
+        self.judge = OutputJudge(params, eos_token_ids, max_tokens, detokenizer)
         self.stream = stream
         self.on_event = on_event
         self.output_ids: list[int] = []
@@ -53,17 +52,7 @@ class DecodeRequest:
         self.output_ids.append(token_id)
         self.sampling.record(token_id)
         self.last_token = token_id
-        count = len(self.output_ids)
-        finish, stop_reason = self.stop.check_token(token_id, count)
-        reason: int | str | None = stop_reason
-        # A stop/EOS token's own text is not part of the output (vLLM), unless asked for.
-        skip_text = finish == FINISH_STOP and not self.params.include_stop_str_in_output
-        text, matched = self.stop.check_text("" if skip_text else self.detokenizer.push(token_id), count)
-        if matched is None and finish is not None:
-            tail, matched = self.stop.flush(self.detokenizer.flush(), count)
-            text += tail
-        if matched is not None:
-            finish, reason = FINISH_STOP, matched
+        text, finish, reason = self.judge.judge(token_id, len(self.output_ids))
         record = self.sampling.take_logprobs()  # None for the first token (prefill sampled it) and when not asked
         return self._event([token_id], text, finish, reason, logprobs=None if record is None else [record])
 

@@ -12,7 +12,7 @@ from services.rpc.inputs_follow import check_can_follow, inputs_that_follow
 from services.rpc.v1 import epd_pb2 as pb
 from services.rpc.v1 import epd_pb2_grpc as rpc
 
-from .serving import DecodeService
+from .serving import RESERVED, DecodeService
 from .stream import DecodeEvent
 
 
@@ -45,8 +45,12 @@ class DecodeServicer(rpc.DecodeServiceServicer):
         else:
             kv_params = loads(request.kv_transfer_params_json)
         events = self.service.decode(request.request_id, kv_params, sampling_from_pb(request.sampling),
-                                     list(request.prompt_token_ids), prompt_len=request.prompt_tokens or None)
+                                     list(request.prompt_token_ids), prompt_len=request.prompt_tokens or None,
+                                     announce_reserved=request.ack_reserved)
         async for event in events:
+            if event is RESERVED:
+                yield pb.DecodeChunk(reserved=True)
+                continue
             if event.finish_reason == "error":
                 raise InternalError(event.error or "decode failed", code="decode_error")
             yield to_chunk(event, request.prompt_tokens)

@@ -45,6 +45,7 @@ _POLL_S = 0.005   # how often a request waiting for KV room looks again
 
 FINISHED = Counter("epd_decode_requests_finished", "Decode requests by finish reason", ["reason"])
 TOKENS = Counter("epd_decode_tokens", "Output tokens produced")
+RESERVED = DecodeEvent("")   # `decode(announce_reserved=True)`'s first event: the blocks are reserved, nothing else
 GAUGES = {
     **{name: (doc, lambda s, read=read: read(s.engine.stats())) for name, (doc, read) in ENGINE_GAUGES.items()},
     "epd_kv_store_bytes_copied_total": ("Payload bytes the KV store reader copied (gets; views none)",
@@ -89,10 +90,11 @@ class DecodeService:
 
     async def decode(self, request_id: str, kv_params: Any, sampling: dict[str, Any],
                      prompt_token_ids: list[int] | None = None,
-                     prompt_len: int | None = None) -> AsyncIterator[DecodeEvent]:
+                     prompt_len: int | None = None, announce_reserved: bool = False) -> AsyncIterator[DecodeEvent]:
         """`kv_params` may be a coroutine function (a call opened ahead, services/rpc/inputs_follow.py): the
         request's blocks are then reserved for `prompt_len` tokens first, and the entry is opened once the
-        parameters came and name that same length."""
+        parameters came and name that same length.  `announce_reserved`: the first event is RESERVED, as soon
+        as the blocks are (DecodeRequest.ack_reserved)."""
         params = decode_params(sampling)
         later = kv_params if callable(kv_params) else None
         if later is None:
@@ -103,6 +105,8 @@ class DecodeService:
         blocks = await self._reserve(prompt_len, params)
         views = contextlib.ExitStack()
         try:
+            if announce_reserved:
+                yield RESERVED
             if later is not None:
                 kv_params = await later()
                 handle, got_len, rope_delta, first_token = _transfer_fields(kv_params)

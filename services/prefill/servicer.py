@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 
 from services.connectors.mm import MmRef
+from services.decode.servicer import to_chunk
 from services.protocol.errors import InvalidRequest
 from services.protocol.serialization import decode_item
 from services.rpc.convert import dumps, loads, sampling_from_pb
@@ -47,10 +48,13 @@ class PrefillServicer(rpc.PrefillServiceServicer):
         salt = request.cache_salt if request.HasField("cache_salt") else None
         outcome = await self.service.prefill(request.request_id, list(request.token_ids),
                                              items_from_pb(list(request.items)), ec_params,
-                                             sampling_from_pb(request.sampling), salt)
-        return pb.PrefillResponse(request_id=request.request_id, first_token_id=outcome.first_token_id,
-                                  kv_transfer_params_json=dumps(outcome.kv_transfer_params),
-                                  prompt_tokens=outcome.prompt_tokens, cached_tokens=outcome.cached_tokens)
+                                             sampling_from_pb(request.sampling), salt, request.first_chunk)
+        answer = pb.PrefillResponse(request_id=request.request_id, first_token_id=outcome.first_token_id,
+                                    kv_transfer_params_json=dumps(outcome.kv_transfer_params),
+                                    prompt_tokens=outcome.prompt_tokens, cached_tokens=outcome.cached_tokens)
+        if outcome.first_event is not None:   # the chunk decode's stream will start with (services/decode/judge.py)
+            answer.first_chunk.CopyFrom(to_chunk(outcome.first_event, outcome.prompt_tokens))
+        return answer
 
 
 def _checked_handles(request: pb.PrefillRequest, ec_params: dict) -> dict:

@@ -28,9 +28,11 @@ from services.connectors.base import ConnectorError, TensorStore
 from services.connectors.kv import kv_key
 from services.connectors.mm import MmRef, open_item
 from services.connectors.wiring import as_epd_error
+from services.decode.judge import FirstTokenJudge
 from services.decode.params import DecodeParams
 from services.decode.params_from import decode_params
 from services.decode.sampler import sample_first_logprobs
+from services.decode.stream import DecodeEvent
 from services.models.base import LanguageModel, MultiModalInput
 from services.owned_metrics import OwnedGauges
 from services.protocol.errors import InvalidRequest
@@ -80,13 +82,15 @@ class PrefillOutcome:
     prompt_tokens: int
     cached_tokens: int
     first_logprobs: TokenLogprob | None = None  # when sampling asked for logprobs
+    first_event: DecodeEvent | None = None      # the first token as decode judges it, when asked (judge.py)
 
 
 class PrefillService:
     def __init__(self, engine: PrefillEngine, lm: LanguageModel, ec_store: TensorStore, kv_store: TensorStore,
                  instance_id: str, max_queue: int = 32, inline: InlineEncoder | None = None,
-                 mm_store: TensorStore | None = None) -> None:
+                 mm_store: TensorStore | None = None, first_judge: FirstTokenJudge | None = None) -> None:
         self.engine, self.lm, self.instance_id = engine, lm, instance_id
+        self.first_judge = first_judge  # answers the first token's chunk too (PrefillRequest.first_chunk)
         self.ec_store, self.kv_store, self.mm_store = ec_store, kv_store, mm_store
         self.inline = inline
         self.admission = Admission("prefill", max_queue)
@@ -95,10 +99,12 @@ class PrefillService:
 
     async def prefill(self, request_id: str, token_ids: list[int], items: list[PrefillItem],
                       ec_params: dict[str, Any] | Callable[[], Awaitable[dict[str, Any]]], sampling: dict[str, Any],
-                      cache_salt: str | None) -> PrefillOutcome:
+                      cache_salt: str | None, judge_first: bool = False) -> PrefillOutcome:
         """Refused at once (Overloaded) while `max_queue` prefills are already running or waiting.  `ec_params`
         may be a coroutine function (a call opened ahead: services/rpc/inputs_follow.py): the request is checked
-        first, then it waits for them, outside the queue (the coordinator bounds how many requests it runs)."""
+        first, then it waits for them, outside the queue (the coordinator bounds how many requests it runs).
+        `judge_first`: the outcome carries the first token's event as decode will judge it, where this prefill
+        has a judge and the request is one it judges (services/decode/judge.py)."""
         params = decode_params(sampling)
         self._check_ids(token_ids)
         early = None
@@ -106,7 +112,11 @@ class PrefillService:
             early = self._early(token_ids, items, cache_salt)
             ec_params = await ec_params()
         with self.admission.admit():
-            return await self._prefill(request_id, token_ids, items, ec_params, params, cache_salt, early)
+            outcome = await self._prefill(request_id, token_ids, items, ec_params, params, cache_salt, early)
+        if judge_first and self.first_judge is not None:
+            outcome.first_event = self.first_judge.first_event(request_id, outcome.first_token_id,
+                                                               outcome.prompt_tokens, params)
+        return outcome
 
     def _early(self, token_ids: list[int], items: list[PrefillItem], cache_salt: str | None) -> Early | None:
         """The prompt's early inputs, or None (a prompt the engine will refuse: it says why, as for any)."""

@@ -13,6 +13,7 @@ import httpx
 from tests.e2e.conftest import PUBLIC_KEYS
 from tests.support.cluster import metric_value
 from tests.support.images import chat, noise_image
+from tests.support.scale_out import sse_events
 
 METHODS = {"render": "RenderChat", "encode": "Encode", "prefill": "Prefill", "decode": "Decode"}
 
@@ -108,3 +109,38 @@ def test_encode_called_ahead_gets_only_the_images_it_has_to_encode(shm_cluster):
     after = items()
     assert {k: after[k] - before[k] for k in after} == {"encoded": 1.0, "cache_hit": 0.0}
     assert _delta(ahead_before, _ahead(shm_cluster))[("encode", "relayed")] == 1.0
+
+
+def _first_chunks(cluster) -> dict[str, float]:
+    text = httpx.get(cluster.url + "/metrics", timeout=10).text
+    return {outcome: metric_value(text, "epd_coordinator_first_chunks_total", f'outcome="{outcome}"')
+            for outcome in ("same", "different", "missing")}
+
+
+def test_the_first_token_goes_out_with_prefill_answer_and_decode_says_the_same(shm_cluster):
+    """Decode's call opened ahead says when its blocks are reserved; prefill answers the first token as decode's
+    first chunk (services/decode/judge.py), so the coordinator streams it before decode read the KV, then checks
+    decode's own first chunk against it.  The stream is the same answer as a whole one; a first token that ends
+    the answer (max_tokens=1) is the whole answer, usage included; with logprobs decode sends the first token."""
+    image = noise_image(224, 224, seed=4411)
+    cases = [({"max_tokens": 5, "temperature": 0}, 1.0), ({"max_tokens": 1, "temperature": 0}, 1.0),
+             ({"max_tokens": 3, "temperature": 0, "logprobs": True, "top_logprobs": 1}, 0.0)]
+    for extra, early in cases:
+        body = chat("Describe it.", [image], **extra)
+        whole = httpx.post(shm_cluster.url + "/v1/chat/completions", json=body, timeout=120)
+        assert whole.status_code == 200, whole.text
+        before = _first_chunks(shm_cluster)
+        stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", shm_cluster.url + "/v1/chat/completions", json=stream, timeout=120) as reply:
+            assert reply.status_code == 200
+            events = sse_events(reply)
+        after = _first_chunks(shm_cluster)
+        assert {k: after[k] - before[k] for k in after} == {"same": early, "different": 0.0, "missing": 0.0}, extra
+        assert events[-1] == "[DONE]"
+        choices = [c for e in events[:-1] for c in e["choices"]]
+        text = "".join(c["delta"].get("content") or "" for c in choices)
+        finish = [c["finish_reason"] for c in choices if c["finish_reason"]]
+        assert (text, finish) == (whole.json()["choices"][0]["message"]["content"],
+                                  [whole.json()["choices"][0]["finish_reason"]]), extra
+        assert events[-2]["usage"] == whole.json()["usage"], extra
+    assert metric_value(shm_cluster.metrics("decode"), "epd_decode_kv_blocks_reserved") == 0.0

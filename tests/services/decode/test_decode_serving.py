@@ -13,7 +13,7 @@ import uuid
 import pytest
 
 from services.connectors import StoreConfig, create_store, wiring
-from services.decode.serving import DecodeService
+from services.decode.serving import RESERVED, DecodeService
 from services.protocol.errors import InvalidRequest, NotFound
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
@@ -204,6 +204,33 @@ def test_a_call_opened_ahead_reserves_its_blocks_before_its_inputs_come(tiny, ma
 
     reserved, events = asyncio.run(main())
     assert reserved > 0
+    assert [t for e in events for t in e.token_ids] == tiny.reference(story, 6)
+    wait_until(lambda: store.stats().entries == 0)
+    assert all_back(engine)
+
+
+def test_a_call_that_asks_says_when_its_blocks_are_reserved(tiny, make_engine, story, store):
+    """ack_reserved: the first event is RESERVED, sent once the blocks are reserved and before the inputs came
+    (the coordinator may then send prefill's first chunk on); the tokens after it are the same."""
+    engine = make_engine(num_slots=2)
+    service = DecodeService(engine, store)
+
+    async def main():
+        inputs = asyncio.get_running_loop().create_future()
+
+        async def later():
+            return await inputs
+
+        stream = service.decode("d1", later, {**GREEDY, "max_tokens": 6}, prompt_len=story.prompt_len,
+                                announce_reserved=True)
+        ack = await asyncio.wait_for(anext(stream), 5)
+        reserved = engine.stats().kv.reserved_blocks
+        inputs.set_result(transfer(store, story))
+        return ack, reserved, await collect(stream)
+
+    ack, reserved, events = asyncio.run(main())
+    assert ack is RESERVED and reserved > 0
+    assert RESERVED not in events
     assert [t for e in events for t in e.token_ids] == tiny.reference(story, 6)
     wait_until(lambda: store.stats().entries == 0)
     assert all_back(engine)
