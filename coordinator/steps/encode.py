@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
 
 from services.protocol.errors import InternalError, Overloaded, Unavailable
 from services.rpc.fastlane_client import Relay
@@ -34,9 +33,11 @@ class EncodeStep(Step):
     name = "encode"
 
     def open_ahead(self, ctx: RequestContext) -> None:
-        """While render computes: the call that gets render's answer as its inputs, relayed as the coordinator
-        reads it (coordinator/ahead.py).  Only with one encode instance to take it (which one an image goes to
-        is chosen by its hash, not known before render answers) and a request that names an image at all."""
+        """While render computes: the call that gets render's answer as its inputs, as it is: render sends it on
+        itself (a FORWARD) where it can, else the coordinator relays it as it reads it (coordinator/ahead.py).  The
+        call encodes each image of the prompt once; one the coordinator knew already costs encode a cache lookup.
+        Only with one encode instance to take it (which one an image goes to is chosen by its hash, not known
+        before render answers) and a request that names an image at all."""
         relay = ctx.relays.get("render")
         if ctx.rendered is not None or relay is None or relay.target is not None or self.name in ctx.ahead or \
                 b"image" not in ctx.body or len(self.cluster.encode.healthy()) != 1:
@@ -45,32 +46,23 @@ class EncodeStep(Step):
                             ctx.time_left)
         if opened is not None:
             ctx.ahead[self.name] = opened
-            relay.shape = self._unknown_images
-            relay.target = opened.call
+            relay.aim(opened.call)
             # encode's answer goes straight to prefill's call opened ahead: encode is told now, before it computes
             reserved = reserve(self.cluster.prefill, opened.call)
             if reserved is not None:
                 ctx.reserved["prefill"] = reserved
 
-    def _unknown_images(self, rendered: bytes) -> bytes | None:
-        """Render's answer as encode's inputs: its images this coordinator has no handle for, each once (what a
-        whole call would send), or None when there is none (the step then cancels the call)."""
-        items = self._unknown(pb.RenderResponse.FromString(rendered).items)
-        return pb.RenderResponse(items=items).SerializeToString() if items else None
-
-    def _unknown(self, items: Iterable[pb.MultiModalItem]) -> list[pb.MultiModalItem]:
-        unique = {i.mm_hash: i for i in items}
-        return [i for h, i in unique.items() if self.cluster.ec_handles.get(h) is None]
-
     async def execute(self, ctx: RequestContext) -> None:
         ahead = ctx.ahead.pop(self.name, None)
         try:
             missing = self._missing_items(ctx)
-            if not missing:
+            # render's answer went on to the call opened ahead as it was: that call answers for every image
+            whole = self._unique(ctx) if ahead is not None and ahead.call.sent and not ctx.inline_items else []
+            if not missing and not whole:
                 return
             started = time.perf_counter()
             if ahead is not None and not ctx.inline_items:
-                replies = await self._by_ahead(ctx, ahead, missing)
+                replies = await self._by_ahead(ctx, ahead, missing, whole)
                 if replies is not None:
                     self._keep(ctx, replies)
                     ctx.timings["encode"] = time.perf_counter() - started
@@ -80,30 +72,34 @@ class EncodeStep(Step):
                 ahead.cancel()
         await self._each(ctx, missing, started)
 
-    async def _by_ahead(self, ctx: RequestContext, ahead: Ahead,
-                        missing: list[pb.MultiModalItem]) -> list[pb.EncodedItem] | None:
-        """Every missing item from the call opened ahead (render's answer its inputs), failing over to whole
-        calls of the same items; None when no encoder could take them (each item then goes its own way)."""
-        self.cluster.metrics.mm_payload_bytes.labels("encode").inc(sum(len(i.kwargs_data) for i in missing))
-        # its answer holds the missing images' handles: it may go on to prefill's call opened ahead as it arrives
-        relay = ctx.relays[self.name] = Relay(frozenset(i.mm_hash for i in missing))
+    async def _by_ahead(self, ctx: RequestContext, ahead: Ahead, missing: list[pb.MultiModalItem],
+                        whole: list[pb.MultiModalItem]) -> list[pb.EncodedItem] | None:
+        """The call opened ahead's answer: for every image of the prompt (`whole`) when render's answer went to it
+        as it was, else for the missing ones (sent now); failing over to whole calls of the same items.  None
+        when no encoder could take them (each item then goes its own way).  Counted per missing item (the known
+        ones were counted as known)."""
+        asked = whole or missing
+        if not ahead.call.forwarded:   # forwarded: render sent its answer to encode, not through here
+            self.cluster.metrics.mm_payload_bytes.labels("encode").inc(sum(len(i.kwargs_data) for i in asked))
+        # its answer holds the asked images' handles: it may go on to prefill's call opened ahead as it arrives
+        relay = ctx.relays[self.name] = Relay(frozenset(i.mm_hash for i in asked))
         ahead.call.relay_answer(relay)
         try:
             reply, instance = await call_unary(
-                self.cluster.encode, ctx, "Encode", lambda: pb.EncodeRequest(request_id=ctx.request_id, items=missing),
-                key=missing[0].mm_hash, ahead=ahead, inputs=lambda: pb.RenderResponse(items=missing))
+                self.cluster.encode, ctx, "Encode", lambda: pb.EncodeRequest(request_id=ctx.request_id, items=asked),
+                key=asked[0].mm_hash, ahead=ahead, inputs=lambda: pb.RenderResponse(items=asked))
         except (Unavailable, Overloaded):
             return None
         finally:
             del ctx.relays[self.name]
         found = {i.mm_hash: i for i in reply.items}
-        if any(item.mm_hash not in found for item in missing):
+        if any(item.mm_hash not in found for item in asked):
             raise InternalError("encode answered without every image it was given", code="encode_incomplete")
         ctx.instances.setdefault("encode", instance.address)
         self.cluster.metrics.encode_calls.inc()
         for item in missing:
             self.cluster.metrics.mm_items.labels("cache_hit" if found[item.mm_hash].cache_hit else "encoded").inc()
-        return [found[item.mm_hash] for item in missing]
+        return [found[item.mm_hash] for item in asked]
 
     def _keep(self, ctx: RequestContext, replies: list[pb.EncodedItem | None]) -> None:
         for encoded in replies:
@@ -143,6 +139,10 @@ class EncodeStep(Step):
                 continue
             unique[item.mm_hash] = item
         return list(unique.values())
+
+    @staticmethod
+    def _unique(ctx: RequestContext) -> list[pb.MultiModalItem]:
+        return list({i.mm_hash: i for i in ctx.image_items()}.values())
 
     def forget_handles(self, ctx: RequestContext) -> None:
         """The EC entries of this request are gone: forget their handles here and cluster-wide."""

@@ -160,7 +160,11 @@ async def metrics(request: web.Request) -> web.Response:
              f'epd_encode_items_total{{result="encoded"}} {float(state.encoded)}',
              f'epd_encode_items_total{{result="cache_hit"}} {float(state.cache_hit)}',
              f"epd_coordinator_encode_calls_total {float(state.encoded + state.cache_hit)}",
-             f"epd_coordinator_ec_known_hits_total {float(state.known_hits)}"]
+             f"epd_coordinator_ec_known_hits_total {float(state.known_hits)}",
+             "# TYPE epd_coordinator_mm_items_total counter",
+             f'epd_coordinator_mm_items_total{{source="known"}} {float(state.known_hits)}',
+             f'epd_coordinator_mm_items_total{{source="cache_hit"}} {float(state.cache_hit)}',
+             f'epd_coordinator_mm_items_total{{source="encoded"}} {float(state.encoded)}']
     return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
 

@@ -1,19 +1,22 @@
 """Encoder-cache hit ratio per item, from the cluster's Prometheus counters.
 
-epd counts items in two places: the coordinator skips items whose embedding
-it knows is stored (`epd_coordinator_ec_known_hits_total`) and sends the rest
-to encode (`epd_coordinator_encode_calls_total`, one per item); each encode
-instance answers from its cache or encodes (`epd_encode_items_total{result=
-"cache_hit"|"encoded"}`). Over a run (after - before):
+The coordinator counts every image item of every request once, by where its
+embedding came from (`epd_coordinator_mm_items_total{source="known"|
+"cache_hit"|"encoded"|"inline"}`: a handle it remembered, an encoder's cache,
+the vision tower, prefill's inline encoder).  Over a run (after - before):
 
-    items     = known_hits + encode_calls        (every item of every request)
-    hit ratio = (known_hits + cache_hit) / items
+    items     = known + cache_hit + encoded + inline
+    hit ratio = (known + cache_hit) / items
 
-with items = known_hits + cache_hit + encoded when the coordinator's
-counters were not given. `encoded_ratio` = encoded / items is the share of
-items that really ran the vision tower (an encode call that joins an
-in-flight encode of the same item is neither a cache hit nor encoded).
-Counters are summed over all given URLs.
+Encode's own counters (`epd_encode_items_total{result="cache_hit"|"encoded"}`)
+count what it was asked, which may include images the coordinator knew (a call
+opened ahead gets render's whole answer: docs/architecture.md), so they give
+the ratio only where the coordinator's counters were not given (an older
+coordinator: items = `epd_coordinator_ec_known_hits_total` +
+`epd_coordinator_encode_calls_total`, hits = known + cache_hit; no coordinator:
+items = cache_hit + encoded).  `encoded_ratio` = encoded / items is the share of
+items that really ran the vision tower (encode's count).  Counters are summed
+over all given URLs.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ import aiohttp
 KNOWN_HITS = "epd_coordinator_ec_known_hits_total"
 ENCODE_CALLS = "epd_coordinator_encode_calls_total"
 ENCODE_ITEMS = "epd_encode_items_total"
+MM_ITEMS = "epd_coordinator_mm_items_total"
+MM_SOURCES = ("known", "cache_hit", "encoded", "inline")
 
 _SAMPLE = re.compile(r"^([A-Za-z_:][\w:]*)(\{[^}]*\})?\s+(\S+)")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
@@ -80,7 +85,8 @@ def _value(samples: Samples, name: str, **labels: str) -> float | None:
 def counters(samples: Samples) -> dict[str, float | None]:
     return {"known_hits": _value(samples, KNOWN_HITS), "encode_calls": _value(samples, ENCODE_CALLS),
             "encoded": _value(samples, ENCODE_ITEMS, result="encoded"),
-            "cache_hit": _value(samples, ENCODE_ITEMS, result="cache_hit")}
+            "cache_hit": _value(samples, ENCODE_ITEMS, result="cache_hit"),
+            **{f"items_{source}": _value(samples, MM_ITEMS, source=source) for source in MM_SOURCES}}
 
 
 def delta(before: dict[str, float | None], after: dict[str, float | None]) -> dict[str, float | None]:
@@ -96,9 +102,15 @@ def add_deltas(a: dict[str, float | None], b: dict[str, float | None]) -> dict[s
 
 
 def hit_ratio(d: dict[str, float | None]) -> dict[str, Any]:
-    known = d.get("known_hits") or 0.0
-    hits = known + (d.get("cache_hit") or 0.0)
-    calls, encoded = d.get("encode_calls"), d.get("encoded")
-    items = known + calls if calls is not None else hits + (encoded or 0.0)
+    encoded = d.get("encoded")
+    by_source = {source: d.get(f"items_{source}") for source in MM_SOURCES}
+    if any(v is not None for v in by_source.values()):   # the coordinator's count: each item once
+        items = sum(v or 0.0 for v in by_source.values())
+        hits = (by_source["known"] or 0.0) + (by_source["cache_hit"] or 0.0)
+    else:
+        known = d.get("known_hits") or 0.0
+        hits = known + (d.get("cache_hit") or 0.0)
+        calls = d.get("encode_calls")
+        items = known + calls if calls is not None else hits + (encoded or 0.0)
     return {"items": items, "hits": hits, "hit_ratio": hits / items if items else None, "encoded": encoded,
             "encoded_ratio": encoded / items if encoded is not None and items else None, "counters": d}

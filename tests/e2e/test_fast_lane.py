@@ -58,11 +58,11 @@ def _delta(before: dict, after: dict) -> dict:
 
 def test_prefill_and_decode_are_called_ahead_of_their_inputs_and_each_answer_goes_on(shm_cluster):
     """A new image: while render computes, encode is called ahead, and while encode computes, prefill and decode
-    are; render's answer goes on to encode as the coordinator reads it (relayed: it is shaped to the images to
-    encode), encode's to prefill and prefill's to decode straight from the role that answered (forwarded).  The
-    same request again (the handle known: nothing to encode, so the call opened ahead is cancelled) makes a
-    whole prefill call, whose answer goes on to decode's call opened meanwhile (forwarded when prefill read the
-    FORWARD before it computed, else relayed).  Both answers are the same tokens."""
+    are; each answer goes on to the next call straight from the role that answered (forwarded; render's, when
+    render read the FORWARD after it answered, by the coordinator as it reads it: relayed).  The same request
+    again (the handle known here) takes the same path: encode gets render's whole answer and looks the image up,
+    answering at once, so prefill may be computing when decode's FORWARD comes (then relayed).  Both answers
+    are the same tokens."""
     warm = chat("Warm up.", [noise_image(224, 224, seed=4407)], max_tokens=1)   # every fast-lane connection open
     assert httpx.post(shm_cluster.url + "/v1/chat/completions", json=warm, timeout=120).status_code == 200
     body = chat("Describe it.", [noise_image(224, 224, seed=4403)], max_tokens=4, temperature=0)
@@ -73,11 +73,12 @@ def test_prefill_and_decode_are_called_ahead_of_their_inputs_and_each_answer_goe
         assert reply.status_code == 200, reply.text
         answers.append(reply.json()["choices"][0]["message"]["content"])
         deltas.append(_delta(before, _ahead(shm_cluster)))
-    assert deltas[0] == {("encode", "opened"): 1.0, ("encode", "relayed"): 1.0, ("prefill", "opened"): 1.0,
-                         ("prefill", "forwarded"): 1.0, ("decode", "opened"): 1.0, ("decode", "forwarded"): 1.0}
-    went_on = ("decode", "forwarded") if ("decode", "forwarded") in deltas[1] else ("decode", "relayed")
-    assert deltas[1] == {("encode", "opened"): 1.0, ("encode", "cancelled"): 1.0,
-                         ("decode", "opened"): 1.0, went_on: 1.0}
+    for delta in deltas:
+        went_on = {role: (role, "forwarded") if (role, "forwarded") in delta else (role, "relayed")
+                   for role in ("encode", "decode")}
+        assert delta == {("encode", "opened"): 1.0, went_on["encode"]: 1.0, ("prefill", "opened"): 1.0,
+                         ("prefill", "forwarded"): 1.0, ("decode", "opened"): 1.0, went_on["decode"]: 1.0}
+    assert ("encode", "forwarded") in deltas[0] and ("decode", "forwarded") in deltas[0]
     assert answers[0] == answers[1] and answers[0]
     assert metric_value(shm_cluster.metrics("decode"), "epd_decode_kv_blocks_reserved") == 0.0
 
@@ -90,25 +91,29 @@ def test_with_tls_no_call_is_opened_ahead(secure_cluster):
     assert _ahead(secure_cluster) == {}
 
 
-def test_encode_called_ahead_gets_only_the_images_it_has_to_encode(shm_cluster):
-    """Render's answer goes on to encode without the images the coordinator already has handles for (what a
-    whole call would send): a prompt with one known and one new image makes encode encode one, look up none."""
+def test_encode_called_ahead_encodes_only_the_images_it_does_not_hold(shm_cluster):
+    """Render's answer goes on to encode as it is: a prompt with one known and one new image makes encode encode
+    the new one and look the known one up; the coordinator counts each image once, by where its embedding came
+    from (the known one: known; the new one: encoded)."""
     known, new = noise_image(224, 224, seed=4405), noise_image(224, 224, seed=4406)
     first = httpx.post(shm_cluster.url + "/v1/chat/completions", json=chat("A.", [known], max_tokens=2), timeout=120)
     assert first.status_code == 200, first.text
 
     def items() -> dict[str, float]:
-        text = shm_cluster.metrics("encode")
-        return {result: metric_value(text, "epd_encode_items_total", f'result="{result}"')
-                for result in ("encoded", "cache_hit")}
+        text, coordinator = shm_cluster.metrics("encode"), httpx.get(shm_cluster.url + "/metrics", timeout=10).text
+        return {**{result: metric_value(text, "epd_encode_items_total", f'result="{result}"')
+                   for result in ("encoded", "cache_hit")},
+                **{source: metric_value(coordinator, "epd_coordinator_mm_items_total", f'source="{source}"')
+                   for source in ("known", "encoded")}}
 
     before, ahead_before = items(), _ahead(shm_cluster)
     reply = httpx.post(shm_cluster.url + "/v1/chat/completions", json=chat("B.", [known, new], max_tokens=2),
                        timeout=120)
     assert reply.status_code == 200, reply.text
     after = items()
-    assert {k: after[k] - before[k] for k in after} == {"encoded": 1.0, "cache_hit": 0.0}
-    assert _delta(ahead_before, _ahead(shm_cluster))[("encode", "relayed")] == 1.0
+    assert {k: after[k] - before[k] for k in after} == {"encoded": 1.0, "cache_hit": 1.0, "known": 1.0}
+    went = _delta(ahead_before, _ahead(shm_cluster))
+    assert went.get(("encode", "forwarded"), 0.0) + went.get(("encode", "relayed"), 0.0) == 1.0
 
 
 def _first_chunks(cluster) -> dict[str, float]:

@@ -23,8 +23,20 @@ def test_parse_and_ratio():
     samples = parse_text(EXPOSITION)
     assert samples[("epd_encode_items_total", (("instance", "a"), ("result", "encoded")))] == 3.0
     c = counters(samples)
-    assert c == {"known_hits": 2.0, "encode_calls": 8.0, "encoded": 3.0, "cache_hit": 5.0}
-    assert hit_ratio(c)["hit_ratio"] == pytest.approx(7 / 10)
+    assert c == {"known_hits": 2.0, "encode_calls": 8.0, "encoded": 3.0, "cache_hit": 5.0, "items_known": None,
+                 "items_cache_hit": None, "items_encoded": None, "items_inline": None}
+    assert hit_ratio(c)["hit_ratio"] == pytest.approx(7 / 10)   # an older coordinator: its two counters
+
+
+def test_the_coordinators_count_by_source_is_the_ratio():
+    """A call opened ahead gets render's whole answer, so encode also counts (as cache hits) images the coordinator
+    knew: here 2 known, 1 from encode's cache, 3 encoded, 1 inline, while encode saw the 2 known ones too."""
+    samples = parse_text(EXPOSITION.replace("cache_hit\"} 5.0", "cache_hit\"} 3.0") + "\n".join(
+        f'epd_coordinator_mm_items_total{{source="{source}"}} {n}'
+        for source, n in (("known", 2.0), ("cache_hit", 1.0), ("encoded", 3.0), ("inline", 1.0))))
+    ratio = hit_ratio(counters(samples))
+    assert (ratio["items"], ratio["hits"], ratio["encoded"]) == (7.0, 3.0, 3.0)
+    assert ratio["hit_ratio"] == pytest.approx(3 / 7) and ratio["encoded_ratio"] == pytest.approx(3 / 7)
 
 
 def test_delta_and_coordinator_only_fallback():
