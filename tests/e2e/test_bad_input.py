@@ -42,6 +42,9 @@ CASES = [
     ("body_not_an_object", [1, 2, 3], "object"),
     ("loopback_image_url", _with_parts(_image_part("http://127.0.0.1:9/cat.png")), "127.0.0.1"),
     ("file_url", _with_parts(_image_part("file:///etc/passwd")), "scheme"),
+    # checked by the coordinator while render already works on the image (render alone would take "yes")
+    ("stream_not_a_boolean", _with_parts(_image_part(data_url(noise_image(224, 224, 31))), stream="yes"),
+     "stream: must be a boolean"),
 ]
 
 
