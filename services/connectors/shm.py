@@ -27,7 +27,15 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from services.connectors.base import ConnectorError, StoreConfig, StoreStats, TensorSpec, TensorStore, check_key
+from services.connectors.base import (
+    ConnectorError,
+    Reservation,
+    StoreConfig,
+    StoreStats,
+    TensorSpec,
+    TensorStore,
+    check_key,
+)
 from services.connectors.codec import Data, copy_into, is_array, plan, plan_specs, tensor_at
 from services.connectors.shm_pool import PoolEntry, ShmPool
 from services.connectors.shm_reader import ShmReader, ShmRef
@@ -91,6 +99,16 @@ class ShmTensorStore(TensorStore):
             return entry.length
 
         return self._fill_and_publish(entry, [], fill_views)
+
+    def reserve(self, key: str, specs: dict[str, TensorSpec]) -> Reservation | None:
+        """The entry's handle now, its payload later (`_Reserved.publish`); None with checksums on (the handle
+        carries the checksum of a payload not written yet)."""
+        if self.config.verify_checksum:
+            return None
+        check_key(key)
+        planned, length = plan_specs(specs)
+        entry = self._reserve(key, planned, length)
+        return _Reserved(self, entry, self._handle(entry, []))
 
     def _reserve(self, key: str, specs: list[Any], length: int, extra: int = 0,
                  keep: list[Any] | None = None) -> PoolEntry:
@@ -200,3 +218,28 @@ def _share_cuda(name: str, t: torch.Tensor) -> dict[str, Any]:
     from services.connectors.cuda_ipc import share
 
     return share(name, t)
+
+
+class _Reserved(Reservation):
+    def __init__(self, store: ShmTensorStore, entry: PoolEntry, handle: dict[str, Any]) -> None:
+        self._store, self._entry, self.handle = store, entry, handle
+        self._ended = False
+
+    def publish(self, fill: Callable[[dict[str, torch.Tensor]], None]) -> int:
+        if self._ended:
+            return 0
+        self._ended = True
+        entry = self._entry
+
+        def fill_views(buf: Any) -> int:
+            fill({s.name: tensor_at(buf, s, entry.offset) for s in entry.specs})
+            return entry.length
+
+        self._store._fill_and_publish(entry, [], fill_views)
+        return entry.length
+
+    def abort(self) -> None:
+        if not self._ended:
+            self._ended = True
+            with self._store._lock:
+                self._store._ensure_pool().abort(self._entry)

@@ -110,18 +110,18 @@ class Layout:
         again after the header (and a fence) is still READY, so the generation read belongs to it."""
         header = self.read_slot(buf, index)
         fence()  # the state re-read and the payload reads cannot move above the header read
-        return header if self._state(buf, index) == READY else header._replace(state=WRITING)
+        return header if self.state(buf, index) == READY else header._replace(state=WRITING)
 
     def read_end(self, buf: mmap.mmap, index: int) -> SlotHeader:
         """The slot header re-read after the payload (a change means the read may be torn); READY only if
         the state read before it (after a fence) was READY too, so a newer publication shows its generation."""
         fence()  # the payload reads cannot move below these reads
-        state = self._state(buf, index)
+        state = self.state(buf, index)
         fence()
         header = self.read_slot(buf, index)
         return header if state == READY else header._replace(state=WRITING)
 
-    def _state(self, buf: mmap.mmap, index: int) -> int:
+    def state(self, buf: mmap.mmap, index: int) -> int:
         return int(_STATE.unpack_from(buf, self.slot_at(index) + _STATE_AT)[0])
 
     def begin_write(self, buf: mmap.mmap, index: int, header: SlotHeader) -> None:

@@ -24,7 +24,7 @@ from prometheus_client import Counter
 
 from services import activity
 from services.compute_threads import helper_executor
-from services.connectors.base import ConnectorError, TensorStore
+from services.connectors.base import ConnectorError, EntryNotReady, TensorStore
 from services.connectors.wiring import as_epd_error, runs_inline
 from services.owned_metrics import OwnedGauges
 from services.protocol.errors import InvalidRequest
@@ -45,6 +45,7 @@ _POLL_S = 0.005   # how often a request waiting for KV room looks again
 
 FINISHED = Counter("epd_decode_requests_finished", "Decode requests by finish reason", ["reason"])
 TOKENS = Counter("epd_decode_tokens", "Output tokens produced")
+NOT_READY_WAITS_S = (0.001,) * 20 + (0.005,) * 16   # ~0.1 s for a reserved KV entry to be written (EntryNotReady)
 RESERVED = DecodeEvent("")   # `decode(announce_reserved=True)`'s first event: the blocks are reserved, nothing else
 GAUGES = {
     **{name: (doc, lambda s, read=read: read(s.engine.stats())) for name, (doc, read) in ENGINE_GAUGES.items()},
@@ -155,7 +156,14 @@ class DecodeService:
             return kv
 
         try:
-            return open_checked() if self.kv_store.local else await asyncio.to_thread(open_checked)
+            if not self.kv_store.local:
+                return await asyncio.to_thread(open_checked)
+            for wait_s in NOT_READY_WAITS_S:   # an entry its prefill answered before copying it in is near
+                try:
+                    return open_checked()
+                except EntryNotReady:
+                    await asyncio.sleep(wait_s)
+            return open_checked()
         except ConnectorError as exc:
             raise as_epd_error(exc, "kv") from None
         except (KeyError, TypeError, ValueError) as exc:

@@ -48,7 +48,8 @@ class PrefillServicer(rpc.PrefillServiceServicer):
         salt = request.cache_salt if request.HasField("cache_salt") else None
         outcome = await self.service.prefill(request.request_id, list(request.token_ids),
                                              items_from_pb(list(request.items)), ec_params,
-                                             sampling_from_pb(request.sampling), salt, request.first_chunk)
+                                             sampling_from_pb(request.sampling), salt, request.first_chunk,
+                                             getattr(context, "after_reply", None))
         answer = pb.PrefillResponse(request_id=request.request_id, first_token_id=outcome.first_token_id,
                                     kv_transfer_params_json=dumps(outcome.kv_transfer_params),
                                     prompt_tokens=outcome.prompt_tokens, cached_tokens=outcome.cached_tokens)

@@ -104,6 +104,11 @@ class Forwarder:
         self._peers[port] = peer   # last: the dict's order is the order ports were last named
         peer.ensure()
 
+    def can_send(self, port: int) -> bool:
+        """Whether `send` to `port` would write now (its connection is open)."""
+        peer = self._peers.get(port)
+        return peer is not None and peer.ready() is not None
+
     def send(self, port: int, token: bytes, inputs: bytes) -> bool:
         """`inputs` written to `port`'s role as the inputs of the call that named `token`; False when that role's
         connection is not open now (nothing was written: the caller answers a plain REPLY)."""

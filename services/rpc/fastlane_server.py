@@ -59,6 +59,22 @@ class _Context:
         self.code: grpc.StatusCode | None = None
         self.details = ""
         self.trailing: tuple[tuple[str, str], ...] = ()
+        self.deferred: list[Callable[[bool], None]] = []   # work for after the answer: `after_reply`
+
+    def after_reply(self, done: Callable[[bool], None]) -> None:
+        """`done(True)` runs once the unary answer is written to the caller, before it goes on to another role
+        (a FORWARD); `done(False)` if the call ends any other way.  A handler's answer may then name what is
+        made meanwhile (PrefillService: a KV entry reserved ahead of its copy, docs/architecture.md)."""
+        self.deferred.append(done)
+
+    def finish(self, answered: bool) -> None:
+        """Run the work left for after the answer, once."""
+        work, self.deferred = self.deferred, []
+        for done in work:
+            try:
+                done(answered)
+            except Exception:  # noqa: BLE001 - the answer is out; one failed piece of work must not stop the rest
+                log.exception("work left for after a fast-lane answer failed")
 
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
         return self._metadata
@@ -220,8 +236,10 @@ class FastLaneServer:
                 else:
                     reply = handler.response_serializer(await handler.unary_unary(request, context))
                     forward = forwards.pop(call_id, None) if forwards else None
+                    if context.deferred:
+                        await self._answer_then_finish(writer, call_id, context, reply, forward)
                     # forwarded first: the next role's wake-up is the one the request waits for
-                    if forward is not None and self.forwarder.send(forward[0], forward[1], reply + forward[2]):
+                    elif forward is not None and self.forwarder.send(forward[0], forward[1], reply + forward[2]):
                         await _send(writer, fl.frame(fl.REPLY_FORWARDED, call_id, forward[1] + reply))
                     else:
                         await _send(writer, fl.frame(fl.REPLY, call_id, reply))
@@ -235,8 +253,22 @@ class FastLaneServer:
             log.exception("fast-lane call %s failed", method)
             await _error(writer, call_id, grpc.StatusCode.UNKNOWN, "Unexpected error in the handler")
         finally:
+            context.finish(False)
             if forget is not None:
                 forget()
+
+    async def _answer_then_finish(self, writer: asyncio.StreamWriter, call_id: int, context: _Context, reply: bytes,
+                                  forward: tuple[int, bytes, bytes] | None) -> None:
+        """An answer with work left for after it: the caller gets the answer first, then the work runs, then the
+        answer goes on to the next role (which may read what the work made); without a forward the work runs
+        first (the caller may send the answer on itself)."""
+        if forward is not None and self.forwarder.can_send(forward[0]):
+            await _send(writer, fl.frame(fl.REPLY_FORWARDED, call_id, forward[1] + reply))
+            context.finish(True)
+            self.forwarder.send(forward[0], forward[1], reply + forward[2])
+        else:
+            context.finish(True)
+            await _send(writer, fl.frame(fl.REPLY, call_id, reply))
 
 
 async def _error(writer: asyncio.StreamWriter, call_id: int, code: grpc.StatusCode, details: str,

@@ -168,6 +168,33 @@ def test_a_missing_entry_is_a_typed_error_before_any_token(make_engine, story, s
     assert all_back(engine)
 
 
+@pytest.mark.parametrize("published", [True, False])
+def test_an_entry_reserved_ahead_of_its_kv_is_waited_for_briefly(tiny, make_engine, story, store, published):
+    """Prefill answers a KV entry's handle before it copies the KV in (TensorStore.reserve): decode, given the
+    handle first, waits for the entry (EntryNotReady) and then decodes Hugging Face's tokens; one given back
+    instead is kv_entry_missing before any token."""
+    engine = make_engine(num_slots=2)
+    service = DecodeService(engine, store)
+    reserved = store.reserve("req|d1|x", {"kv": (story.kv.dtype, tuple(story.kv.shape))})
+    params = {"handle": reserved.handle, "num_prompt_tokens": story.prompt_len, "rope_delta": story.rope_delta,
+              "first_token_id": story.first_token}
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.01, lambda: reserved.publish(lambda views: views["kv"].copy_(story.kv)) if published
+                        else reserved.abort())
+        return await collect(service.decode("d1", params, {**GREEDY, "max_tokens": 5}))
+
+    if published:
+        assert [t for e in asyncio.run(main()) for t in e.token_ids] == tiny.reference(story, 5)
+        wait_until(lambda: store.stats().entries == 0)
+    else:
+        with pytest.raises(NotFound) as err:
+            asyncio.run(main())
+        assert err.value.code == "kv_entry_missing"
+    assert all_back(engine)
+
+
 def test_a_first_token_that_ends_the_request_copies_nothing(make_engine, story, store):
     engine = make_engine(num_slots=2)
     loads = []

@@ -200,3 +200,39 @@ def test_the_roles_forwarded_to_are_bounded_the_least_recently_named_closed(monk
         await forwarder.close()
 
     asyncio.run(main())
+
+
+def test_work_left_for_after_an_answer_runs_after_it_and_before_the_answer_goes_on():
+    """context.after_reply (prefill leaves its KV copy there, the entry's handle already in the answer): with a
+    forward, the caller's answer goes first, then the work, then the answer on to the next role, which may read
+    what the work made; without one, the work runs before the answer (the caller may send it on itself); a call
+    that fails leaves the work told so (done(False): the reserved entry is given back)."""
+    async def main() -> None:
+        async with Served() as a, Served() as b:
+            await _open_peer(a, b)
+            decode, prefill = _decode_ahead(b), _prefill_ahead(a, "defer1")
+            relay = Relay()
+            prefill.relay_answer(relay)
+            relay.aim(decode)
+            await asyncio.sleep(0.05)
+            prefill.send_inputs(HANDLES)
+            await prefill.answer()
+            assert decode.forwarded
+            assert await _tokens(decode) == [(3, "h=kv"), (4, "h=kv")]
+            worked, inputs = dict(a.roles.events)["prefill.after_reply.True"], dict(b.roles.events)["decode.inputs"]
+            assert worked < inputs
+
+            alone = _prefill_ahead(a, "defer2")   # no forward: the work, then the answer
+            alone.send_inputs(HANDLES)
+            await alone.answer()
+            answered = asyncio.get_running_loop().time()
+            assert [n for n, _ in a.roles.events].count("prefill.after_reply.True") == 2
+            assert a.roles.events[-1][1] < answered
+
+            failing = _prefill_ahead(a, "defer-fail")
+            failing.send_inputs(HANDLES)
+            with pytest.raises(grpc.aio.AioRpcError):
+                await failing.answer()
+            assert a.roles.events[-1][0] == "prefill.after_reply.False"
+
+    asyncio.run(main())

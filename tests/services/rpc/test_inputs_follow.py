@@ -12,7 +12,7 @@ import time
 import grpc
 import pytest
 
-from services.protocol.errors import ERROR_CODE_METADATA_KEY
+from services.protocol.errors import ERROR_CODE_METADATA_KEY, InvalidRequest
 from services.rpc import fastlane
 from services.rpc.fastlane_client import AheadCall, FastLaneStub, Relay, with_fast_lane
 from services.rpc.fastlane_server import FastLaneServer
@@ -41,6 +41,11 @@ class Roles(rpc.PrefillServiceServicer, rpc.DecodeServiceServicer):
                 raise
             self.events.append(("prefill.inputs", time.monotonic()))
             handles = ",".join(f"{i.mm_hash}={i.handle_json.decode()}" for i in encoded.items)
+        if request.request_id.startswith("defer"):   # work left for after the answer (context.after_reply)
+            context.after_reply(lambda answered: self.events.append((f"prefill.after_reply.{answered}",
+                                                                     time.monotonic())))
+            if request.request_id == "defer-fail":
+                raise InvalidRequest("refused after leaving work for later", code="invalid_request")
         return pb.PrefillResponse(request_id=request.request_id, first_token_id=len(request.token_ids),
                                   kv_transfer_params_json=handles.encode(), prompt_tokens=len(request.token_ids))
 
