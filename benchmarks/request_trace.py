@@ -15,7 +15,8 @@ The path is the critical one.  Encode, prefill and decode calls are opened ahead
 (coordinator/ahead.py): their handlers start (`Encode.in`, `Prefill.in`, `Decode.in`) while the stage before
 computes, and the coordinator's own step marks from render's end on fall beside the path, since the answer
 before each call goes on to it as it arrives.  Decode's marks are beside the path too: the first token goes
-to the client from prefill's answer while decode reads the KV (services/decode/judge.py).  Those marks
+to the client from prefill's answer while decode reads the KV (services/decode/judge.py); and so is prefill's
+copy of the KV into the store, made once its answer is out (docs/architecture.md).  Those marks
 (OFF_PATH) are left out of the path and reported on their own: how long before its inputs each call opened
 ahead was there.
 
@@ -46,7 +47,8 @@ CLIENT_SEND, CLIENT_FIRST = "client.send", "client.first_token"
 # Beside the critical path: calls opened ahead start there, and the coordinator's steps that relay answers on.
 OFF_PATH = ("Encode.in", "Prefill.in", "Decode.in", "coordinator.render.end", "coordinator.encode.start",
             "coordinator.encode.end", "coordinator.prefill.start", "coordinator.prefill.end",
-            "coordinator.decode.start", "Decode.inputs", "decode.kv_open.start", "decode.kv_open.end", "Decode.first")
+            "coordinator.decode.start", "Decode.inputs", "decode.kv_open.start", "decode.kv_open.end", "Decode.first",
+            "prefill.kv_put.start", "prefill.kv_put.end")
 AHEAD = (("Encode.in", "Encode.inputs"), ("Prefill.in", "Prefill.inputs"), ("Decode.in", "Decode.inputs"))
 
 
