@@ -210,35 +210,11 @@ def test_a_first_token_that_ends_the_request_copies_nothing(make_engine, story, 
     assert loads == [] and all_back(engine)
 
 
-def test_a_call_opened_ahead_reserves_its_blocks_before_its_inputs_come(tiny, make_engine, story, store):
+@pytest.mark.parametrize("announce", [False, True])
+def test_a_call_opened_ahead_reserves_its_blocks_before_its_inputs_come(tiny, make_engine, story, store, announce):
     """Its KV parameters are a coroutine (the INPUTS frame, services/rpc/inputs_follow.py): the blocks are reserved
-    while they are on their way, and the answer is the same as a whole call's."""
-    engine = make_engine(num_slots=2)
-    service = DecodeService(engine, store)
-
-    async def main():
-        inputs = asyncio.get_running_loop().create_future()
-
-        async def later():
-            return await inputs
-
-        stream = service.decode("d1", later, {**GREEDY, "max_tokens": 6}, prompt_len=story.prompt_len)
-        first = asyncio.ensure_future(anext(stream))
-        await asyncio.sleep(0.05)
-        reserved = engine.stats().kv.reserved_blocks
-        inputs.set_result(transfer(store, story))
-        return reserved, [await first, *await collect(stream)]
-
-    reserved, events = asyncio.run(main())
-    assert reserved > 0
-    assert [t for e in events for t in e.token_ids] == tiny.reference(story, 6)
-    wait_until(lambda: store.stats().entries == 0)
-    assert all_back(engine)
-
-
-def test_a_call_that_asks_says_when_its_blocks_are_reserved(tiny, make_engine, story, store):
-    """ack_reserved: the first event is RESERVED, sent once the blocks are reserved and before the inputs came
-    (the coordinator may then send prefill's first chunk on); the tokens after it are the same."""
+    while they are on their way, and the answer is the same as a whole call's.  With ack_reserved (`announce`) its
+    first event is RESERVED, once the blocks are (the coordinator may then send prefill's first chunk on)."""
     engine = make_engine(num_slots=2)
     service = DecodeService(engine, store)
 
@@ -249,16 +225,18 @@ def test_a_call_that_asks_says_when_its_blocks_are_reserved(tiny, make_engine, s
             return await inputs
 
         stream = service.decode("d1", later, {**GREEDY, "max_tokens": 6}, prompt_len=story.prompt_len,
-                                announce_reserved=True)
-        ack = await asyncio.wait_for(anext(stream), 5)
+                                announce_reserved=announce)
+        first = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0.05)
         reserved = engine.stats().kv.reserved_blocks
+        acked = first.done() and first.result() is RESERVED
         inputs.set_result(transfer(store, story))
-        return ack, reserved, await collect(stream)
+        return reserved, acked, [await first, *await collect(stream)]
 
-    ack, reserved, events = asyncio.run(main())
-    assert ack is RESERVED and reserved > 0
-    assert RESERVED not in events
-    assert [t for e in events for t in e.token_ids] == tiny.reference(story, 6)
+    reserved, acked, events = asyncio.run(main())
+    assert reserved > 0 and acked == announce
+    assert (events[0] is RESERVED) == announce and RESERVED not in events[1:]
+    assert [t for e in events if e is not RESERVED for t in e.token_ids] == tiny.reference(story, 6)
     wait_until(lambda: store.stats().entries == 0)
     assert all_back(engine)
 

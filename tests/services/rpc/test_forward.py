@@ -42,6 +42,20 @@ def _prefill_ahead(served: Served, request_id: str = "p1"):
 HANDLES = pb.EncodeResponse(items=[pb.EncodedItem(mm_hash="h", handle_json=b"kv")])
 
 
+async def _prefill_answer_aimed_at_decode(a: Served, b: Served, request_id: str = "p1", port: int | None = None):
+    """Prefill's call on `a` and decode's on `b`, both opened ahead; prefill told (a FORWARD) to send its answer on
+    to decode's call (at `port` instead, to aim elsewhere); prefill's inputs sent and its answer read."""
+    decode, prefill = _decode_ahead(b), _prefill_ahead(a, request_id)
+    if port is not None:
+        decode.port = port
+    relay = Relay()
+    assert prefill.relay_answer(relay)
+    relay.aim(decode)   # a FORWARD, read by prefill's role before its inputs come
+    await asyncio.sleep(0.05)
+    prefill.send_inputs(HANDLES)
+    return decode, await prefill.answer()
+
+
 async def _tokens(decode) -> list[tuple[int, str]]:
     chunks = [await decode.stream.read(), await decode.stream.read()]
     assert await decode.stream.read() is grpc.aio.EOF
@@ -63,13 +77,7 @@ def test_an_answer_goes_from_its_role_straight_to_the_next_roles_call():
         async with Served() as a, Served() as b:
             await _open_peer(a, b)
             sent = _forwarded("sent")
-            decode, prefill = _decode_ahead(b), _prefill_ahead(a)
-            relay = Relay()
-            assert prefill.relay_answer(relay)
-            relay.aim(decode)   # a FORWARD, read by prefill's role before its inputs come
-            await asyncio.sleep(0.05)
-            prefill.send_inputs(HANDLES)
-            answer = await prefill.answer()
+            decode, answer = await _prefill_answer_aimed_at_decode(a, b)
             assert answer.first_token_id == 3 and answer.kv_transfer_params_json == b"h=kv"   # the caller's answer
             assert decode.forwarded and decode.sent and _forwarded("sent") == sent + 1
             assert await _tokens(decode) == [(3, "h=kv"), (4, "h=kv")]
@@ -81,14 +89,8 @@ def test_a_forward_to_a_role_that_cannot_be_reached_is_relayed_by_the_caller():
     async def main() -> None:
         async with Served() as a, Served() as b:
             unreachable = _forwarded("unreachable")
-            decode, prefill = _decode_ahead(b), _prefill_ahead(a)
-            decode.port = free_port()   # no socket there: the role answers a plain REPLY
-            relay = Relay()
-            prefill.relay_answer(relay)
-            relay.aim(decode)
-            await asyncio.sleep(0.05)
-            prefill.send_inputs(HANDLES)
-            await prefill.answer()
+            # no socket there: the role answers a plain REPLY
+            decode, _ = await _prefill_answer_aimed_at_decode(a, b, port=free_port())
             assert decode.relayed and not decode.forwarded and _forwarded("unreachable") == unreachable + 1
             assert await _tokens(decode) == [(3, "h=kv"), (4, "h=kv")]
 
@@ -210,13 +212,7 @@ def test_work_left_for_after_an_answer_runs_after_it_and_before_the_answer_goes_
     async def main() -> None:
         async with Served() as a, Served() as b:
             await _open_peer(a, b)
-            decode, prefill = _decode_ahead(b), _prefill_ahead(a, "defer1")
-            relay = Relay()
-            prefill.relay_answer(relay)
-            relay.aim(decode)
-            await asyncio.sleep(0.05)
-            prefill.send_inputs(HANDLES)
-            await prefill.answer()
+            decode, _ = await _prefill_answer_aimed_at_decode(a, b, "defer1")
             assert decode.forwarded
             assert await _tokens(decode) == [(3, "h=kv"), (4, "h=kv")]
             worked, inputs = dict(a.roles.events)["prefill.after_reply.True"], dict(b.roles.events)["decode.inputs"]
