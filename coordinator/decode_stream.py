@@ -78,7 +78,7 @@ class DecodeStream:
         metrics = self.pool.metrics
         try:
             own = await self._next()
-        except BaseException:
+        except Exception:   # decode failed (a client that left cancels the stream: not counted)
             if metrics is not None:
                 metrics.first_chunks.labels("missing").inc()
             raise
