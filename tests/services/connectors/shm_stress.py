@@ -4,10 +4,11 @@
     python -m tests.services.connectors.shm_stress reader SEGMENT MODE:FENCE:READS:SECONDS ...
 
 The writer is the real producer (ShmTensorStore.put) rewriting one key as fast
-as it can until its stdin closes: every put frees the key and reuses the same slot and the same
-extent, filling the payload with the entry's generation (it checks that put i
-got generation i).  A reader holds "handles" it builds from the slot header,
-as a consumer holding a stale handle would, and reads:
+as it can (resting briefly every PAUSE_EVERY puts) until its stdin closes:
+every put frees the key and reuses the same slot and the same extent, filling
+the payload with the entry's generation (it checks that put i got generation
+i).  A reader holds "handles" it builds from the slot header, as a consumer
+holding a stale handle would, and reads:
 
 - `raw`: the seqlock primitives the reader uses (Layout.read_begin, a copy,
   Layout.read_end), millions of times;
@@ -44,6 +45,11 @@ from services.connectors.shm_segment import attach_segment
 
 NUMEL = 8192  # 64 KiB of int64 words: a copy long enough to overlap the writer's
 KEY = "k"
+# The writer rests PAUSE_S after every PAUSE_EVERY puts.  A whole consumer-path read (`view`) lasts many put
+# cycles, so without rests only ~0.01-3% of them succeeded, and on a busy 2-core machine none at times (a
+# clean-clone run once saw 0 of 100,000): the test's "some succeed" check then failed for no fault.  The raw
+# reads still overlap thousands of puts between two rests.
+PAUSE_EVERY, PAUSE_S = 256, 0.0005
 
 
 def writer(instance: str, seconds: float) -> dict[str, int]:
@@ -60,6 +66,8 @@ def writer(instance: str, seconds: float) -> dict[str, int]:
         handle = store.put(KEY, {"x": payload})
         if handle["generation"] != puts or handle["slot"] != 0:
             raise SystemExit(f"put {puts} got generation {handle['generation']} in slot {handle['slot']}")
+        if puts % PAUSE_EVERY == 0:
+            time.sleep(PAUSE_S)   # a window in which a whole `view` read can finish (else the writer never idles)
     store.close()
     return {"puts": puts}
 

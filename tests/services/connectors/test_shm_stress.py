@@ -43,9 +43,8 @@ def test_no_torn_read_across_processes(instance, capsys):
     for phase in checked:
         assert phase["torn"] == 0, phase
         # Some reads must succeed, some must see the entry change.  A whole consumer-path read (`view`) lasts
-        # many of the writer's put cycles, so only ~0.01-3% of them succeed (501 of 100,000 on a fresh CI box,
-        # 97 on a busy 2-core one, 9 on a clean-clone run here): for it, any success shows the reader is not
-        # starved; the torn count above is what the test is about.
-        least_ok = 1 if phase["mode"] == "view" else 1_000
+        # many of the writer's put cycles: most of its successes come in the writer's rests (shm_stress.PAUSE_S);
+        # the torn count above is what the test is about.
+        least_ok = 100 if phase["mode"] == "view" else 1_000
         assert phase["reads"] >= 20_000 and phase["ok"] >= least_ok and phase["retry"] >= 100, phase
     assert sum(p["reads"] for p in checked) >= 100_000
