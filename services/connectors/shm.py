@@ -92,8 +92,10 @@ class ShmTensorStore(TensorStore):
         """One copy: `fill` writes straight into views of the reserved pool extent (not yet readable)."""
         check_key(key)
         planned, length = plan_specs(specs)
-        entry = self._reserve(key, planned, length)
+        return self._fill_views(self._reserve(key, planned, length), fill)
 
+    def _fill_views(self, entry: PoolEntry, fill: Callable[[dict[str, torch.Tensor]], None]) -> dict[str, Any]:
+        """`fill` writes into views of the reserved extent, then the entry is published; its handle."""
         def fill_views(buf: Any) -> int:
             fill({s.name: tensor_at(buf, s, entry.offset) for s in entry.specs})
             return entry.length
@@ -229,14 +231,8 @@ class _Reserved(Reservation):
         if self._ended:
             return 0
         self._ended = True
-        entry = self._entry
-
-        def fill_views(buf: Any) -> int:
-            fill({s.name: tensor_at(buf, s, entry.offset) for s in entry.specs})
-            return entry.length
-
-        self._store._fill_and_publish(entry, [], fill_views)
-        return entry.length
+        self._store._fill_views(self._entry, fill)
+        return self._entry.length
 
     def abort(self) -> None:
         if not self._ended:

@@ -263,9 +263,14 @@ class FastLaneServer:
         answer goes on to the next role (which may read what the work made); without a forward the work runs
         first (the caller may send the answer on itself)."""
         if forward is not None and self.forwarder.can_send(forward[0]):
-            await _send(writer, fl.frame(fl.REPLY_FORWARDED, call_id, forward[1] + reply))
+            # written, the work done and the answer sent on in one turn of the loop: nothing can close the next
+            # role's connection in between, so the caller is never told of a forward that did not happen
+            if writer.is_closing():
+                raise ConnectionError("the fast-lane connection is closed")
+            writer.write(fl.frame(fl.REPLY_FORWARDED, call_id, forward[1] + reply))
             context.finish(True)
             self.forwarder.send(forward[0], forward[1], reply + forward[2])
+            await writer.drain()
         else:
             context.finish(True)
             await _send(writer, fl.frame(fl.REPLY, call_id, reply))

@@ -60,9 +60,10 @@ def test_prefill_and_decode_are_called_ahead_of_their_inputs_and_each_answer_goe
     """A new image: while render computes, encode is called ahead, and while encode computes, prefill and decode
     are; each answer goes on to the next call straight from the role that answered (forwarded; render's, when
     render read the FORWARD after it answered, by the coordinator as it reads it: relayed).  The same request
-    again (the handle known here) takes the same path: encode gets render's whole answer and looks the image up,
-    answering at once, so prefill may be computing when decode's FORWARD comes (then relayed).  Both answers
-    are the same tokens."""
+    again (the handle known here) takes the same path, with two timings left open: encode gets render's whole
+    answer and looks the image up, answering at once, so its step may be over before prefill's call could be
+    opened (prefill then gets a whole call), and prefill may be computing when decode's FORWARD comes (relayed).
+    Both answers are the same tokens."""
     warm = chat("Warm up.", [noise_image(224, 224, seed=4407)], max_tokens=1)   # every fast-lane connection open
     assert httpx.post(shm_cluster.url + "/v1/chat/completions", json=warm, timeout=120).status_code == 200
     body = chat("Describe it.", [noise_image(224, 224, seed=4403)], max_tokens=4, temperature=0)
@@ -73,12 +74,13 @@ def test_prefill_and_decode_are_called_ahead_of_their_inputs_and_each_answer_goe
         assert reply.status_code == 200, reply.text
         answers.append(reply.json()["choices"][0]["message"]["content"])
         deltas.append(_delta(before, _ahead(shm_cluster)))
-    for delta in deltas:
-        went_on = {role: (role, "forwarded") if (role, "forwarded") in delta else (role, "relayed")
-                   for role in ("encode", "decode")}
-        assert delta == {("encode", "opened"): 1.0, went_on["encode"]: 1.0, ("prefill", "opened"): 1.0,
-                         ("prefill", "forwarded"): 1.0, ("decode", "opened"): 1.0, went_on["decode"]: 1.0}
-    assert ("encode", "forwarded") in deltas[0] and ("decode", "forwarded") in deltas[0]
+    assert deltas[0] == {("encode", "opened"): 1.0, ("encode", "forwarded"): 1.0, ("prefill", "opened"): 1.0,
+                         ("prefill", "forwarded"): 1.0, ("decode", "opened"): 1.0, ("decode", "forwarded"): 1.0}
+    went_on = {role: (role, "forwarded") if (role, "forwarded") in deltas[1] else (role, "relayed")
+               for role in ("encode", "prefill", "decode")}
+    prefill_ahead = {("prefill", "opened"): 1.0, went_on["prefill"]: 1.0} if ("prefill", "opened") in deltas[1] else {}
+    assert deltas[1] == {("encode", "opened"): 1.0, went_on["encode"]: 1.0, **prefill_ahead,
+                         ("decode", "opened"): 1.0, went_on["decode"]: 1.0}
     assert answers[0] == answers[1] and answers[0]
     assert metric_value(shm_cluster.metrics("decode"), "epd_decode_kv_blocks_reserved") == 0.0
 
