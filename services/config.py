@@ -212,11 +212,10 @@ class EpdConfig:
                           "given it require client certificates signed by it (mTLS)")
     grpc_tls_server_name: str = _f("", "the name the roles' certificates carry, checked by the coordinator instead "
                                    "of the dialled host (pods are dialled by IP)", roles="coordinator")
-    fast_lane: bool = _f(True, "same-host calls between the coordinator and the roles over a Unix socket instead "
-                         "of gRPC (plaintext gRPC to loopback addresses only; docs/architecture.md)")
+    fast_lane: bool = _f(True, "same-host calls between the coordinator and the roles over a private Unix socket "
+                         "instead of gRPC (plaintext gRPC to loopback addresses only; docs/architecture.md); off: "
+                         "every call over gRPC, e.g. to compare the two or where no private socket folder exists")
     event_loop: str = _f("uvloop", "the event loop of every epd process: uvloop | asyncio (the standard library's)")
-    ahead_max_inflight: int = _f(2, "open calls ahead of their inputs (docs/architecture.md) while the coordinator "
-                                 "runs at most this many requests; 0: never", roles="coordinator")
 
     def __post_init__(self) -> None:
         for name, allowed in (("ec_connector", CONNECTORS), ("kv_connector", CONNECTORS), ("dtype", DTYPES),
