@@ -38,17 +38,24 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
+from services.protocol.answers import OutputDelta
 from services.protocol.errors import DeadlineExceeded
 from services.protocol.generate import GenerateRequest
 from services.rpc.v1 import epd_pb2 as pb
 
-if TYPE_CHECKING:
-    from .decode_stream import DecodeStream
-
 Kind = Literal["chat", "completion", "generate"]
+
+
+class OpenStream(Protocol):
+    """An open decode call (decode_stream.DecodeStream): its answer deltas, and closing it."""
+
+    def chunks(self) -> AsyncIterator[OutputDelta]: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -70,7 +77,7 @@ class RequestContext:
     ec_handles: dict[str, bytes] = field(default_factory=dict)
     inline_items: set[str] = field(default_factory=set)   # mm_hashes prefill encodes itself
     prefill: pb.PrefillResponse | None = None
-    decode_stream: DecodeStream | None = None
+    decode_stream: OpenStream | None = None
     resumed: list[int] = field(default_factory=list)      # output token ids the client has, when resuming
     recovered: set[str] = field(default_factory=set)      # error codes the pipeline already recovered from
     failovers: int = 0

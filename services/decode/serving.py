@@ -80,7 +80,7 @@ class DecodeService:
         self._copies = helper_executor(2)  # large KV copies (threads that run torch on one thread)
         # Read at scrape time: an aborted request's row and blocks show free as soon as the engine let them go.
         self.gauges = OwnedGauges(self, GAUGES)
-        export_info(engine)
+        export_info(engine.stats(), engine.step_report)
 
     @property
     def num_waiting_for_kv(self) -> int:
