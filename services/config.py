@@ -22,8 +22,9 @@ from .grpc_tls import check_files
 CONNECTORS = ("shm", "redis")
 DEVICES_PREFIXES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
-DEMO_ALIASES = {"demo": "epd-demo-qwen2-vl", "epd-demo-qwen2-vl": "epd-demo-qwen2-vl",
-                "demo-medium": "epd-demo-qwen2-vl-medium"}
+# The built-in demo models: alias -> (the size services/models/demo.py builds, the model id clients send).
+DEMO_ALIASES = {"demo": ("tiny", "epd-demo-qwen2-vl"), "epd-demo-qwen2-vl": ("tiny", "epd-demo-qwen2-vl"),
+                "demo-medium": ("medium", "epd-demo-qwen2-vl-medium")}
 LINEAR_KERNELS = ("auto", "panel", "prepacked", "default")   # services.models.prepack.MODES (checked by a test)
 ATTENTION_KERNELS = ("auto", "c", "torch")          # services.decode.attention.KERNELS (checked by a test)
 DECODE_STEPS = ("auto", "eager", "compiled")        # services.decode.compiled.STEP_MODES (checked by a test)
@@ -290,7 +291,7 @@ class EpdConfig:
         if self.served_model_name:
             return self.served_model_name
         if self.model in DEMO_ALIASES:
-            return DEMO_ALIASES[self.model]
+            return DEMO_ALIASES[self.model][1]
         return os.path.basename(os.path.normpath(self.model)) if os.path.isdir(self.model) else self.model
 
     def urls(self, role: str) -> list[str]:
