@@ -48,7 +48,7 @@ def fake_kv(engine: Any, prompt_len: int) -> Any:
 
 def run_streams(engine: Any, setup: DecodeSetup, num_streams: int, tag: str) -> dict[str, float]:
     """Submit `num_streams` requests at once; returns tokens/s and the engine's steps."""
-    from services.decode.params import DecodeParams
+    from services.generation.params import DecodeParams
 
     params = DecodeParams(temperature=0.0, max_tokens=setup.output_len, ignore_eos=True)
     kvs = [fake_kv(engine, setup.prompt_len) for _ in range(num_streams)]

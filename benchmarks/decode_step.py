@@ -35,9 +35,9 @@ def make_runner(model: str, batches: list[int], context: int, kernel: str = "pre
     from services.decode.block_pool import BlockPool, block_bytes
     from services.decode.request_blocks import RequestBlocks
     from services.decode.runner import DecodeRunner
-    from services.decode.sampler import Sampler
     from services.models.prepack import prepack_language
     from services.models.registry import adapter_for, resolve_model
+    from services.sampling.sampler import Sampler
 
     path = resolve_model(MODELS[model])
     lm = adapter_for(path).load_language(path, "cpu", "float32", context + 64)
@@ -59,8 +59,8 @@ def make_runner(model: str, batches: list[int], context: int, kernel: str = "pre
 
 def measure(model: str, batches: list[int], rounds: int, context: int) -> dict[str, Any]:
     from services.decode.compiled import CompiledStep, choose_step, pad_inputs
-    from services.decode.params import DecodeParams
-    from services.decode.sampler import RowSampling
+    from services.generation.params import DecodeParams
+    from services.sampling.sampler import RowSampling
 
     runner, seqs = make_runner(model, batches, context)
     forward = runner.decoder.forward

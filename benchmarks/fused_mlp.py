@@ -4,7 +4,7 @@ In one process, on the medium checkpoint, both sides on oneDNN-prepacked linears
 prepacked`), so only the fusion differs: A = as the roles load it (gated MLPs as GEMMs with SiLU and
 the product as post-ops, quick_gelu in place, the patch embedding as one GEMM), B = the same linears
 unfused.  Timed as a role runs them: on the process's one multi-threaded thread, every other thread
-on one (services/compute_threads.py, set before torch loads), rounds alternating A and B:
+on one (services/hostcpu/compute_threads.py, set before torch loads), rounds alternating A and B:
 the vision forward of one 224x224 image and the decoder stack's forward of a 150-token prompt (what
 prefill runs at c=1 with one image).  Figures: time A / time B (median of per-round ratios); outputs
 must agree to 1e-4 relative.  `--quick`: the tiny model, 3 rounds, docs untouched.
@@ -38,7 +38,7 @@ def measure(model: str, rounds: int, prompt: int = 150) -> list[Figure]:
     import torch
 
     from benchmarks.stage_costs import _noise_image
-    from services import compute_threads
+    from services.hostcpu import compute_threads
     from services.models.demo import demo_model_path
     from services.models.prepack import prepack_language, prepack_vision
     from services.models.registry import adapter_for
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     if "torch" not in sys.modules:   # as role_main does: before torch loads
-        from services import compute_threads
+        from services.hostcpu import compute_threads
 
         compute_threads.apply(None)
     rounds = args.rounds or (3 if args.quick else 8)

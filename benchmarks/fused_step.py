@@ -26,8 +26,8 @@ from benchmarks.decode_step import make_runner
 def measure(model: str, batches: list[int], threads: list[int], rounds: int, context: int) -> dict[str, Any]:
     import torch
 
-    from services.decode.params import DecodeParams
-    from services.decode.sampler import RowSampling
+    from services.generation.params import DecodeParams
+    from services.sampling.sampler import RowSampling
 
     runner, seqs = make_runner(model, batches, context, kernel="panel")
     fused = runner.fused

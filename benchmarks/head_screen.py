@@ -28,9 +28,9 @@ from benchmarks.decode_step import make_runner
 def measure(model: str, batches: list[int], rounds: int, context: int, kernels: list[str]) -> dict[str, Any]:
     import torch
 
-    from services.decode.params import DecodeParams
-    from services.decode.sampler import RowSampling, _argmax
+    from services.generation.params import DecodeParams
     from services.models.head_screen import HeadScreen
+    from services.sampling.sampler import RowSampling, _argmax
 
     runner, seqs = make_runner(model, [max(batches)], context, "panel")
     screens = {kernel: HeadScreen(runner.lm.lm_head, kernel=kernel) for kernel in kernels}   # auto's size rule aside

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import Figure, percentile, print_figures, results_dir, write_doc_block, write_json
-from services.server import free_port
+from services.runtime.server import free_port
 
 INSTANCE = "hop"
 KINDS = ("grpc-tcp", "grpc-unix", "fast-lane")
@@ -99,7 +99,7 @@ def run(rounds: int, count: int, idle_ms: float) -> tuple[list[Figure], dict[str
             if time.monotonic() > deadline or server.poll() is not None:
                 raise RuntimeError("the hop server did not start")
             time.sleep(0.1)
-        from services import event_loop  # the coordinator's loop
+        from services.runtime import event_loop  # the coordinator's loop
 
         p50 = {case: {kind: percentile(values, 50) * 1e3 for kind, values in
                       event_loop.run(_calls(port, unix_path, rounds, count, idle)).items()}
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--serve", nargs=2, metavar=("PORT", "UNIX_PATH"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve:
-        from services import event_loop
+        from services.runtime import event_loop
 
         event_loop.run(_serve(int(args.serve[0]), args.serve[1]), "uvloop")
         return 0

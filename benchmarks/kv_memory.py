@@ -40,7 +40,7 @@ def _engine(model: str, max_model_len: int, block_size: int) -> Any:
 def measure(model: str, prompt_lens: list[int], output_lens: list[int], block_size: int = 16) -> dict[str, Any]:
     import torch
 
-    from services.decode.params import DecodeParams
+    from services.generation.params import DecodeParams
 
     max_model_len = max(p + o for p, o in zip(prompt_lens, output_lens, strict=True)) + block_size
     engine = _engine(model, max_model_len, block_size)

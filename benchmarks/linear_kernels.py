@@ -40,8 +40,8 @@ def _linears(lm: Any) -> list[Any]:
 def measure(model: str, batches: list[int], rounds: int, context: int) -> dict[str, Any]:
     import torch
 
-    from services.decode.params import DecodeParams
-    from services.decode.sampler import RowSampling
+    from services.generation.params import DecodeParams
+    from services.sampling.sampler import RowSampling
 
     rows = max(batches)
     loaded = {kind: make_runner(model, [rows], context, kind) for kind in KINDS}

@@ -54,8 +54,8 @@ def _libraries(ref: str) -> dict[str, tuple[Any, Any]]:
 def measure(ref: str, batches: list[int], rounds: int, context: int) -> dict[str, Any]:
     import torch
 
-    from services.decode.params import DecodeParams
-    from services.decode.sampler import RowSampling
+    from services.generation.params import DecodeParams
+    from services.sampling.sampler import RowSampling
 
     libs = _libraries(ref)
     runner, seqs = make_runner("medium", batches, context, kernel="panel")

@@ -75,10 +75,10 @@ def one_round(workers: ImageWorkers, images: list[bytes], tag: str) -> Round:
 
 
 def measure(rounds: int, per_round: int) -> dict[int, list[Round]]:
-    from services.heap import keep_freed_memory
     from services.models.demo import demo_model_path
+    from services.runtime.heap import keep_freed_memory
 
-    keep_freed_memory()   # as render's main process does (services/role_main.py)
+    keep_freed_memory()   # as render's main process does (services/runtime/role_main.py)
     path = demo_model_path("tiny")
     pools = {n: ImageWorkers(path, None, MediaPolicy(), num_workers=n, cache_bytes=0) for n in (1, 2)}
     try:

@@ -1,7 +1,7 @@
 """One request's path through the five processes, segment by segment: where the overhead's milliseconds are.
 
 `benchmarks/overhead.py` says how much of the TTFT is not the stages' compute; this says where it is.
-Every process of a fresh cluster writes its marks and compute spans (services/activity.py,
+Every process of a fresh cluster writes its marks and compute spans (services/observability/activity.py,
 `EPD_ACTIVITY_DIR`): the coordinator's HTTP arrival, each pipeline step's start and end, each role
 handler's entry and exit, the engines' thread hand-offs, the store operations, the compute spans.
 One-image requests are sent one at a time (the overhead benchmark's workload); the client notes when it
@@ -54,7 +54,7 @@ async def _send(url: str, bodies: list[bytes]) -> list[tuple[int, int]]:
 
 def events_in(folder: Path) -> list[tuple[int, str]]:
     """Every mark, and each compute span as `<stage>.compute.start` / `.end`, in time order."""
-    from services.activity import read_marks, read_spans
+    from services.observability.activity import read_marks, read_spans
 
     events = [(at, name) for at, name, _ in read_marks(folder)]
     for stage, spans in read_spans(folder).items():
@@ -108,7 +108,7 @@ def markdown(result: dict[str, Any], command: str, where: dict[str, Any]) -> str
 
 def run(model: str, count: int, warmup: int = 3) -> dict[str, Any]:
     folder = scratch_dir("epd-request-trace-")
-    from services.activity import ENV
+    from services.observability.activity import ENV
 
     with running(start_epd(model, env={ENV: str(folder)})) as (epd,):
         bodies = _bodies(epd.model_id(), count + warmup, random.randrange(1 << 30))

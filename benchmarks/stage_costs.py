@@ -112,12 +112,12 @@ def language_probes(costs: StageCosts, path: Any, prompt_lens: list[int], batche
     import torch
 
     from services.decode.block_pool import BlockPool
-    from services.decode.params import DecodeParams
     from services.decode.request_blocks import RequestBlocks
     from services.decode.runner import DecodeRunner
-    from services.decode.sampler import RowSampling, Sampler
+    from services.generation.params import DecodeParams
     from services.models.registry import adapter_for
     from services.prefill.engine import PrefillEngine
+    from services.sampling.sampler import RowSampling, Sampler
 
     lm = adapter_for(path).load_language(path, "cpu", "float32", max(max(prompt_lens), context) + 64)
     layout = lm.layout

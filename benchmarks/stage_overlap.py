@@ -4,7 +4,7 @@
     python -m benchmarks.stage_overlap --quick    # tiny model, c=4, 8 requests (no PNG into docs)
     python -m benchmarks.stage_overlap --quick --epd-url URL --activity-dir DIR   # a running cluster
 
-`epd serve` is started with `EPD_ACTIVITY_DIR` (services/activity.py): render marks each chat it
+`epd serve` is started with `EPD_ACTIVITY_DIR` (services/observability/activity.py): render marks each chat it
 renders, encode each vision forward, prefill each packed forward, decode each batched step, all on
 one machine-wide clock (a running cluster started with `EPD_ACTIVITY_DIR=DIR` can be measured with
 `--epd-url URL --activity-dir DIR`; only spans inside the window count).  After a warm-up the
@@ -141,8 +141,8 @@ def markdown(result: dict[str, Any], setup: Setup, where: dict[str, Any], comman
 
 
 def main(argv: list[str] | None = None) -> int:
-    from services.activity import ENV, read_spans
     from services.models.demo import demo_model_path
+    from services.observability.activity import ENV, read_spans
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, c=4, 8 requests")

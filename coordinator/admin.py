@@ -27,8 +27,8 @@ from typing import Any
 
 from starlette.applications import Starlette
 
-from services.auth import ADMIN, PRINCIPAL_KEY, KeySet, bearer_token, send_error
 from services.config import EpdConfig
+from services.edge.auth import ADMIN, PRINCIPAL_KEY, KeySet, bearer_token, send_error
 
 from .control_api import ControlApi
 from .errors_http import JSON_ERRORS

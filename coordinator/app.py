@@ -10,13 +10,13 @@ the pipeline, never this module:
 The generation POSTs are served by direct.py under the same drain and admission middleware, without
 Starlette's other layers; everything else goes through the Starlette app.
 
-The public app sits behind the API keys (services.auth: every route but
+The public app sits behind the API keys (services.edge.auth: every route but
 PROBE_PATHS); the control routes are not on it (404) but on the admin app
 (admin.py), served on --admin-host/--admin-port.
 
 Probes: GET /health is liveness (200 while the process serves HTTP), GET /ready readiness (200 only
 when every role has a ready instance, probed now, and no drain is running); both, and /metrics, are
-services.server.PROBE_PATHS: open whatever authentication wraps the rest.
+services.runtime.server.PROBE_PATHS: open whatever authentication wraps the rest.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from services.auth import protect
 from services.config import EpdConfig
-from services.server import PROBE_PATHS, route_table
+from services.edge.auth import protect
+from services.runtime.server import PROBE_PATHS, route_table
 
 from .admin import build_admin_app
 from .admission import GENERATION_PATHS, AdmissionMiddleware

@@ -16,8 +16,8 @@ import grpc
 from services.config import EpdConfig
 from services.connectors.base import TensorStore
 from services.connectors.wiring import open_store
-from services.grpc_tls import channel_credentials, channel_options
-from services.owned_metrics import OwnedGauges
+from services.observability.owned_metrics import OwnedGauges
+from services.rpc.tls import channel_credentials, channel_options
 from services.rpc.v1 import epd_pb2_grpc as rpc
 
 from .clients import EncodeClient, PrefillClient, RenderClient

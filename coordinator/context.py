@@ -63,7 +63,7 @@ class RequestContext:
     request_id: str                       # internal: unique per request (request_ids.internal_id)
     deadline: float                       # time.monotonic(): first token (Pipeline.prepare) by then
     label: str = ""                       # the client's id (X-Request-Id / request_id), echoed, not unique
-    principal: str = ""                   # who sent it (services.auth.principal): scopes aborts
+    principal: str = ""                   # who sent it (services.edge.auth.principal): scopes aborts
     total_deadline: float = math.inf      # time.monotonic(): the whole answer by then
     idle_s: float = math.inf              # longest wait for the next token once streaming
     kind: Kind = "chat"

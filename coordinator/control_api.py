@@ -27,8 +27,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from services.auth import principal
-from services.http_api import endpoint, parse_body
+from services.edge.auth import principal
+from services.edge.http_api import endpoint, parse_body
 from services.protocol.common import ProtocolModel
 from services.protocol.errors import NotFound
 from services.protocol.generate import AbortRequest

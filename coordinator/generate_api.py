@@ -20,8 +20,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from services.auth import principal
 from services.config import EpdConfig
+from services.edge.auth import principal
 from services.observability import request_id_var
 from services.protocol.answers import GenerateAnswer
 from services.protocol.generate import GenerateRequest, response_id

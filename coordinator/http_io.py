@@ -24,7 +24,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from services.config import EpdConfig
-from services.http_api import error_response
+from services.edge.http_api import error_response
 from services.protocol.errors import InvalidRequest, PayloadTooLarge, RequestTimeout, as_epd_error
 from services.protocol.large_json import parse_json_large
 

@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from services.auth import ADMIN
+from services.edge.auth import ADMIN
 
 log = logging.getLogger(__name__)
 Cleanup = Callable[[], Awaitable[None] | None]
@@ -32,7 +32,7 @@ class InflightRequest:
         self.path = path
         self.request_id: str | None = None      # internal, unique (request_ids.py)
         self.label: str | None = None           # the client's id: what aborts name
-        self.principal = ""                     # the API key it came with (services.auth.principal)
+        self.principal = ""                     # the API key it came with (services.edge.auth.principal)
         self.task: asyncio.Task | None = None
         self.started = time.monotonic()
         self.cancel_reason: str | None = None   # "disconnect" | "abort" once cancelled

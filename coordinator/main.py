@@ -15,9 +15,9 @@ from collections.abc import Iterator
 
 import uvicorn
 
-from services import event_loop
 from services.config import EpdConfig
-from services.heap import keep_freed_memory
+from services.runtime import event_loop
+from services.runtime.heap import keep_freed_memory
 
 from .app import CoordinatorApp
 from .drain import DrainingServer
@@ -47,10 +47,10 @@ async def _serve(public: DrainingServer, admin: _AdminServer, config: EpdConfig)
 
 
 def run_coordinator(config: EpdConfig) -> int:
-    keep_freed_memory()   # before any thread takes an arena of its own (services/heap.py)
+    keep_freed_memory()   # before any thread takes an arena of its own (services/runtime/heap.py)
     coordinator = CoordinatorApp(config)
     # access_log off: uvicorn would format each response's access-log arguments before its first byte goes out,
-    # for a logger kept at WARNING (services/observability.py); admission.py logs each generation request once
+    # for a logger kept at WARNING (services/observability/__init__.py); admission.py logs each generation request once
     public = DrainingServer(uvicorn.Config(coordinator.build(), host=config.host, port=config.port,
                                            log_level="warning", access_log=False,
                                            timeout_graceful_shutdown=AFTER_DRAIN_S),

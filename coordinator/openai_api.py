@@ -15,10 +15,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from services import activity
-from services.auth import principal
 from services.config import EpdConfig
-from services.observability import request_id_var
+from services.edge.auth import principal
+from services.observability import activity, request_id_var
 from services.protocol.answers import OpenAIAnswer
 from services.protocol.request_metrics import RequestTiming
 from services.protocol.streaming import SSE_MEDIA_TYPE

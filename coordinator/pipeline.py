@@ -10,7 +10,7 @@ A decode instance that fails after the answer started is one more recovery (`str
 tokens the client has are prefilled again and decode goes on from the last of them on another instance
 (ctx.resumed), so the client's answer goes on with no gap, no repeated token and no error; greedy and
 seeded answers are the same as an undisturbed run's (decode judges the resumed tokens again and seeded draws
-depend only on (seed, index): services/decode/sampler.py).  Each resume costs the request one retry of its
+depend only on (seed, index): services/sampling/sampler.py).  Each resume costs the request one retry of its
 transport budget (--max-retries), like any failover.
 
 Adding a step is one file in steps/ and one line in STEPS.
@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from services import activity
+from services.observability import activity
 from services.protocol.answers import OutputDelta
 from services.protocol.errors import EpdError, InternalError
 

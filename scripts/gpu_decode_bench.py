@@ -22,7 +22,7 @@ def engine_tok_s(device: str, streams: int, tokens: int, prompt_len: int) -> flo
     import torch
 
     from services.decode.engine import DecodeEngine
-    from services.decode.params import DecodeParams
+    from services.generation.params import DecodeParams
     from services.models.demo import demo_model_path
     from services.models.processing import load_tokenizer
     from services.models.registry import adapter_for

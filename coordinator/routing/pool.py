@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.protocol.errors import Unavailable
 from services.rpc.fastlane_client import close_stub, with_fast_lane
-from services.server import GRPC_OPTIONS
+from services.runtime.server import GRPC_OPTIONS
 
 from .policies import Policy, create_policy
 
@@ -76,7 +76,7 @@ class InstancePool:
                  channel_options: list[tuple[str, Any]] | None = None, fast_lane: bool = False) -> None:
         self.role = role
         self.fast_lane = fast_lane  # same-host calls over the role's Unix socket (services/rpc/fastlane.py)
-        self._credentials = credentials  # TLS for every channel of this pool (services.grpc_tls), or plaintext
+        self._credentials = credentials  # TLS for every channel of this pool (services.rpc.tls), or plaintext
         self._options = [*CHANNEL_OPTIONS, *(channel_options or [])]
         self.policy: Policy = create_policy(policy)
         self.metrics = metrics

@@ -1,6 +1,6 @@
 """`epd bench`: flags -> BenchConfig -> run -> text tables, JSON and PNG plots.
 
-services/cli.py hands `epd bench ...` here before its own parser runs (the
+services/runtime/cli.py hands `epd bench ...` here before its own parser runs (the
 bench flags are not the server flags). Also runnable as `python -m services.bench`.
 """
 

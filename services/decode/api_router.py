@@ -1,6 +1,6 @@
 """Decode's HTTP routes (PROTOCOL.md): POST /inference/v1/generate, /v1/chat/completions, /abort_requests.
 
-POST /v1/chat/completions takes llm-d's OpenAI-format decode call (services.openai_calls) and answers
+POST /v1/chat/completions takes llm-d's OpenAI-format decode call (services.edge.openai_calls) and answers
 the client's chat completion.
 
 Generate on decode means: kv_transfer_params from a prefill answer (+ sampling)
@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from services.http_api import (
+from services.edge.http_api import (
     check_model,
     endpoint,
     header_request_id,
@@ -33,7 +33,7 @@ from services.http_api import (
     parse_body,
     sse_response,
 )
-from services.openai_calls import RenderClient, openai_call
+from services.edge.openai_calls import RenderClient, openai_call
 from services.protocol.answers import GenerateAnswer, OpenAIAnswer, OutputDelta
 from services.protocol.errors import EpdError, InternalError, InvalidRequest
 from services.protocol.generate import RESPONSE_ID_PREFIX, AbortRequest, GenerateRequest, response_id

@@ -8,7 +8,7 @@ import os
 import grpc
 
 from services.config import EpdConfig
-from services.server import RoleServer
+from services.runtime.server import RoleServer
 
 logger = logging.getLogger(__name__)
 
@@ -109,8 +109,8 @@ async def build(config: EpdConfig) -> RoleServer:
         engine.close()
         kv_store.close()
 
-    from services.openai_calls import render_client
-    from services.vllm_metrics import VllmGauges
+    from services.edge.openai_calls import render_client
+    from services.observability.vllm_metrics import VllmGauges
 
     from .api_router import routes
 

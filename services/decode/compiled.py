@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from services import compute_threads
+from services.hostcpu import compute_threads
 
 logger = logging.getLogger(__name__)
 

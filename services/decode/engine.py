@@ -38,22 +38,22 @@ from typing import Any
 
 import torch
 
-from services import compute_threads, role_cpu
 from services.decode.block_pool import BlockPool
 from services.decode.compiled import StepReport
-from services.decode.detokenizer import IncrementalDetokenizer, decode_function
 from services.decode.errors import ContextTooLong, EngineClosed, EngineFull
-from services.decode.judge import token_budget
 from services.decode.metrics import EngineStats
-from services.decode.params import DecodeParams
 from services.decode.request import DecodeRequest
 from services.decode.request_blocks import RequestBlocks
 from services.decode.runner import DecodeRunner
-from services.decode.sampler import Sampler
-from services.decode.stop import FINISH_ABORT, FINISH_ERROR
 from services.decode.stream import DecodeEvent, DecodeStream
+from services.generation.detokenizer import IncrementalDetokenizer, decode_function
+from services.generation.judge import token_budget
+from services.generation.params import DecodeParams
+from services.generation.stop import FINISH_ABORT, FINISH_ERROR
+from services.hostcpu import compute_threads, role_cpu
 from services.models.base import LanguageModel
 from services.protocol.errors import InvalidRequest
+from services.sampling.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ seven linears are all panel layers (`--linear-kernel panel`, or auto, which the 
 panels for the stack when the fused step is on, services/decode/app.py), RMSNorms, a SiLU-gated MLP;
 the kernels' limits (head_dim <= 256 and even, <= 32 query heads per KV head, blocks <= 256 tokens).
 
-`--decode-fused auto|on|off` (services/config.py): auto uses it wherever it applies, on refuses to
+`--decode-fused auto|on|off` (services/config/__init__.py): auto uses it wherever it applies, on refuses to
 start where it does not, off never uses it.  The start-up log and /metrics name the step mode
 ("fused").  Its logits agree with the eager step's to ~1e-6 relative (tests/services/decode/test_fused.py).
 """
@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from services import compute_threads
 from services.decode.paged_forward import PagedDecoder
+from services.hostcpu import compute_threads
 from services.models.panel_linear import BF16_FLAG, PanelLinear
 from services.native import BASE_FLAGS, build_library
 

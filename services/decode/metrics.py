@@ -2,7 +2,7 @@
 
 Every figure comes from the engine's own counters (one place: `EngineStats`), so an aborted
 request's row and blocks show free as soon as the engine let them go.  `ENGINE_GAUGES` maps a
-name to (help, read(stats)); the serving core owns them (services.owned_metrics).  Names are
+name to (help, read(stats)); the serving core owns them (services.observability.owned_metrics).  Names are
 epd's; the vLLM-named aliases (vllm:kv_cache_usage_perc etc.) are built on the same
 `engine.stats()`.
 """

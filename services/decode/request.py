@@ -2,7 +2,7 @@
 
 Created by `DecodeEngine.submit`; from then on touched only by the engine's
 worker thread.  `accept(token)` runs the same path for the first token (from
-prefill) and for every sampled one: record, then judge it (services/decode/judge.py:
+prefill) and for every sampled one: record, then judge it (services/generation/judge.py:
 token-level stop, detokenize, stop strings); it returns the event to emit.
 """
 
@@ -11,12 +11,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
-from services.decode.detokenizer import IncrementalDetokenizer
-from services.decode.judge import OutputJudge
-from services.decode.params import DecodeParams
 from services.decode.request_blocks import RequestBlocks
-from services.decode.sampler import RowSampling
 from services.decode.stream import DecodeEvent, DecodeStream
+from services.generation.detokenizer import IncrementalDetokenizer
+from services.generation.judge import OutputJudge
+from services.generation.params import DecodeParams
+from services.sampling.sampler import RowSampling
 
 logger = logging.getLogger(__name__)
 

@@ -30,8 +30,6 @@ from collections.abc import Sequence
 
 import torch
 
-from services import compute_threads
-from services.compute_metrics import compute_timer
 from services.decode.attention import select_attention
 from services.decode.block_pool import BlockPool
 from services.decode.compiled import (
@@ -48,9 +46,11 @@ from services.decode.compiled import (
 from services.decode.fused import choose_fused
 from services.decode.paged_forward import PagedDecoder
 from services.decode.request_blocks import RequestBlocks
-from services.decode.sampler import RowSampling, Sampler
+from services.hostcpu import compute_threads
 from services.models.base import LanguageModel
 from services.models.head_screen import HeadScreen, build_screen
+from services.observability.compute_metrics import compute_timer
+from services.sampling.sampler import RowSampling, Sampler
 
 # a prefilled KV of these dtypes widens exactly into blocks of those (prefill in bfloat16 beside a decode
 # that keeps float32 activations over bfloat16 weights: services/decode/app.py bf16_weights)

@@ -22,20 +22,20 @@ from typing import Any
 
 from prometheus_client import Counter
 
-from services import activity
-from services.compute_threads import helper_executor
 from services.connectors.base import ConnectorError, TensorStore
 from services.connectors.wiring import as_epd_error, runs_inline
-from services.owned_metrics import OwnedGauges
+from services.generation.detokenizer import decode_function
+from services.generation.params import DecodeParams
+from services.generation.params_from import decode_params
+from services.hostcpu.compute_threads import helper_executor
+from services.observability import activity
+from services.observability.owned_metrics import OwnedGauges
 from services.protocol.errors import InvalidRequest
 from services.protocol.logprobs import FLOOR, TokenLogprob
 
-from .detokenizer import decode_function
 from .engine import DecodeEngine
 from .errors import EngineFull
 from .metrics import ENGINE_GAUGES, export_info
-from .params import DecodeParams
-from .params_from import decode_params
 from .request import DecodeRequest
 from .request_blocks import RequestBlocks
 from .stream import DecodeEvent

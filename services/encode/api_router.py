@@ -1,6 +1,6 @@
 """Encode's HTTP routes (PROTOCOL.md): POST /inference/v1/generate, /v1/chat/completions, /abort_requests.
 
-POST /v1/chat/completions takes llm-d's OpenAI-format encode call (services.openai_calls).
+POST /v1/chat/completions takes llm-d's OpenAI-format encode call (services.edge.openai_calls).
 
 Generate on encode means: take each item's kwargs_data (a null entry means
 "already encoded: resolve by mm_hash"), run the vision tower through the same
@@ -17,8 +17,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from services.http_api import check_model, check_tokens_mode, endpoint, header_request_id, model_response, parse_body
-from services.openai_calls import RenderClient, openai_call
+from services.edge.http_api import (
+    check_model,
+    check_tokens_mode,
+    endpoint,
+    header_request_id,
+    model_response,
+    parse_body,
+)
+from services.edge.openai_calls import RenderClient, openai_call
 from services.protocol.common import Usage
 from services.protocol.errors import InvalidRequest
 from services.protocol.features import FeatureItem
@@ -71,7 +78,7 @@ class EncodeApi:
 
     @endpoint
     async def chat(self, request: Request) -> Response:
-        """llm-d's OpenAI-format encode call: one image in a chat body (services.openai_calls)."""
+        """llm-d's OpenAI-format encode call: one image in a chat body (services.edge.openai_calls)."""
         call = await openai_call(request, self.render)
         return model_response(call.answer(await self._encode(call.generate, request)))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 
 from services.config import EpdConfig
-from services.server import RoleServer
+from services.runtime.server import RoleServer
 
 
 async def build(config: EpdConfig) -> RoleServer:
@@ -39,8 +39,8 @@ async def build(config: EpdConfig) -> RoleServer:
         store.close()
         mm_store.close()
 
-    from services.openai_calls import render_client
-    from services.vllm_metrics import VllmGauges
+    from services.edge.openai_calls import render_client
+    from services.observability.vllm_metrics import VllmGauges
 
     from .api_router import routes
 

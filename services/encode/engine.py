@@ -35,11 +35,12 @@ from collections import deque
 from concurrent.futures import Future, wait
 from typing import TYPE_CHECKING
 
-from services import activity, compute_lease, compute_threads
-from services.compute_metrics import compute_timer
+from services.hostcpu import compute_lease, compute_threads
 from services.models import fused_rope
 from services.models.base import VisionModel
 from services.models.forward_cost import VisionCost
+from services.observability import activity
+from services.observability.compute_metrics import compute_timer
 from services.protocol.errors import DeadlineExceeded, Unavailable
 
 if TYPE_CHECKING:

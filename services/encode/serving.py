@@ -25,16 +25,16 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter
 
-from services import activity
-from services.admission import Admission
 from services.connectors.base import ConnectorError, TensorStore
 from services.connectors.ec import ec_key
 from services.connectors.mm import MmRef, open_item
 from services.connectors.wiring import as_epd_error, run_op
-from services.owned_metrics import OwnedGauges
+from services.observability import activity
+from services.observability.owned_metrics import OwnedGauges
 from services.protocol.errors import DeadlineExceeded, InvalidRequest
 from services.protocol.items import Item
 from services.protocol.tensors import to_torch
+from services.runtime.admission import Admission
 
 from .engine import EncodeEngine
 

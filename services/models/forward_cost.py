@@ -1,6 +1,6 @@
 """A forward's rough FLOP count, from the weights it runs through and the tokens it runs on.
 
-Used to pick a forward's thread count (services.compute_threads.use_for): a small forward runs on one
+Used to pick a forward's thread count (services.hostcpu.compute_threads.use_for): a small forward runs on one
 thread.  Why (measured, docs/benchmarks.md "Small forwards on one thread"): on this VM a forward on two
 OpenMP threads whose cores idled a few tens of milliseconds pays a sleeping worker's wake-up at each of its
 hundreds of parallel regions; the tiny model's vision forward took 11.8 ms instead of 1.6 after a 0.1 s

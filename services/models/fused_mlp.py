@@ -145,7 +145,7 @@ def fuse_mlps(root: nn.Module, mode: str = "prepacked", rows: tuple[int, ...] = 
     if not gated or mode == "panel" or not torch.backends.mkldnn.is_available():
         return report
     if mode == "auto":
-        from services import compute_threads
+        from services.hostcpu import compute_threads
 
         sample = [child for _, _, child in gated[:4]]
 

@@ -318,7 +318,7 @@ def _dtype(timed: list[tuple[str, list[nn.Linear], tuple[int, ...]]]) -> torch.d
 
 def _measure(timed: list[tuple[str, list[nn.Linear], tuple[int, ...]]], kernels: list[str],
              serial_rows: int = 0, weight_dtype: torch.dtype | None = None) -> LinearReport:
-    from services import compute_threads
+    from services.hostcpu import compute_threads
 
     with timing_lock():   # on the threads the engine will run them with, in a thread that then ends
         return compute_threads.run_in_fresh_thread(lambda: _measure_alone(timed, kernels, serial_rows,

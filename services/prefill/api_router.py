@@ -1,6 +1,6 @@
 """Prefill's HTTP routes (PROTOCOL.md): POST /inference/v1/generate, /v1/chat/completions, /abort_requests.
 
-POST /v1/chat/completions takes llm-d's OpenAI-format prefill call (services.openai_calls).
+POST /v1/chat/completions takes llm-d's OpenAI-format prefill call (services.edge.openai_calls).
 
 Generate on prefill means: token ids + each item's mm_metadata + the
 ec_transfer_params encode answered -> the first token (choices[0].token_ids)
@@ -23,10 +23,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from services.decode.params_from import decode_params
-from services.decode.stop import StopChecker
-from services.http_api import check_model, check_tokens_mode, endpoint, header_request_id, model_response, parse_body
-from services.openai_calls import RenderClient, openai_call
+from services.edge.http_api import (
+    check_model,
+    check_tokens_mode,
+    endpoint,
+    header_request_id,
+    model_response,
+    parse_body,
+)
+from services.edge.openai_calls import RenderClient, openai_call
+from services.generation.params_from import decode_params
+from services.generation.stop import StopChecker
 from services.protocol.common import Usage
 from services.protocol.errors import InvalidRequest
 from services.protocol.features import FeatureItem

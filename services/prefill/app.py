@@ -7,7 +7,7 @@ import logging
 import grpc
 
 from services.config import EpdConfig
-from services.server import RoleServer
+from services.runtime.server import RoleServer
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +54,8 @@ async def build(config: EpdConfig) -> RoleServer:
         if mm_store is not None:
             mm_store.close()
 
-    from services.openai_calls import render_client
-    from services.vllm_metrics import VllmGauges
+    from services.edge.openai_calls import render_client
+    from services.observability.vllm_metrics import VllmGauges
 
     from .api_router import routes
 

@@ -33,12 +33,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from services import activity, compute_lease, compute_threads, role_cpu
-from services.compute_metrics import compute_timer
-from services.decode.sampler import greedy_argmax
+from services.hostcpu import compute_lease, compute_threads, role_cpu
 from services.models.base import LanguageModel, MultiModalInput
 from services.models.forward_cost import PrefillCost
 from services.models.head_screen import build_screen
+from services.observability import activity
+from services.observability.compute_metrics import compute_timer
 from services.prefill import attention, last_rows
 from services.prefill.blocks import BlockManager
 from services.prefill.jobs import HeldPrefill, PrefillJob, release_when_done
@@ -46,6 +46,7 @@ from services.prefill.kv_pool import KVPool, block_bytes
 from services.prefill.packing import Chunk, forward_chunks
 from services.prefill.prefix_cache import BLOCK_SIZE
 from services.prefill.scheduler import Scheduled, Scheduler
+from services.sampling.sampler import greedy_argmax
 
 if TYPE_CHECKING:
     import torch

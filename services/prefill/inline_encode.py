@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter
 
-from services import compute_threads
+from services.hostcpu import compute_threads
 from services.models import fused_rope
 from services.protocol.errors import InvalidRequest
 from services.protocol.items import Item

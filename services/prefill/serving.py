@@ -21,21 +21,21 @@ from typing import Any
 
 from prometheus_client import Counter
 
-from services import activity
-from services.admission import Admission
 from services.connectors.base import ConnectorError, TensorStore
 from services.connectors.kv import kv_key
 from services.connectors.mm import MmRef, open_item
 from services.connectors.wiring import as_epd_error
-from services.decode.params import DecodeParams
-from services.decode.params_from import decode_params
-from services.decode.sampler import sample_first_logprobs
+from services.generation.params import DecodeParams
+from services.generation.params_from import decode_params
 from services.models.base import LanguageModel, MultiModalInput
-from services.owned_metrics import OwnedGauges
+from services.observability import activity
+from services.observability.owned_metrics import OwnedGauges
 from services.protocol.errors import InvalidRequest
 from services.protocol.items import Item
 from services.protocol.logprobs import TokenLogprob
 from services.protocol.tensors import to_torch
+from services.runtime.admission import Admission
+from services.sampling.sampler import sample_first_logprobs
 
 from .engine import PrefillEngine
 from .inline_encode import InlineEncoder

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from services.http_api import endpoint, header_request_id, model_response, parse_body, read_body
+from services.edge.http_api import endpoint, header_request_id, model_response, parse_body, read_body
 from services.protocol.common import fresh_id
 from services.protocol.derender_stream import ChatDerenderStreamRequest, CompletionDerenderStreamRequest
 from services.protocol.openai import CompletionRequest

@@ -9,7 +9,7 @@ import grpc
 
 from services.config import EpdConfig
 from services.connectors.wiring import open_store
-from services.server import RoleServer
+from services.runtime.server import RoleServer
 
 from .api_router import routes
 from .limits import RenderLimits

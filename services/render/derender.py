@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, cast
 
-from services.decode.params import DecodeParams
+from services.generation.params import DecodeParams
 from services.protocol.answers import Kind, OpenAIAnswer
 from services.protocol.common import Usage, now_s
 from services.protocol.derender_stream import (

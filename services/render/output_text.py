@@ -21,9 +21,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from services.decode.detokenizer import IncrementalDetokenizer
-from services.decode.params import DecodeParams
-from services.decode.stop import FINISH_LENGTH, FINISH_STOP, StopChecker
+from services.generation.detokenizer import IncrementalDetokenizer
+from services.generation.params import DecodeParams
+from services.generation.stop import FINISH_LENGTH, FINISH_STOP, StopChecker
 
 _FLUSHING = (FINISH_STOP, FINISH_LENGTH)
 

@@ -18,7 +18,7 @@ import numpy as np
 from services.connectors.base import ConnectorError, TensorStore
 from services.connectors.mm import mm_key, store_item
 from services.connectors.wiring import as_epd_error, run_op
-from services.owned_metrics import OwnedGauges
+from services.observability.owned_metrics import OwnedGauges
 from services.protocol.errors import InvalidRequest
 from services.protocol.large_json import parse_json_large
 from services.protocol.openai import ChatCompletionRequest, CompletionRequest

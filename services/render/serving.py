@@ -28,9 +28,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from services.activity import span
 from services.models.base import RenderSpec
 from services.models.processing import load_tokenizer
+from services.observability.activity import span
 from services.protocol.common import fresh_id
 from services.protocol.errors import InvalidRequest, NotFound
 from services.protocol.features import ContentPart

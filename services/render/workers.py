@@ -47,11 +47,11 @@ _worker: tuple[ImageProcessor, MediaPolicy] | None = None  # set once in each wo
 
 def _init_worker(model_path: str, spec: RenderSpec | None, policy: MediaPolicy) -> None:
     global _worker
-    from services.heap import keep_freed_memory
+    from services.runtime.heap import keep_freed_memory
 
-    keep_freed_memory()  # each image's arrays reuse the last one's pages (services/heap.py)
+    keep_freed_memory()  # each image's arrays reuse the last one's pages (services/runtime/heap.py)
     sys.modules.setdefault("torch", None)  # type: ignore[arg-type]  # as in render's main process
-    from services.role_main import NO_TORCH_MESSAGE  # ...and the same silence about it
+    from services.runtime.role_main import NO_TORCH_MESSAGE  # ...and the same silence about it
 
     logging.getLogger("transformers").addFilter(lambda record: NO_TORCH_MESSAGE not in record.getMessage())
     _worker = (ImageProcessor(model_path, spec), policy)

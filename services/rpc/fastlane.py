@@ -12,7 +12,7 @@ for a role it reaches over plaintext gRPC on a loopback address when the role's 
 (services/rpc/fastlane_client.py), gRPC otherwise.  TLS deployments, other hosts and `--fast-lane off` keep gRPC;
 health probes always use gRPC.
 
-Safety: the sockets live in a folder only this user can enter (services/private_dir.py; EPD_FAST_LANE_DIR names
+Safety: the sockets live in a folder only this user can enter (services/runtime/private_dir.py; EPD_FAST_LANE_DIR names
 another), each named with its role's gRPC port and instance id; both ends check the other is this same user
 (SO_PEERCRED) before any frame is read; a frame's size is checked before its body is read (MAX_FRAME); a
 connection carries at most MAX_CALLS calls at once (more are refused as a full role refuses); every write waits
@@ -39,11 +39,11 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from services.private_dir import private_dir
+from services.runtime.private_dir import private_dir
 
 HEADER = struct.Struct("<IBI")
 HELLO, REQUEST, REPLY, ITEM, END, ERROR, CANCEL = range(7)
-MAX_FRAME = 256 * 1024 * 1024  # gRPC's message limit here (services.server.GRPC_MAX_MESSAGE)
+MAX_FRAME = 256 * 1024 * 1024  # gRPC's message limit here (services.runtime.server.GRPC_MAX_MESSAGE)
 MAX_CALLS = 1024               # calls one connection carries at once
 ENV_DIR = "EPD_FAST_LANE_DIR"
 CONNECT_ERRORS = (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError)

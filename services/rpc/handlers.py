@@ -23,8 +23,7 @@ from typing import Any, TypeVar
 import grpc
 from prometheus_client import Counter, Histogram
 
-from services import activity
-from services.observability import request_id_var
+from services.observability import activity, request_id_var
 from services.protocol.errors import ERROR_CODE_METADATA_KEY, EpdError, as_epd_error
 
 log = logging.getLogger(__name__)

@@ -55,7 +55,7 @@ def test_tree_at_exports_the_version_at_a_git_ref():
     from benchmarks.procs import tree_at
 
     tree = tree_at("HEAD")
-    committed = subprocess.run(["git", "-C", str(ROOT), "show", "HEAD:services/cli.py"], check=True,
+    committed = subprocess.run(["git", "-C", str(ROOT), "show", "HEAD:services/runtime/cli.py"], check=True,
                                capture_output=True).stdout
     assert (tree / "services" / "cli.py").read_bytes() == committed
     assert (tree / "services" / "rpc" / "v1" / "epd_pb2.py").is_file() and not (tree / ".git").exists()

@@ -27,8 +27,8 @@ S = 1_000_000_000
 @pytest.fixture(scope="module")
 def tiny_cluster(tmp_path_factory):
     """(server, activity folder): the cluster both quick runs would start, started once."""
-    from services.activity import ENV
     from services.models.demo import demo_model_path
+    from services.observability.activity import ENV
 
     assert stage_overlap.QUICK_FLAGS == tpot_under_prefill.QUICK_FLAGS  # what makes one cluster serve both
     assert stage_overlap.Setup.quick().model == tpot_under_prefill.Setup.quick().model == "tiny"
@@ -139,8 +139,8 @@ def test_omp_team_and_epd_dtype_flags_are_epd_serve_flags():
     import shlex
 
     from benchmarks import epd_dtype, omp_team
-    from services.cli import build_parser
     from services.config import from_args
+    from services.runtime.cli import build_parser
 
     def serve(flags: str):
         return from_args(build_parser().parse_args(["serve", *shlex.split(flags)]))

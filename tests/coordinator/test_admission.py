@@ -21,7 +21,7 @@ from coordinator import inflight
 from coordinator.admission import AdmissionMiddleware
 from coordinator.inflight import InflightRegistry
 from coordinator.metrics import CoordinatorMetrics
-from services.server import free_port
+from services.runtime.server import free_port
 from tests.support.asgi_server import served_app
 
 
@@ -143,7 +143,7 @@ def test_an_aborted_stream_ends_with_an_error_event(served):
 def test_aborts_follow_the_api_key():
     """Labels are not unique: an abort by a tenant's key reaches only that key's requests, the admin's all."""
     from coordinator.inflight import InflightRegistry
-    from services.auth import ADMIN
+    from services.edge.auth import ADMIN
 
     registry = InflightRegistry()
 

@@ -18,7 +18,7 @@ from services.protocol.errors import InvalidRequest, Overloaded
 from services.rpc.handlers import rpc_method
 from services.rpc.v1 import epd_pb2 as pb
 from services.rpc.v1 import epd_pb2_grpc as rpc
-from services.server import free_port
+from services.runtime.server import free_port
 
 
 class Encoder(rpc.EncodeServiceServicer):

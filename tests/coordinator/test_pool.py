@@ -16,7 +16,7 @@ from coordinator.routing.pool import InstancePool
 from services.config import ROUTING_POLICIES
 from services.protocol.errors import Unavailable
 from services.rpc.v1 import epd_pb2_grpc as rpc
-from services.server import free_port
+from services.runtime.server import free_port
 
 _METRICS = CoordinatorMetrics(CollectorRegistry())
 

@@ -60,7 +60,8 @@ def test_metric_names_in_operations_md_exist_in_the_code():
     source = _source()
     names = set(re.findall(r"\bepd_[a-z0-9_]+", doc("operations.md")))
     assert names
-    # A Counter is defined by its base name; an owner-kept count (services.owned_metrics) by its _total name.
+    # A Counter is defined by its base name; an owner-kept count (services.observability.owned_metrics) by its
+    # _total name.
     missing = sorted(n for n in names
                      if f'"{re.sub(r"_(total|bucket|sum|count)$", "", n)}"' not in source and f'"{n}"' not in source)
     assert missing == [], f"operations.md names metrics the code does not define: {missing}"

@@ -15,8 +15,8 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.announce import _send as announce
-from services.server import PROBE_PATHS
+from services.runtime.announce import _send as announce
+from services.runtime.server import PROBE_PATHS
 from tests.e2e.conftest import ADMIN_TOKEN, PUBLIC_KEYS, ROLE_KEY
 
 ROLES = ("render", "encode", "prefill", "decode")

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from services.cli import main as epd_main
+from services.runtime.cli import main as epd_main
 
 
 def _run(cluster, out, *extra: str) -> tuple[float, float, int]:

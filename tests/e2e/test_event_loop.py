@@ -10,7 +10,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from services import event_loop
+from services.runtime import event_loop
 from tests.support.cluster import metric_value
 
 ROLES = ("render", "encode", "prefill", "decode")

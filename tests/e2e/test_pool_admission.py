@@ -16,7 +16,7 @@ import uuid
 import httpx
 import pytest
 
-from services.server import free_port
+from services.runtime.server import free_port
 from tests.support.cluster import ROOT, metric_value
 from tests.support.faults import LoadRun, coordinator_metrics
 from tests.support.images import chat, noise_image
@@ -185,7 +185,7 @@ def test_an_evicted_embedding_is_encoded_again(pool):
 def _start_encoder(coordinator_url: str) -> tuple[subprocess.Popen, str]:
     grpc_port, http_port = free_port(), free_port()
     env = {**os.environ, "PYTHONPATH": ROOT}
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "encode", "--grpc-port", str(grpc_port),
+    proc = subprocess.Popen([sys.executable, "-m", "services.runtime.cli", "encode", "--grpc-port", str(grpc_port),
                              "--http-port", str(http_port), "--coordinator-url", coordinator_url,
                              "--ec-capacity-mb", "8", "--instance-id", "reg" + uuid.uuid4().hex[:6]],
                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -18,7 +18,7 @@ import time
 import httpx
 import pytest
 
-from services.server import free_port
+from services.runtime.server import free_port
 from tests.support.cluster import ROOT, metric_value
 
 PROXIES = 4
@@ -40,7 +40,7 @@ def poisoned(shm_cluster, tmp_path_factory):
     port = free_port()
     log_path = tmp_path_factory.mktemp("poison") / "coordinator.log"
     log = open(log_path, "w")  # noqa: SIM115 - closed at teardown
-    coordinator = _spawn("services.cli", "coordinator", "--port", str(port), "--max-retries", "2",
+    coordinator = _spawn("services.runtime.cli", "coordinator", "--port", str(port), "--max-retries", "2",
                          "--render-urls", ",".join(f"127.0.0.1:{p}" for p in ports),
                          *(arg for role in ("encode", "prefill", "decode") for arg in (f"--{role}-urls", real[role])),
                          log=log)

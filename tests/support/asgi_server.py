@@ -10,7 +10,7 @@ from typing import Any
 
 import uvicorn
 
-from services.server import free_port
+from services.runtime.server import free_port
 
 
 @contextlib.contextmanager

@@ -59,10 +59,10 @@ def metric_value(text: str, name: str, labels: str = "") -> float:
 
 
 def start_cluster(*flags: str, env: dict[str, str] | None = None, timeout: float = 240.0) -> RunningCluster:
-    from services.server import free_port
+    from services.runtime.server import free_port
 
     port = free_port()
-    cmd = [sys.executable, "-m", "services.cli", "serve", "--port", str(port), *flags]
+    cmd = [sys.executable, "-m", "services.runtime.cli", "serve", "--port", str(port), *flags]
     full_env = {**os.environ, "PYTHONPATH": ROOT, **(env or {})}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)

@@ -28,7 +28,7 @@ from services.protocol.errors import NotFound
 from services.rpc.handlers import rpc_method, rpc_stream
 from services.rpc.v1 import epd_pb2 as pb
 from services.rpc.v1 import epd_pb2_grpc as rpc
-from services.server import free_port
+from services.runtime.server import free_port
 
 TOKENS = [1, 2, 3, 4, 5, 6, 7, 8]
 PIXELS = b"\x07" * 4096  # stands for a kwargs_data item

@@ -1,4 +1,4 @@
-"""`epd bench` end to end through services.cli: text, JSON schema, PNG plots, sweep, calibration."""
+"""`epd bench` end to end through services.runtime.cli: text, JSON schema, PNG plots, sweep, calibration."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 from PIL import Image
 
-from services.cli import main as epd_main
+from services.runtime.cli import main as epd_main
 
 SUMMARY_KEYS = {"completed", "failed", "errors", "duration_s", "request_throughput", "output_throughput",
                 "total_token_throughput", "prompt_tokens", "output_tokens", "usage_reported", "ttft_ms", "tpot_ms",

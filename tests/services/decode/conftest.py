@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from services.decode.params import DecodeParams
 from services.decode.stream import DecodeEvent
+from services.generation.params import DecodeParams
 from services.models.base import LanguageModel
 
 MAX_MODEL_LEN = 512

@@ -76,8 +76,8 @@ def _loaded(engine, pre):
 
 
 def test_padding_rows_write_only_the_scratch_block(engine, prefilled):
-    from services.decode.params import DecodeParams
-    from services.decode.sampler import RowSampling
+    from services.generation.params import DecodeParams
+    from services.sampling.sampler import RowSampling
 
     runner, pool = engine._runner, engine.pool      # the engine is idle: its thread never touches the runner
     pre = prefilled[1]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from services.decode.params import DecodeParams
+from services.generation.params import DecodeParams
 
 GREEDY = {"temperature": 0.0, "ignore_eos": False}
 PROMPTS = [

@@ -7,7 +7,7 @@ import torch
 
 from services.decode.engine import DecodeEngine
 from services.decode.errors import ContextTooLong, EngineClosed, EngineFull
-from services.decode.params import DecodeParams
+from services.generation.params import DecodeParams
 from services.protocol.errors import InvalidRequest
 
 EOS = 151645

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.decode.params import DecodeParams
-from services.decode.sampler import RowSampling, Sampler, sample_first_logprobs
+from services.generation.params import DecodeParams
 from services.protocol.errors import InvalidRequest
 from services.protocol.logprobs import (
     TokenLogprob,
@@ -16,6 +15,7 @@ from services.protocol.logprobs import (
     generate_logprobs,
     loads_list,
 )
+from services.sampling.sampler import RowSampling, Sampler, sample_first_logprobs
 
 VOCAB = 500
 

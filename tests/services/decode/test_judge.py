@@ -1,4 +1,4 @@
-"""The output judge (services/decode/judge.py) is the one rule decode's engine applies to every token.
+"""The output judge (services/generation/judge.py) is the one rule decode's engine applies to every token.
 
 Each case runs the real DecodeEngine on a prefilled prompt with a chosen first token and compares its first event
 with what an `OutputJudge` built from the same params, EOS ids, token budget and tokenizer says of that token:
@@ -10,9 +10,9 @@ import dataclasses
 
 import pytest
 
-from services.decode.detokenizer import IncrementalDetokenizer, decode_function
-from services.decode.judge import OutputJudge, token_budget
-from services.decode.params import DecodeParams
+from services.generation.detokenizer import IncrementalDetokenizer, decode_function
+from services.generation.judge import OutputJudge, token_budget
+from services.generation.params import DecodeParams
 
 MAX_MODEL_LEN = 512   # the make_engine fixture's default (conftest.py)
 

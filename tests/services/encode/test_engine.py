@@ -165,7 +165,7 @@ def test_an_idle_engine_runs_a_small_forward_on_the_callers_thread(vision, items
 
 
 def test_a_busy_engine_or_a_large_forward_is_not_run_inline(vision, items, monkeypatch):
-    from services import compute_threads
+    from services.hostcpu import compute_threads
 
     gated = GatedVision(vision, costed=True)
     with EncodeEngine(gated, max_batch_tokens=100_000) as engine:
@@ -185,7 +185,7 @@ def test_inline_never_waits_for_the_compute_lease(vision, items, tmp_path, monke
     import fcntl
     import os
 
-    from services import compute_lease
+    from services.hostcpu import compute_lease
 
     path = compute_lease.create(str(tmp_path / "lease"))
     monkeypatch.setattr(compute_lease, "_LEASE", [compute_lease.ComputeLease(path, 0)])

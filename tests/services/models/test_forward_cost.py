@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from services import compute_threads
+from services.hostcpu import compute_threads
 from services.models.forward_cost import PrefillCost, VisionCost
 
 

@@ -113,7 +113,7 @@ def test_a_long_prompt_alone_is_chunked(parts, prompts, alone):
 
 def test_a_chunked_prompts_forwards_run_at_the_long_prompt_priority(parts, prompts, monkeypatch):
     """The engine tells role_cpu which forwards carry a prompt over the budget (--role-nice prefill-long)."""
-    from services import role_cpu
+    from services.hostcpu import role_cpu
 
     seen: list[bool] = []
     real = role_cpu.long_prompt_running
@@ -305,7 +305,7 @@ def test_an_idle_engine_runs_a_small_prompt_on_the_callers_thread(parts, prompts
 
 
 def test_a_busy_engine_a_large_or_a_chunked_prompt_goes_to_the_worker(parts, prompts, alone, monkeypatch):
-    from services import compute_threads
+    from services.hostcpu import compute_threads
 
     engine = PrefillEngine(parts[2], prefix_cache_mb=0, max_num_batched_tokens=8192)
     threads = _noting_threads(engine)
@@ -328,7 +328,7 @@ def test_inline_never_waits_for_the_compute_lease(parts, prompts, alone, tmp_pat
     import fcntl
     import os
 
-    from services import compute_lease
+    from services.hostcpu import compute_lease
 
     path = compute_lease.create(str(tmp_path / "lease"))
     monkeypatch.setattr(compute_lease, "_LEASE", [compute_lease.ComputeLease(path, 0)])

@@ -169,8 +169,8 @@ def test_without_the_screen_a_greedy_prompt_gets_its_argmax_from_the_engine_thre
 def test_a_chunked_prompt_runs_on_its_own_thread_count_and_idle_clears_the_board(parts, monkeypatch):
     """--role-threads prefill-long=1 (compute_threads.LONG_ENV): a prompt longer than the token budget runs its
     chunks on that many torch threads, a short one on the role's count; once the engine idles, its byte on the
-    long-prompt board (decode follows it, services/role_cpu.py) is cleared."""
-    from services import compute_threads, role_cpu
+    long-prompt board (decode follows it, services/hostcpu/role_cpu.py) is cleared."""
+    from services.hostcpu import compute_threads, role_cpu
 
     monkeypatch.setenv(compute_threads.ENV, "2")
     monkeypatch.setenv(compute_threads.LONG_ENV, "1")

@@ -55,7 +55,7 @@ def test_the_kv_is_copied_once_into_the_store(lm, stores):
 
 
 def test_concurrent_requests_share_forwards_and_return_their_blocks(lm, stores, monkeypatch):
-    from services import compute_threads
+    from services.hostcpu import compute_threads
 
     monkeypatch.setattr(compute_threads, "INLINE_FORWARD_FLOPS", 0.0)   # every forward on the engine's worker
     ec, kv = stores
@@ -78,7 +78,7 @@ def test_concurrent_requests_share_forwards_and_return_their_blocks(lm, stores, 
 
 
 def test_a_caller_that_gives_up_leaves_no_blocks_held(lm, stores, monkeypatch):
-    from services import compute_threads
+    from services.hostcpu import compute_threads
 
     monkeypatch.setattr(compute_threads, "INLINE_FORWARD_FLOPS", 0.0)   # every forward on the engine's worker
     ec, kv = stores
@@ -132,7 +132,7 @@ def test_the_kv_is_put_on_the_engine_thread_right_after_the_forward(lm, stores, 
 def test_a_caller_that_gives_up_during_the_forward_leaves_no_entry(lm, stores, monkeypatch):
     """The prompt's forward finishes and its KV is put after the caller left: the entry nobody will read is
     deleted and every block comes back.  (The forward is held on purpose: a named fake for the timing.)"""
-    from services import compute_threads
+    from services.hostcpu import compute_threads
 
     monkeypatch.setattr(compute_threads, "INLINE_FORWARD_FLOPS", 0.0)   # on the worker: the caller can leave
     ec, kv = stores

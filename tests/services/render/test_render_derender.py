@@ -11,10 +11,10 @@ import pytest
 from starlette.applications import Starlette
 from starlette.testclient import TestClient
 
-from services.decode.detokenizer import IncrementalDetokenizer, decode_function
-from services.decode.params import DecodeParams
 from services.decode.request import DecodeRequest
 from services.decode.stream import DecodeStream
+from services.generation.detokenizer import IncrementalDetokenizer, decode_function
+from services.generation.params import DecodeParams
 from services.render.api_router import routes
 from services.render.output_text import OutputText
 from services.render.serving import RenderService

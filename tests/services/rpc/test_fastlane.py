@@ -15,7 +15,6 @@ import sys
 import grpc
 import pytest
 
-from services.private_dir import PrivateDirError
 from services.protocol.errors import ERROR_CODE_METADATA_KEY, InvalidRequest
 from services.rpc import fastlane
 from services.rpc.fastlane_client import FastLaneStub, fast_lane_port, with_fast_lane
@@ -23,7 +22,8 @@ from services.rpc.fastlane_server import FastLaneServer
 from services.rpc.handlers import rpc_method, rpc_stream
 from services.rpc.v1 import epd_pb2 as pb
 from services.rpc.v1 import epd_pb2_grpc as rpc
-from services.server import free_port
+from services.runtime.private_dir import PrivateDirError
+from services.runtime.server import free_port
 
 INSTANCE = "inst1"
 METHOD = f"{pb.DESCRIPTOR.services_by_name['DecodeService'].full_name}/Abort"

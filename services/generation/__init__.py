@@ -1,0 +1,3 @@
+"""What generation means, torch-free, for every role: sampling parameters, stop rules, incremental detokenization,
+the output judge.
+"""

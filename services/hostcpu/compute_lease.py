@@ -1,0 +1,182 @@
+"""One prompt-side forward at a time on this machine: encode's and prefill's forwards take turns (`--compute-lease`).
+
+`epd serve` runs encode, prefill and decode on the same cores.  Each model role computes on an OpenMP team of
+one thread per core, and a forward is hundreds of parallel regions, each ending at a barrier.  When encode's and
+prefill's forwards run at once, four threads share two cores and every region waits for the thread the
+scheduler preempted (services/models/timing_lock.py met the same at start-up: kernels timed side by side came
+out 0.23x-0.81x of their speed alone).  With the lease the two roles' forwards take turns, each on all cores.
+Decode is not part of it: its steps are short, and `--role-nice` already gives the prompt roles the cores first.
+
+The lease is an exclusive flock on a small file in /dev/shm (`epd serve` makes one per cluster and gives its path
+to the encode and prefill processes); the kernel drops a dead holder's lock.  The file's first bytes are a
+board of waiting flags, one per process (its slot); a process that held the lease last lets another that is
+waiting go first (for at most FAIR_S), so a role whose forwards follow each other closely cannot keep it.
+A wait longer than `wait_s` computes without the lease (and says so in the log); the wait itself is observed
+in `epd_compute_lease_wait_seconds{stage}`, outside the stage's compute time.  `taken_now` never waits: an
+engine about to run a small forward on its event loop (compute_threads.INLINE_FORWARD_FLOPS) takes the lease
+only if it is free this instant, and otherwise hands the forward to its worker thread, which may wait.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import mmap
+import os
+import threading
+import time
+from collections.abc import Iterator
+
+from prometheus_client import Histogram
+
+logger = logging.getLogger(__name__)
+
+LEASE_ENV = "EPD_COMPUTE_LEASE_PATH"       # the lease file's path (set by `epd serve`)
+SLOT_ENV = "EPD_COMPUTE_LEASE_SLOT"        # this process's waiting flag on the board
+BOARD_BYTES = 64
+STAGES = ("encode", "prefill")             # the compute stages that hold the lease (decode's steps do not)
+FAIR_S = 0.05                              # how long the last holder defers to a waiter
+WAIT_S = 10.0                              # the longest wait for the lease before computing without it
+_POLL_S = (5e-5, 5e-4)                     # the waiting poll's first and longest sleep
+LEASE_WAIT = Histogram("epd_compute_lease_wait_seconds", "Time a forward waited for the compute lease (encode and "
+                       "prefill take turns on the cores: services/hostcpu/compute_lease.py)", ["stage"],
+                       buckets=(0.0001, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+
+
+def create(path: str) -> str:
+    """The lease file with an empty board (`epd serve`, before it starts the roles)."""
+    with open(path, "wb") as file:
+        file.write(bytes(BOARD_BYTES))
+    return path
+
+
+class ComputeLease:
+    """The lease at `path` for the process whose waiting flag is `slot` (0 .. BOARD_BYTES - 1)."""
+
+    def __init__(self, path: str, slot: int, wait_s: float = WAIT_S) -> None:
+        if not 0 <= slot < BOARD_BYTES:
+            raise ValueError(f"compute lease slot {slot} is outside 0..{BOARD_BYTES - 1}")
+        self.path, self.slot, self.wait_s = path, slot, wait_s
+        self._fd = os.open(path, os.O_RDWR)
+        self._board = mmap.mmap(self._fd, BOARD_BYTES)
+        self._mutex = threading.Lock()       # one holder per process (flock is per open file, not per thread)
+        self._held_last = False
+        self.timeouts = 0
+
+    def _others_waiting(self) -> bool:
+        board = self._board[:BOARD_BYTES]
+        return any(flag for index, flag in enumerate(board) if index != self.slot)
+
+    def _try(self) -> bool:
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return True
+
+    @contextlib.contextmanager
+    def hold(self, stage: str) -> Iterator[bool]:
+        """Holds the lease for the block; yields False when it computed without it (`wait_s` passed)."""
+        with self._mutex:
+            began = time.monotonic()
+            got = self._acquire(began)
+            LEASE_WAIT.labels(stage).observe(time.monotonic() - began)
+            try:
+                yield got
+            finally:
+                if got:
+                    fcntl.flock(self._fd, fcntl.LOCK_UN)
+                self._held_last = got
+
+    def try_hold(self) -> bool:
+        """The lease if it is free now and fairness does not make this process wait (then `release()` it)."""
+        if not self._mutex.acquire(blocking=False):
+            return False
+        if (self._held_last and self._others_waiting()) or not self._try():
+            self._mutex.release()
+            return False
+        return True
+
+    def release(self) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        self._held_last = True
+        self._mutex.release()
+
+    def _acquire(self, began: float) -> bool:
+        if not (self._held_last and self._others_waiting()) and self._try():
+            return True
+        self._board[self.slot] = 1
+        try:
+            pause = _POLL_S[0]
+            while True:
+                waited = time.monotonic() - began
+                defer = self._held_last and waited < FAIR_S and self._others_waiting()
+                if not defer and self._try():
+                    return True
+                if waited >= self.wait_s:
+                    self.timeouts += 1
+                    logger.warning("compute lease %s: waited %.1f s; computing without it", self.path, waited)
+                    return False
+                time.sleep(pause)
+                pause = min(pause * 2, _POLL_S[1])
+        finally:
+            self._board[self.slot] = 0
+
+    def close(self) -> None:
+        self._board.close()
+        os.close(self._fd)
+
+
+_LEASE: list[ComputeLease] = []
+_TAKEN = threading.local()   # .on: this thread took the lease with taken_now; its forwards' `held` is a no-op
+
+
+def configure(path: str, slot: int) -> ComputeLease:
+    """This process's lease (the roles' start-up); compute_metrics.compute_timer holds it around forwards."""
+    lease = ComputeLease(path, slot)
+    _LEASE[:] = [lease]
+    return lease
+
+
+def configure_from_env() -> str:
+    """The lease `epd serve` set for this process (EPD_COMPUTE_LEASE_PATH and _SLOT: roles started apart may set
+    them to share one), if any; a line for the start-up log."""
+    path, slot = os.environ.get(LEASE_ENV, ""), os.environ.get(SLOT_ENV, "0")
+    if not path:
+        return ""
+    configure(path, int(slot))
+    return f"compute lease {path} (slot {slot})"
+
+
+@contextlib.contextmanager
+def held(stage: str) -> Iterator[None]:
+    """The process's lease around a forward (nothing where none is configured)."""
+    if not _LEASE or getattr(_TAKEN, "on", False):
+        yield
+        return
+    with _LEASE[0].hold(stage):
+        yield
+
+
+@contextlib.contextmanager
+def taken_now(stage: str) -> Iterator[bool]:
+    """Yields True holding the process's lease (or with none configured), False at once when it is not free now."""
+    if not _LEASE:
+        yield True
+        return
+    lease = _LEASE[0]
+    if not lease.try_hold():
+        yield False
+        return
+    LEASE_WAIT.labels(stage).observe(0.0)
+    _TAKEN.on = True
+    try:
+        yield True
+    finally:
+        _TAKEN.on = False
+        lease.release()
+
+
+__all__ = ["BOARD_BYTES", "LEASE_ENV", "SLOT_ENV", "STAGES", "ComputeLease", "configure", "configure_from_env",
+           "create", "held", "taken_now"]
