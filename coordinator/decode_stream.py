@@ -63,22 +63,20 @@ class DecodeStream:
         """Every chunk, the first included, as answer deltas; closes the call at the end."""
         try:
             yield chunk_delta(self.first, self.ctx.sampling)
-            while True:
-                chunk = await self._next()
-                if chunk is grpc.aio.EOF:
-                    return
+            while (chunk := await self._next()) is not None:
                 yield chunk_delta(chunk, self.ctx.sampling)
         except grpc.aio.AioRpcError as exc:
             raise self._failure(exc) from None
         finally:
             self.close()
 
-    async def _next(self) -> pb.DecodeChunk | object:
-        """The next chunk within the stall bound (--stream-idle-timeout-s)."""
+    async def _next(self) -> pb.DecodeChunk | None:
+        """The next chunk within the stall bound (--stream-idle-timeout-s); None at the stream's end."""
         idle = self.ctx.idle_s
         try:  # asyncio.timeout, not wait_for: 3.11's wait_for drops a cancel that lands as a chunk arrives
             async with asyncio.timeout(None if idle == math.inf else idle):
-                return await self.call.read()
+                chunk = await self.call.read()
+                return None if chunk is grpc.aio.EOF else chunk
         except TimeoutError:
             raise DeadlineExceeded(f"request {self.ctx.label} got no token for {idle:g} s "
                                    "(--stream-idle-timeout-s); the answer is cut", code="stream_idle_timeout") from None

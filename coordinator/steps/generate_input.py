@@ -53,7 +53,7 @@ def _bytes(b64: str, where: str) -> bytes | bytearray:
         raise InvalidRequest(f"{where}: not valid base64", code="invalid_base64") from None
 
 
-def _decoded(raw: bytes, where: str) -> Item:
+def _decoded(raw: bytes | bytearray, where: str) -> Item:
     try:
         return decode_item(raw)
     except InvalidRequest as exc:
@@ -74,7 +74,7 @@ def _item(item: FeatureItem, model: str, mm_store: TensorStore | None) -> pb.Mul
                              code="missing_mm_metadata")
     place = item.placeholder
     out = pb.MultiModalItem(modality=item.modality, mm_hash=item.mm_hash, offset=place.offset,
-                            length=place.length, mm_metadata=metadata)
+                            length=place.length, mm_metadata=bytes(metadata))
     if decoded is not None and mm_store is not None:  # stored once; from here on it travels by handle
         skeleton, ref = store_item(mm_store, mm_key(model, item.mm_hash), decoded)
         out.kwargs_data, out.kwargs_ref_json = encode_item(skeleton), ref.to_json()

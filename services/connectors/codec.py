@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
+from typing_extensions import TypeIs
 
 from services.connectors.base import EntryCorrupt
 
@@ -51,7 +52,7 @@ def dtype_name(dtype: Any) -> str:
     return name
 
 
-def is_array(t: Any) -> bool:
+def is_array(t: Any) -> TypeIs[np.ndarray]:
     return isinstance(t, np.ndarray)
 
 

@@ -78,7 +78,7 @@ class ShmTensorStore(TensorStore):
     def put(self, key: str, tensors: dict[str, Data]) -> dict[str, Any]:
         check_key(key)
         host = {n: t for n, t in tensors.items() if is_array(t) or t.device.type == "cpu"}
-        gpu = {n: t for n, t in tensors.items() if not is_array(t) and t.is_cuda}
+        gpu = {n: t for n, t in tensors.items() if not is_array(t) and t.device.type == "cuda"}
         if len(host) + len(gpu) != len(tensors):
             raise ConnectorError(f"entry {key!r}: only CPU and CUDA tensors can be stored")
         cuda = [_share_cuda(n, t) for n, t in gpu.items()]

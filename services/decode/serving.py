@@ -45,8 +45,12 @@ _POLL_S = 0.005   # how often a request waiting for KV room looks again
 
 FINISHED = Counter("epd_decode_requests_finished", "Decode requests by finish reason", ["reason"])
 TOKENS = Counter("epd_decode_tokens", "Output tokens produced")
-GAUGES = {
-    **{name: (doc, lambda s, read=read: read(s.engine.stats())) for name, (doc, read) in ENGINE_GAUGES.items()},
+def _engine_gauge(read: Callable[[Any], float]) -> Callable[[Any], float]:
+    return lambda service: read(service.engine.stats())
+
+
+GAUGES: dict[str, tuple[str, Callable[[Any], float]]] = {
+    **{name: (doc, _engine_gauge(read)) for name, (doc, read) in ENGINE_GAUGES.items()},
     "epd_kv_store_bytes_copied_total": ("Payload bytes the KV store reader copied (gets; views none)",
                                         lambda s: s.kv_store.stats().bytes_copied),
 }

@@ -29,14 +29,14 @@ import hmac
 import json
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger(__name__)
 MAX_KEY_CHARS = 512
 PLACEHOLDER = "REPLACE-ME"  # what deploy/'s Secret holds until someone puts real keys there
-Scope = dict[str, Any]
+Scope = MutableMapping[str, Any]
 
 
 def parse_keys(value: str, what: str = "api key") -> list[str]:

@@ -85,13 +85,13 @@ class RenderClient:
             for url in self.urls:
                 try:
                     async with session.post(url + RENDER_PATH, data=raw, headers=headers) as reply:
-                        payload, status = await reply.read(), reply.status
+                        answer, status = await reply.read(), reply.status
                 except (aiohttp.ClientError, TimeoutError) as exc:
                     failures.append(f"{url}: {type(exc).__name__}")
                     continue
                 if status != 200:
-                    raise _RenderError(status, _json_or_none(payload))
-                return validate_model(GenerateRequest, parse_json(payload))
+                    raise _RenderError(status, _json_or_none(answer))
+                return validate_model(GenerateRequest, parse_json(answer))
         raise Unavailable(f"no render instance answered ({'; '.join(failures)})", code="render_unavailable")
 
 

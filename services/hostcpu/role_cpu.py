@@ -113,7 +113,7 @@ def long_prompt_running(running: bool) -> None:
     prompt's forwards yield the cores to decode (its TPOT stays flat) while short prompts keep prefill's
     base share (c=16 throughput: docs/benchmarks.md, "Decode TPOT while a long prompt prefills")."""
     board, slot = _LONG.get("map"), _LONG.get("slot")
-    if board is not None and isinstance(slot, int):
+    if isinstance(board, mmap.mmap | bytearray) and isinstance(slot, int):
         board[slot] = 1 if running else 0   # decode follows it (follow_long_prefill)
     if not _GROUP:
         return

@@ -119,7 +119,7 @@ def build_demo_config(size: str = "tiny"):
         vision_config={**vision, "hidden_size": text["hidden_size"], "patch_size": 14,
                        "spatial_merge_size": 2, "temporal_patch_size": 2, "initializer_range": 0.1},
         image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
-        vision_end_token_id=151653, bos_token_id=151643, eos_token_id=151645,
+        vision_end_token_id=151653, bos_token_id=151643, eos_token_id=151645,  # type: ignore[call-arg]
         tie_word_embeddings=False,  # tied random embeddings make the model repeat one token
     )
 

@@ -163,6 +163,7 @@ class PrefillEngine:
             release_when_done(future)
             raise
         with held:
+            assert held.first_logits is not None   # not greedy: the logits are kept
             return PrefillResult(held.first_logits, held.kv(), held.rope_delta, held.num_prompt_tokens,
                                  held.num_cached_tokens)
 

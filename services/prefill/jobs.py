@@ -24,6 +24,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from services.connectors.base import ConnectorError
 from services.models.base import MultiModalInput, PrefillInputs
 
 if TYPE_CHECKING:
@@ -73,7 +74,7 @@ class HeldPrefill:
         self._released = False
         # What the job's `on_finish` left here (the serving layer's KV put, on the engine thread).
         self.kv_handle: dict[str, Any] | None = None
-        self.kv_error: Exception | None = None
+        self.kv_error: ConnectorError | None = None
 
     @property
     def blocks(self) -> tuple[int, ...]:

@@ -115,6 +115,7 @@ class PrefillService:
             if held.first_token is not None:   # the LM head screen's greedy pick (params.plain_greedy)
                 first, logprobs = held.first_token, None
             else:
+                assert held.first_logits is not None   # kept whenever first_token was not picked
                 first, logprobs = sample_first_logprobs(held.first_logits, params, 0, self.lm.eos_token_ids,
                                                         token_ids)
         except BaseException:

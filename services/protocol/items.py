@@ -12,18 +12,22 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, TypeAlias
+from typing import TYPE_CHECKING, Literal, TypeAlias
 
 import numpy as np
 
 from services.protocol.tensors import RawTensor, tensor_nbytes
+
+if TYPE_CHECKING:
+    import torch
 
 FieldKind = Literal["batched", "flat", "shared"]
 FIELD_KINDS: tuple[str, ...] = ("batched", "flat", "shared")
 Slice: TypeAlias = tuple[int | None, int | None, int | None]
 # One item's place in a flat field: a slice along `dim`, or (vLLM's form) one slice per dimension.
 SliceEntry: TypeAlias = "Slice | tuple[Slice, ...]"
-Nested: TypeAlias = "np.ndarray | RawTensor | int | float | list[Nested]"
+# a torch tensor: a zero-copy view of a connector store (services/connectors/mm.py open_item), never on the wire
+Nested: TypeAlias = "np.ndarray | RawTensor | torch.Tensor | int | float | list[Nested]"
 
 
 def _is_bound(value: object) -> bool:

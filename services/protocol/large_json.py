@@ -58,7 +58,8 @@ def _long_plain_strings(body: bytes | bytearray) -> list[tuple[int, int]]:
     """(opening quote, closing quote) of each long plain string literal; [] when the scan is unsure."""
     if len(body) < LONG_STRING or body[:1] not in b' \t\r\n{["' or body[:3] == b"\xef\xbb\xbf":
         return []  # short, or not UTF-8 JSON text starting as a document (json.loads decides those)
-    spans, pos, strings = [], 0, 0
+    spans: list[tuple[int, int]] = []
+    pos, strings = 0, 0
     while True:
         start = _find_quote(body, pos)
         if start < 0:

@@ -132,7 +132,7 @@ def from_torch(tensor: torch.Tensor) -> Tensor:
     return array
 
 
-def to_torch(tensor: Tensor) -> torch.Tensor:
+def to_torch(tensor: Tensor | torch.Tensor | Any) -> torch.Tensor:
     """A wire tensor as a CPU torch tensor that owns writable memory; a torch tensor (a zero-copy view
     from a connector store) passes through as it is."""
     if not isinstance(tensor, np.ndarray | RawTensor) and hasattr(tensor, "data_ptr"):
@@ -142,7 +142,7 @@ def to_torch(tensor: Tensor) -> torch.Tensor:
     if isinstance(tensor, RawTensor) and tensor.dtype == "bfloat16":
         bits = np.frombuffer(bytearray(tensor.data), dtype="<i2").reshape(tensor.shape)
         return torch.from_numpy(bits).view(torch.bfloat16)
-    array: Any = to_numpy(tensor)
+    array: Any = to_numpy(tensor)  # type: ignore[arg-type]   # the array forms; a torch tensor returned above
     if not array.flags.writeable:
         array = array.copy()
     return torch.from_numpy(array)

@@ -14,6 +14,7 @@ from typing import TypeVar
 
 import grpc
 import numpy as np
+from pydantic import BaseModel
 
 from services.connectors.base import ConnectorError, TensorStore
 from services.connectors.mm import mm_key, store_item
@@ -32,7 +33,7 @@ from services.rpc.v1 import epd_pb2_grpc as rpc
 from .prompt import RenderedPrompt
 from .serving import RenderService
 
-M = TypeVar("M")
+M = TypeVar("M", bound=BaseModel)
 OFF_LOOP_BYTES = 256 * 1024
 GAUGES = {
     "epd_mm_store_bytes": ("Bytes of processed images held by this render's mm store",

@@ -143,6 +143,7 @@ class _StreamCall:
         if self._done:
             return grpc.aio.EOF
         if self._open is None and not await self._start():
+            assert self._fallback is not None
             return await self._fallback.read()
         assert self._open is not None
         connection, call_id, queue = self._open

@@ -166,7 +166,11 @@ class FastLaneServer:
         call = asyncio.create_task(self._call(call_id, payload, writer))
         calls[call_id] = call
         self._running.add(call)
-        call.add_done_callback(lambda done: (calls.pop(call_id, None), self._running.discard(done)))
+        def ended(done: asyncio.Task) -> None:
+            calls.pop(call_id, None)
+            self._running.discard(done)
+
+        call.add_done_callback(ended)
 
     async def _call(self, call_id: int, payload: bytes, writer: asyncio.StreamWriter) -> None:
         try:
