@@ -68,7 +68,7 @@ def build_admin_app(config: EpdConfig, cluster: Any, inflight: InflightRegistry)
     log.info("coordinator admin routes: %s", json.dumps([[m, r.path] for r in routes for m in sorted(r.methods or ())
                                                          if m != "HEAD"]))
     app = Starlette(routes=routes, exception_handlers=JSON_ERRORS)
-    if not config.admin_tokens():
+    if not config.security.admin_tokens():
         log.warning("the coordinator admin API on %s has no admin token: any local process may register "
-                    "instances (set --admin-token)", config.admin_host)
-    return AdminAuthMiddleware(app, config.admin_tokens(), config.api_keys())
+                    "instances (set --admin-token)", config.security.admin_host)
+    return AdminAuthMiddleware(app, config.security.admin_tokens(), config.security.api_keys())

@@ -59,18 +59,18 @@ class CoordinatorApp:
         self.cluster = Cluster(config)
         self.pipeline = Pipeline(self.cluster)
         self.inflight = InflightRegistry()
-        self.drain = Drain(self.inflight, config.shutdown_grace_s)
+        self.drain = Drain(self.inflight, config.server.shutdown_grace_s)
         self.generate_api = GenerateApi(config, self.cluster, self.pipeline)
         self.openai_api = OpenAIApi(config, self.cluster, self.pipeline)
 
     async def models(self, _: Request) -> Response:
-        card = {"id": self.config.served_model_id(), "object": "model", "created": 0, "owned_by": "epd",
-                "max_model_len": self.config.max_model_len}
+        card = {"id": self.config.checkpoint.served_model_id(), "object": "model", "created": 0, "owned_by": "epd",
+                "max_model_len": self.config.checkpoint.max_model_len}
         return JSONResponse({"object": "list", "data": [card]})
 
     def _required(self) -> list[str]:
         # A text-only model runs no encoders (none configured): an empty encode pool is then fine.
-        optional = set() if self.config.urls("encode") else {"encode"}
+        optional = set() if self.config.cluster.urls("encode") else {"encode"}
         return [pool.role for pool in self.cluster.pools if pool.role not in optional or pool.instances]
 
     async def health(self, _: Request) -> Response:
@@ -96,7 +96,7 @@ class CoordinatorApp:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     def routes(self) -> list[Route]:
-        title = f"epd coordinator ({self.config.served_model_id()})"
+        title = f"epd coordinator ({self.config.checkpoint.served_model_id()})"
         return [
             *self.generate_api.routes(),
             *self.openai_api.routes(),
@@ -109,11 +109,12 @@ class CoordinatorApp:
 
     def middleware(self) -> list[Middleware]:
         """Outermost first."""
+        limits = self.config.limits
         return [Middleware(DrainMiddleware, drain=self.drain),
                 Middleware(AdmissionMiddleware, registry=self.inflight, metrics=self.cluster.metrics,
-                           max_inflight=self.config.max_inflight_requests, saturated=self.decode_saturated,
-                           max_request_s=self.config.max_request_timeout_s + self.config.body_read_timeout_s + 5.0,
-                           send_stall_s=self.config.stream_idle_timeout_s)]
+                           max_inflight=limits.max_inflight_requests, saturated=self.decode_saturated,
+                           max_request_s=limits.max_request_timeout_s + limits.body_read_timeout_s + 5.0,
+                           send_stall_s=limits.stream_idle_timeout_s)]
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _: Starlette) -> AsyncIterator[None]:
@@ -133,7 +134,7 @@ class CoordinatorApp:
         direct = DirectRoutes(app, {route.path: route.endpoint for route in routes
                                     if route.path in GENERATION_PATHS and "POST" in (route.methods or ())},
                               self.middleware())
-        return protect(direct, self.config.api_keys(), PROBE_PATHS, "the coordinator API")
+        return protect(direct, self.config.security.api_keys(), PROBE_PATHS, "the coordinator API")
 
     def build_admin(self) -> Any:
         """The private control plane (admin.py), sharing this app's cluster and in-flight registry."""
@@ -146,7 +147,7 @@ class CoordinatorApp:
         instances have slots + queue for means decode never refuses a request that was already
         rendered, encoded and prefilled (whose KV would then wait for its TTL).
         """
-        per_instance = self.config.decode_slots + self.config.decode_queue
+        per_instance = self.config.engines.decode_slots + self.config.engines.decode_queue
         healthy = len(self.cluster.decode.pool.healthy()) if hasattr(self.cluster, "decode") else 0
         if healthy and len(self.inflight) >= healthy * per_instance:
             return (f"the decode instances are full ({healthy} x {per_instance} slots + queue); "

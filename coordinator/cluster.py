@@ -84,12 +84,12 @@ class Cluster:
         self.gauges = OwnedGauges(self, GAUGES)
 
     def _pool(self, role: str, stub: Callable[[grpc.aio.Channel], Any]) -> InstancePool:
-        config = self.config
-        return InstancePool(role, config.urls(role), stub, policy=getattr(config, f"{role}_routing_policy"),
-                            http_urls=config.http_urls(role), metrics=self.metrics,
-                            forget_after_s=config.instance_forget_after_s,
+        config, cluster = self.config, self.config.cluster
+        return InstancePool(role, cluster.urls(role), stub, policy=getattr(cluster, f"{role}_routing_policy"),
+                            http_urls=cluster.http_urls(role), metrics=self.metrics,
+                            forget_after_s=cluster.instance_forget_after_s,
                             credentials=channel_credentials(config), channel_options=channel_options(config),
-                            fast_lane=config.fast_lane)
+                            fast_lane=config.server.fast_lane)
 
     def pool(self, role: str) -> InstancePool:
         """The pool of `role` (render, encode, prefill, decode)."""

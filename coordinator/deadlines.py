@@ -37,8 +37,8 @@ class Deadlines:
     @classmethod
     def for_request(cls, config: EpdConfig, header: str | None) -> Deadlines:
         now = time.monotonic()
-        total = now + min(_client_total(header), config.max_request_timeout_s)
-        return cls(min(now + config.ttft_timeout_s, total), total, config.stream_idle_timeout_s)
+        total = now + min(_client_total(header), config.limits.max_request_timeout_s)
+        return cls(min(now + config.limits.ttft_timeout_s, total), total, config.limits.stream_idle_timeout_s)
 
 
 def _client_total(header: str | None) -> float:

@@ -50,7 +50,7 @@ class GenerateApi:
         return RequestContext(request_id=internal_id(label), label=label, principal=principal(request.scope),
                               kind="generate", stream=req.stream, generate=req, deadline=bounds.first_token,
                               total_deadline=bounds.total, idle_s=bounds.idle_s,
-                              max_retries=self.config.max_retries)
+                              max_retries=self.config.cluster.max_retries)
 
     async def _run(self, request: Request) -> Response:
         size, body = await read_json_sized(request, BodyLimits.of(self.config))
@@ -59,7 +59,7 @@ class GenerateApi:
         request_id_var.set(ctx.request_id)
         await self.pipeline.prepare(ctx)
         built = GenerateAnswer(response_id(req.request_id, request.headers.get("x-request-id")),
-                               req.model or self.config.served_model_id(), ctx.prompt_tokens(),
+                               req.model or self.config.checkpoint.served_model_id(), ctx.prompt_tokens(),
                                req.stream_options, ctx.created, req.output_mode)
         deltas = self.pipeline.stream(ctx)
         headers = {"X-Request-Id": ctx.label}
@@ -76,7 +76,7 @@ class GenerateApi:
         probes = await asyncio.gather(*(pool.check_all() for pool in pools))
         instances = [entry for pool, health in zip(pools, probes, strict=True)
                      for entry in self._entries(pool, health)]
-        return JSONResponse({"model": self.config.served_model_id(), "instances": instances})
+        return JSONResponse({"model": self.config.checkpoint.served_model_id(), "instances": instances})
 
     def _entries(self, pool: InstancePool, health: dict[str, bool]) -> list[dict[str, Any]]:
         # http_url: from --<role>-http-urls, or as the instance announced itself (POST /v1/instances).

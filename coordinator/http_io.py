@@ -42,7 +42,7 @@ class BodyLimits:
 
     @classmethod
     def of(cls, config: EpdConfig) -> BodyLimits:
-        return cls(config.max_request_bytes, config.body_read_timeout_s)
+        return cls(config.limits.max_request_bytes, config.limits.body_read_timeout_s)
 
     def too_large(self) -> PayloadTooLarge:
         return PayloadTooLarge(f"request body over {self.max_bytes} bytes (--max-request-bytes)", code="body_too_large")

@@ -51,12 +51,13 @@ def run_coordinator(config: EpdConfig) -> int:
     coordinator = CoordinatorApp(config)
     # access_log off: uvicorn would format each response's access-log arguments before its first byte goes out,
     # for a logger kept at WARNING (services/observability/__init__.py); admission.py logs each generation request once
-    public = DrainingServer(uvicorn.Config(coordinator.build(), host=config.host, port=config.port,
+    public = DrainingServer(uvicorn.Config(coordinator.build(), host=config.server.host, port=config.server.port,
                                            log_level="warning", access_log=False,
                                            timeout_graceful_shutdown=AFTER_DRAIN_S),
                             coordinator.drain)
-    admin = _AdminServer(uvicorn.Config(coordinator.build_admin(), host=config.admin_host, port=config.admin_port,
+    security = config.security
+    admin = _AdminServer(uvicorn.Config(coordinator.build_admin(), host=security.admin_host, port=security.admin_port,
                                         log_level="warning", lifespan="off", timeout_graceful_shutdown=1))
     gc.freeze()  # what start-up built lives as long as the process: no full collection rescans it (as the roles)
-    event_loop.run(_serve(public, admin, config), config.event_loop)
+    event_loop.run(_serve(public, admin, config), config.server.event_loop)
     return 0 if public.started else 1

@@ -51,7 +51,7 @@ class OpenAIApi:
                               kind=kind, body=raw, stream=stream, include_usage=include_usage,
                               return_token_ids=body.get("return_token_ids") is True, deadline=bounds.first_token,
                               total_deadline=bounds.total, idle_s=bounds.idle_s,
-                              max_retries=self.config.max_retries)
+                              max_retries=self.config.cluster.max_retries)
 
     async def _run(self, request: Request, kind: Kind) -> Response:
         arrived = time.monotonic()
@@ -59,7 +59,7 @@ class OpenAIApi:
         raw, body = await read_json(request, BodyLimits.of(self.config))
         ctx = self.context(request, kind, raw, body)
         request_id_var.set(ctx.request_id)
-        timing = RequestTiming(arrived, time.monotonic()) if self.config.enable_per_request_metrics else None
+        timing = RequestTiming(arrived, time.monotonic()) if self.config.server.enable_per_request_metrics else None
         await self.pipeline.prepare(ctx)
         deltas, built = self.pipeline.stream(ctx), openai_answer(ctx, timing)
         headers = {"X-Request-Id": ctx.label}

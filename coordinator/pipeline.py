@@ -144,5 +144,5 @@ class Pipeline:
         ctx.resumed = list(sent)
         ctx.prefill, ctx.decode_stream = None, None
         ctx.recovered.discard(KV_MISSING_CODE)   # the new KV entry may be recovered from once too
-        ctx.deadline = min(ctx.total_deadline, time.monotonic() + self.cluster.config.ttft_timeout_s)
+        ctx.deadline = min(ctx.total_deadline, time.monotonic() + self.cluster.config.limits.ttft_timeout_s)
         await self._run(ctx, self._index("prefill"))

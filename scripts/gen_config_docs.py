@@ -68,20 +68,28 @@ def _row(entry: dict[str, Any]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-def render(schema: list[dict[str, Any]]) -> str:
-    """The whole page for a settings table as returned by services.config.schema()."""
+def render(schema: list[dict[str, Any]], sections: dict[str, str]) -> str:
+    """The whole page for a settings table as returned by services.config.schema(), one table per section
+    (`sections`: section name -> what it holds), in the schema's order."""
     lines = [HEADER, "## Settings", "",
-             "| flag | environment variable | type | default | read by | meaning |",
-             "|---|---|---|---|---|---|"]
-    lines += [_row(entry) for entry in schema]
-    return "\n".join(lines) + "\n"
+             "Settings are grouped as the code reads them, in frozen sections (`config.<section>.<setting>`, "
+             "services/config/).", ""]
+    for name, about in sections.items():
+        lines += [f"### {name}", "", about, "", "| flag | environment variable | type | default | read by | meaning |",
+                  "|---|---|---|---|---|---|"]
+        lines += [_row(entry) for entry in schema if entry["section"] == name]
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
 
 
 def current() -> str:
     sys.path.insert(0, str(ROOT))
-    from services.config import schema
+    from dataclasses import fields
 
-    return render(schema())
+    from services.config import EpdConfig, schema
+
+    sections = {f.name: (f.default_factory.__doc__ or "").strip() for f in fields(EpdConfig)}  # type: ignore[union-attr]
+    return render(schema(), sections)
 
 
 def main(argv: list[str] | None = None) -> int:

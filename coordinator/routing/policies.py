@@ -11,6 +11,8 @@ import itertools
 from abc import ABC, abstractmethod
 from typing import Protocol, TypeVar
 
+from services.config import ROUTING_POLICIES
+
 
 class Candidate(Protocol):
     """What a policy reads of an instance (routing/pool.py's Instance)."""
@@ -59,7 +61,8 @@ class HashAffinity(Policy):
         return max(candidates, key=lambda i: hashlib.sha256(f"{key}|{i.address}".encode()).digest())
 
 
-POLICIES: dict[str, type[Policy]] = {"least_loaded": LeastLoaded, "round_robin": RoundRobin, "affinity": HashAffinity}
+# keyed by the setting's names (services/config ROUTING_POLICIES, defined once there: config cannot import this)
+POLICIES: dict[str, type[Policy]] = dict(zip(ROUTING_POLICIES, (HashAffinity, LeastLoaded, RoundRobin), strict=True))
 
 
 def create_policy(name: str) -> Policy:

@@ -46,7 +46,7 @@ class EncodeStep(Step):
 
     def _can_inline(self, item: pb.MultiModalItem, exc: Unavailable | Overloaded) -> bool:
         no_encoder = isinstance(exc, Overloaded) or exc.code == "encode_unavailable"
-        return no_encoder and self.cluster.config.prefill_inline_encode and bool(item.kwargs_data)
+        return no_encoder and self.cluster.config.engines.prefill_inline_encode and bool(item.kwargs_data)
 
     def _missing_items(self, ctx: RequestContext) -> list[pb.MultiModalItem]:
         unique: dict[str, pb.MultiModalItem] = {}

@@ -94,7 +94,7 @@ def rendered_from_features(req: GenerateRequest, model: str,
 
 
 def check_model(req: GenerateRequest, config: EpdConfig) -> None:
-    served = config.served_model_id()
+    served = config.checkpoint.served_model_id()
     if req.model is not None and req.model != served:
         raise NotFound(f"The model `{req.model}` does not exist (served: {served})",
                              code="model_not_found")
@@ -119,13 +119,13 @@ class GenerateInputStep(Step):
         started = time.perf_counter()
         check_model(req, self.cluster.config)
         if req.features is not None:  # MBs of base64 and msgpack: decoded and stored off the event loop
-            ctx.rendered = await asyncio.to_thread(rendered_from_features, req, self.cluster.config.served_model_id(),
-                                                   self.cluster.mm_store)
+            served = self.cluster.config.checkpoint.served_model_id()
+            ctx.rendered = await asyncio.to_thread(rendered_from_features, req, served, self.cluster.mm_store)
             self._known_handles(ctx, req)
         else:
             ctx.rendered = await self._render_parts(ctx, req)
         config = self.cluster.config
-        check_fits(len(ctx.rendered.token_ids), req.sampling_params.max_tokens, config.max_model_len)
+        check_fits(len(ctx.rendered.token_ids), req.sampling_params.max_tokens, config.checkpoint.max_model_len)
         if req.cache_salt is not None:
             ctx.rendered.cache_salt = req.cache_salt
         ctx.sampling = sampling_to_pb(req.sampling_params.model_dump(exclude={"extra_args"}))

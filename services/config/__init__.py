@@ -1,352 +1,96 @@
-"""One configuration schema for every epd process.
+"""One configuration schema for every epd process: `EpdConfig`, frozen sections of frozen settings.
 
-Each setting is a field of the frozen `EpdConfig` dataclass; the command-line
-flag (`--ec-connector`) and the environment variable (`EPD_EC_CONNECTOR`) are
-derived from the field name, so the names are the same everywhere and the
-configuration reference in docs/ is generated from this file.  Precedence:
-flag > environment > default.  `__post_init__` validates the whole config.
+    config.server.port, config.checkpoint.model, config.stores.ec_connector, config.cluster.urls("encode"),
+    config.engines.decode_slots, config.cpu.role_nice, config.limits.ttft_timeout_s, config.security.api_keys()
+
+Each setting is a field of one section (services/config/sections.py); the command-line flag (`--ec-connector`)
+and the environment variable (`EPD_EC_CONNECTOR`) are derived from the field name, so the names are the same
+everywhere and the configuration reference in docs/ is generated from these classes.  Precedence: flag >
+environment > default.  Each section validates its own fields when it is made.  `EpdConfig.of(**settings)`
+builds one from flat setting names (what flags and variables give); `with_(**settings)` changes some.
 """
 
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
-import uuid
-from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from dataclasses import MISSING, Field, asdict, dataclass, field, fields, replace
 from typing import Any
 
-from services.edge.auth import KeySet, parse_keys
-from services.rpc.tls import check_files
+from .checks import ConfigError, flag_name, int_list, is_loopback
+from .sections import (
+    ATTENTION_KERNELS,
+    DECODE_STEPS,
+    DEMO_ALIASES,
+    EVENT_LOOPS,
+    LINEAR_KERNELS,
+    ROLES,
+    ROUTING_POLICIES,
+    SWITCHES,
+    CheckpointConfig,
+    ClusterConfig,
+    CpuConfig,
+    EnginesConfig,
+    LimitsConfig,
+    SecurityConfig,
+    ServerConfig,
+    StoresConfig,
+)
 
-CONNECTORS = ("shm", "redis")
-DEVICES_PREFIXES = ("cpu", "cuda")
-DTYPES = ("float32", "bfloat16", "float16")
-# The built-in demo models: alias -> (the size services/models/demo.py builds, the model id clients send).
-DEMO_ALIASES = {"demo": ("tiny", "epd-demo-qwen2-vl"), "epd-demo-qwen2-vl": ("tiny", "epd-demo-qwen2-vl"),
-                "demo-medium": ("medium", "epd-demo-qwen2-vl-medium")}
-LINEAR_KERNELS = ("auto", "panel", "prepacked", "default")   # services.models.prepack.MODES (checked by a test)
-ATTENTION_KERNELS = ("auto", "c", "torch")          # services.decode.attention.KERNELS (checked by a test)
-DECODE_STEPS = ("auto", "eager", "compiled")        # services.decode.compiled.STEP_MODES (checked by a test)
-ROLES = ("coordinator", "render", "encode", "prefill", "decode")
-EVENT_LOOPS = ("uvloop", "asyncio")   # services.runtime.event_loop.LOOPS (checked by a test)
-# The names of coordinator.routing.policies.POLICIES (checked by a test): config cannot import the coordinator.
-ROUTING_POLICIES = ("affinity", "least_loaded", "round_robin")
-
-
-def _int_list_ok(raw: str, low: int, high: int) -> bool:
-    try:
-        return all(low <= int(part) <= high for part in raw.split(",") if part.strip())
-    except ValueError:
-        return False
-
-
-def int_list(raw: str) -> tuple[int, ...]:
-    """"1, 4,16" -> (1, 4, 16); "" -> ()."""
-    return tuple(int(part) for part in raw.split(",") if part.strip())
-
-
-def _f(default: Any, help: str, roles: str = "all", **kw: Any) -> Any:
-    return field(default=default, metadata={"help": help, "roles": roles, **kw})
+__all__ = ["ATTENTION_KERNELS", "DECODE_STEPS", "DEMO_ALIASES", "EVENT_LOOPS", "LINEAR_KERNELS", "ROLES",
+           "ROUTING_POLICIES", "SWITCHES", "ConfigError", "EpdConfig", "add_flags", "env_name", "flag_name",
+           "from_args", "int_list", "is_loopback", "schema", "setting_fields"]
 
 
 @dataclass(frozen=True)
 class EpdConfig:
-    model: str = _f("demo", "Hugging Face id or local checkpoint folder; 'demo' is the built-in tiny Qwen2-VL")
-    served_model_name: str = _f("", "model id clients send (default: the model's folder name or 'epd-demo-qwen2-vl')")
-    host: str = _f("127.0.0.1", "address the HTTP and gRPC servers bind")
-    port: int = _f(8000, "coordinator HTTP port")
-    grpc_port: int = _f(0, "this role's gRPC port (role processes; 0 = pick a free one)", roles="roles")
-    http_port: int = _f(0, "this role's HTTP port (role processes; 0 = pick a free one)", roles="roles")
-    instance_id: str = _f("", "unique id of this process; part of every shm and Redis name (default: random)")
-    ec_connector: str = _f("shm", "where image embeddings travel from encode to prefill: shm | redis")
-    kv_connector: str = _f("shm", "where KV caches travel from prefill to decode: shm | redis")
-    redis_url: str = _f("redis://127.0.0.1:6379/0", "Redis for the redis connectors")
-    ec_capacity_mb: int = _f(256, "bytes (MiB) the EC store of one encode instance may hold")
-    kv_capacity_mb: int = _f(256, "bytes (MiB) the KV store of one prefill instance may hold")
-    ec_ttl_s: float = _f(600.0, "seconds an embedding stays in the EC store")
-    kv_ttl_s: float = _f(120.0, "seconds a KV entry waits for its decode")
-    # ---- data path (datapath): multimodal inputs by handle (the "mm" store uses the EC connector's backend)
-    mm_capacity_mb: int = _f(256, "bytes (MiB) of processed images (kwargs_data tensors) the mm store of one "
-                             "render instance (or the coordinator, for features posted to it) may hold")
-    mm_ttl_s: float = _f(120.0, "seconds a processed image stays in the mm store for encode to read")
-    render_workers: int = _f(0, "processes per render instance that decode and process images (several images "
-                             "and requests at once); 0 = one per two cores, at least 1", roles="render")
-    render_cache_mb: int = _f(256, "bytes (MiB) of processed images a render instance keeps by content hash, so "
-                              "an image it has seen is not decoded and processed again", roles="render")
-    encode_instances: int = _f(1, "encode processes `epd serve` starts", roles="serve")
-    prefill_instances: int = _f(1, "prefill processes `epd serve` starts", roles="serve")
-    decode_instances: int = _f(1, "decode processes `epd serve` starts", roles="serve")
-    render_urls: str = _f("", "comma-separated gRPC addresses (host:port) of render instances", roles="coordinator")
-    encode_urls: str = _f("", "comma-separated gRPC addresses of encode instances", roles="coordinator")
-    prefill_urls: str = _f("", "comma-separated gRPC addresses of prefill instances", roles="coordinator")
-    decode_urls: str = _f("", "comma-separated gRPC addresses of decode instances", roles="coordinator")
-    render_http_urls: str = _f("", "comma-separated HTTP base URLs (http://host:port) of render instances, "
-                               "in render_urls order (listed by GET /cluster)", roles="coordinator")
-    openai_render_urls: str = _f("", "comma-separated HTTP base URLs of render instances on which encode, prefill and "
-                                 "decode render llm-d's OpenAI-format /v1/chat/completions calls (in order, the "
-                                 "next one when one is down; `epd serve` sets it)", roles="encode, prefill, decode")
-    encode_http_urls: str = _f("", "comma-separated encode HTTP base URLs (encode_urls order)", roles="coordinator")
-    prefill_http_urls: str = _f("", "comma-separated HTTP base URLs of prefill instances (prefill_urls "
-                                "order)", roles="coordinator")
-    decode_http_urls: str = _f("", "comma-separated decode HTTP base URLs (decode_urls order)", roles="coordinator")
-    device: str = _f("cpu", "torch device of model roles: cpu, cuda, cuda:N")
-    dtype: str = _f("float32", "model dtype: float32 | bfloat16 (decode: float32 math over bf16 weights) | float16")
-    linear_kernel: str = _f("auto", "matmuls of model roles: auto (time F.linear, the panel C kernel and oneDNN "
-                            "prepacked weights at start-up on the role's batch sizes, the LM head apart, keep the "
-                            "fastest) | panel | prepacked | default (also transformers' own RoPE ops)")
-    max_model_len: int = _f(8192, "context length (prompt + output tokens)")
-    decode_slots: int = _f(16, "concurrent sequences one decode instance runs (continuous batching)")
-    decode_serial_rows: int = _f(-1, "decode steps of at most this many rows run on one thread; -1 (auto): none for "
-                                  "the fused step (its one OpenMP region wins at every batch size on 2 cores); "
-                                  "unfused, 4 rows where decode may use at most 2 cores, else 1; 0: never")
-    decode_queue: int = _f(64, "requests waiting for a decode slot before new ones are refused")
-    kv_cache_mb: int = _f(1024, "bytes (MiB) of one decode instance's KV block pool; running and waiting "
-                          "requests share it (each reserves prompt + max_tokens at admission)")
-    kv_block_size: int = _f(16, "tokens per KV block of the decode pool")
-    decode_kv_wait_s: float = _f(10.0, "seconds a request waits for room in the decode KV pool before 429")
-    role_threads: str = _f("", "engine threads per role: '' (one per core), N, or 'encode=1,decode=2' (prefill-long=N: "
-                           "prefill's while it runs a chunked prompt)", roles="roles")
-    single_omp_team: str = _f("on", "on: only a model role's engine thread runs torch multi-threaded, so libgomp "
-                              "keeps spinning between regions (services/hostcpu/compute_threads.py) | off",
-                              roles="roles")
-    omp_spin_count: int = _f(-1, "GOMP_SPINCOUNT of model roles: -1 auto (10000 for `epd serve`'s model roles with "
-                             "one team, else libgomp's default; services/hostcpu/role_cpu.py) | N", roles="roles")
-    omp_wait_policy: str = _f("", "OpenMP wait policy of model roles: passive (idle threads sleep, no spinning) "
-                              "| active | '' (libgomp's default)", roles="roles")
-    compute_lease: str = _f("auto", "auto: under `epd serve` encode's and prefill's forwards take turns on the cores "
-                            "(services/hostcpu/compute_lease.py) | off", roles="roles")
-    role_nice: str = _f("auto", "niceness per role and its autogroup ('decode=0,prefill=5'; prefill-long=N: prefill's "
-                        "while it runs a chunked prompt, decode-long=N: decode's meanwhile); auto under `epd serve`: "
-                        "decode=15,decode-long=5,prefill-long=19, none alone", roles="roles")
-    decode_attention: str = _f("auto", "decode attention kernel: auto (the compiled C kernel where it applies) "
-                               "| c | torch")
-    decode_step: str = _f("eager", "decode step: eager (the default: no start-up cost) | compiled (torch.compile, "
-                          "one graph per batch bucket 1, 2, 4, ... rows; a cold compile takes tens of seconds on "
-                          "2 cores) | auto (compile and time both per bucket at start-up within "
-                          "--decode-compile-budget-s, keep compiled where faster)", roles="decode")
-    decode_fused: str = _f("auto", "decode step as one C call over the whole decoder stack (float32 CPU, panel "
-                           "linears, Llama/Qwen-shaped layers): auto (wherever it applies, unless --decode-step "
-                           "compiled; with --linear-kernel auto the decoder stack then uses the panel kernel) | on "
-                           "(refuse to start where it does not apply) | off", roles="decode")
-    lm_head_screen: str = _f("auto", "greedy tokens from an int8 or bfloat16 copy of a float32 panel LM head, "
-                             "decided exactly in float32 on the candidates a proven bound leaves: auto | on | off",
-                             roles="prefill, decode")
-    decode_step_buckets: str = _f("", "batch sizes the compiled decode step has graphs for, comma-separated (a "
-                                  "step pads its rows up to the next one; larger counts run eager); default 1, "
-                                  "2, 4, ... and --decode-slots", roles="decode")
-    decode_compile_budget_s: float = _f(120.0, "seconds --decode-step auto may spend compiling and timing at "
-                                        "start-up (a warm cache in ~/.cache/epd/inductor makes it quick); buckets "
-                                        "left over run eager", roles="decode")
-    encode_max_batch_tokens: int = _f(16384, "patches one vision-tower forward may take")
-    max_images_per_request: int = _f(8, "images one request may carry")
-    max_image_pixels: int = _f(16_777_216, "largest accepted image, width x height")
-    max_image_bytes: int = _f(20 * 1024 * 1024, "largest accepted encoded image, bytes")
-    allowed_media_domains: str = _f("", "comma-separated hosts image URLs may point to (empty: any public host)")
-    allow_private_media_urls: bool = _f(False, "allow image URLs on loopback/private networks (tests, in-cluster)")
-    media_timeout_s: float = _f(10.0, "deadline to fetch one image URL")
-    request_timeout_s: float = _f(30.0, "roles: the longest one wait inside a role may take (an item in the encode "
-                                  "queue, the next decode event)", roles="roles")
-    log_level: str = _f("info", "debug | info | warning | error")
-    max_inflight_requests: int = _f(256, "generation requests the coordinator runs at once; more are answered "
-                                    "429 with Retry-After at once", roles="coordinator")
-    prefill_max_queue: int = _f(32, "requests one prefill instance holds (running + waiting); more are "
-                                "refused (429, the coordinator tries another instance)")
-    encode_max_queue: int = _f(256, "items one encode instance holds (running + waiting); more are refused")
-    max_num_batched_tokens: int = _f(2048, "prompt tokens one prefill forward may take: waiting prompts are "
-                                     "batched up to it, longer prompts run in chunks of it", roles="prefill")
-    prefix_cache_mb: int = _f(256, "bytes (MiB) of prompt KV blocks one prefill instance keeps for later prompts "
-                              "with the same prefix (LRU; 0 turns the prefix cache off)", roles="prefill")
-    prefill_inline_encode: bool = _f(True, "when no encode instance can take an item, prefill encodes it "
-                                     "itself (loads the vision tower on first need)")
-    render_routing_policy: str = _f("least_loaded", "how the coordinator picks a render instance: "
-                                    "least_loaded | round_robin | affinity", roles="coordinator")
-    encode_routing_policy: str = _f("affinity", "how the coordinator picks an encode instance (affinity: "
-                                    "by mm_hash, where the embedding likely is)", roles="coordinator")
-    prefill_routing_policy: str = _f("least_loaded", "how the coordinator picks a prefill instance",
-                                     roles="coordinator")
-    decode_routing_policy: str = _f("least_loaded", "how the coordinator picks a decode instance", roles="coordinator")
-    instance_forget_after_s: float = _f(30.0, "a registered instance that fails its health probes this long is "
-                                        "forgotten", roles="coordinator")
-    coordinator_url: str = _f("", "role processes: announce this instance to the coordinator's admin API at "
-                              "this URL (POST /v1/instances, with --admin-token) at start and every 10 s",
-                              roles="roles")
-    advertise_host: str = _f("", "host the coordinator reaches this role at when announcing (default: --host)",
-                             roles="roles")
-    shutdown_grace_s: float = _f(25.0, "on SIGTERM, seconds running requests get to finish: readiness turns "
-                                 "false at once, new work is refused, then the process stops (keep it below "
-                                 "the pods' terminationGracePeriodSeconds)")
-    # ---- security (docs/security.md); fields marked secret are never printed with their values
-    api_key: str = _f("", "API keys clients must send as 'Authorization: Bearer KEY' (comma-separated; @FILE reads "
-                      "one key per line): the coordinator's OpenAI and scale-out endpoints, and the roles' HTTP "
-                      "APIs unless --role-api-key is set; empty: unauthenticated (a warning at start)", secret=True)
-    role_api_key: str = _f("", "API keys of the roles' HTTP APIs (same syntax; default: --api-key)", secret=True)
-    admin_host: str = _f("127.0.0.1", "address of the coordinator's admin API (instance registration, aborts); "
-                         "anything but loopback needs --admin-token", roles="coordinator")
-    admin_port: int = _f(0, "port of the coordinator's admin API (0: a free one, logged at start)", roles="coordinator")
-    admin_token: str = _f("", "tokens the admin API requires as 'Authorization: Bearer TOKEN' (same syntax as "
-                          "--api-key); role processes send the first one when they announce themselves", secret=True)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    stores: StoresConfig = field(default_factory=StoresConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    engines: EnginesConfig = field(default_factory=EnginesConfig)
+    cpu: CpuConfig = field(default_factory=CpuConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
-    ttft_timeout_s: float = _f(60.0, "time from a request's body to its first token (render, encode, prefill, the "
-                               "first decode step); then 504", roles="coordinator")
-    stream_idle_timeout_s: float = _f(30.0, "longest wait for the next token once an answer has started, and for a "
-                                      "client to take what was sent; then the answer is cut", roles="coordinator")
-    max_request_timeout_s: float = _f(3600.0, "the longest total deadline a request may have: a client sets its own "
-                                      "with the X-Request-Timeout header (seconds), capped by this; without one, "
-                                      "this", roles="coordinator")
-    max_request_bytes: int = _f(64 * 1024 * 1024, "largest request body the coordinator reads: a larger one is "
-                                "answered 413 at once, unread", roles="coordinator")
-    body_read_timeout_s: float = _f(30.0, "a request body must arrive within this; a client trickling it gets 408 "
-                                    "and is dropped", roles="coordinator")
-    enable_per_request_metrics: bool = _f(False, "add vLLM's per-request `metrics` (time to first token, queue, "
-                                          "generation time, mean inter-token latency, tokens/s) to chat and "
-                                          "completion answers; streamed, on the include_usage chunk",
-                                          roles="coordinator")
-    max_retries: int = _f(2, "retries one request gets after transport failures, all stages and instances "
-                          "together; only the first failing instance is taken out (a request that crashes "
-                          "instances must not take down the cluster)", roles="coordinator")
-    grpc_host: str = _f("", "address role processes bind their gRPC server to (default: --host); e.g. 127.0.0.1 "
-                        "when the coordinator is in the same pod", roles="roles")
-    grpc_tls_cert: str = _f("", "PEM certificate: roles serve gRPC over TLS with it; the coordinator presents it as "
-                            "its client certificate (with --grpc-tls-key)")
-    grpc_tls_key: str = _f("", "PEM private key of --grpc-tls-cert")
-    grpc_tls_ca: str = _f("", "PEM CA bundle: the coordinator verifies the roles' certificates with it; roles "
-                          "given it require client certificates signed by it (mTLS)")
-    grpc_tls_server_name: str = _f("", "the name the roles' certificates carry, checked by the coordinator instead "
-                                   "of the dialled host (pods are dialled by IP)", roles="coordinator")
-    fast_lane: bool = _f(True, "same-host calls between the coordinator and the roles over a private Unix socket "
-                         "instead of gRPC (plaintext gRPC to loopback addresses only; docs/architecture.md); off: "
-                         "every call over gRPC, e.g. to compare the two or where no private socket folder exists")
-    event_loop: str = _f("uvloop", "the event loop of every epd process: uvloop | asyncio (the standard library's)")
+    @classmethod
+    def of(cls, **settings: Any) -> EpdConfig:
+        """A config from flat setting names (`decode_slots=4`); the rest take their defaults."""
+        return cls().with_(**settings)
 
-    def __post_init__(self) -> None:
-        for name, allowed in (("ec_connector", CONNECTORS), ("kv_connector", CONNECTORS), ("dtype", DTYPES),
-                              ("linear_kernel", LINEAR_KERNELS), ("decode_attention", ATTENTION_KERNELS),
-                              ("decode_step", DECODE_STEPS), ("event_loop", EVENT_LOOPS),
-                              ("decode_fused", ("auto", "on", "off")), ("lm_head_screen", ("auto", "on", "off"))):
-            _check(getattr(self, name) in allowed, f"{name} must be one of {', '.join(allowed)}")
-        _check(self.decode_compile_budget_s >= 0, "decode_compile_budget_s must be >= 0")
-        _check(self.decode_serial_rows >= -1, "decode_serial_rows must be -1 (auto), 0 or more")
-        _check(_int_list_ok(self.decode_step_buckets, 1, self.decode_slots),
-               f"decode_step_buckets must be comma-separated integers in 1..decode_slots ({self.decode_slots})")
-        _check(1 <= self.kv_block_size <= 256, "kv_block_size must be in 1..256")
-        _check(self.single_omp_team in ("on", "off"), "single_omp_team must be on or off")
-        _check(self.compute_lease in ("auto", "off"), "compute_lease must be auto or off")
-        _check(self.omp_spin_count >= -1, "omp_spin_count must be -1 (auto) or a count >= 0")
-        _check(self.omp_wait_policy in ("", "passive", "active"), "omp_wait_policy must be passive, active or ''")
-        nice = self.role_nice.replace("auto", "")
-        for name, raw, keys in (("role_threads", self.role_threads, (*ROLES, "prefill-long")),
-                                ("role_nice", nice, (*ROLES, "prefill-long", "decode-long"))):
-            _check(_role_map_ok(raw, keys), f"{name} must be N or role=N,role=N (keys: {', '.join(keys)})")
-        _check(self.decode_kv_wait_s >= 0, "decode_kv_wait_s must be >= 0")
-        _check(self.device.split(":")[0] in DEVICES_PREFIXES, "device must be cpu, cuda or cuda:N")
-        for name in ("encode_instances", "prefill_instances", "decode_instances", "decode_slots",
-                     "max_model_len", "ec_capacity_mb", "kv_capacity_mb", "kv_cache_mb", "mm_capacity_mb",
-                     "max_images_per_request", "max_image_pixels", "max_image_bytes", "encode_max_batch_tokens",
-                     "max_inflight_requests", "prefill_max_queue", "encode_max_queue", "max_num_batched_tokens"):
-            _check(getattr(self, name) >= 1, f"{name} must be >= 1")
-        _check(min(self.prefix_cache_mb, self.render_workers, self.render_cache_mb) >= 0,
-               "prefix_cache_mb, render_workers, render_cache_mb must be >= 0")
-        _check(all(0 <= p < 65536 for p in (self.port, self.grpc_port, self.http_port)), "ports must be in 0..65535")
-        for name in ("request_timeout_s", "media_timeout_s", "ttft_timeout_s", "stream_idle_timeout_s",
-                     "max_request_timeout_s", "body_read_timeout_s"):
-            _check(getattr(self, name) > 0, f"{name} must be > 0")
-        _check(self.max_request_bytes >= 1024, "max_request_bytes must be >= 1024")
-        _check(self.instance_forget_after_s > 0, "instance_forget_after_s must be > 0")
-        _check(min(self.max_retries, self.shutdown_grace_s) >= 0, "max_retries, shutdown_grace_s must be >= 0")
-        for role in ("render", "encode", "prefill", "decode"):
-            policy, http = getattr(self, f"{role}_routing_policy"), self.http_urls(role)
-            _check(policy in ROUTING_POLICIES,
-                   f"{role}_routing_policy {policy!r} is unknown; supported: {', '.join(ROUTING_POLICIES)}")
-            _check(not http or len(http) == len(self.urls(role)),
-                   f"{role}_http_urls must list one URL per {role}_urls entry, in the same order")
-        _check(0 <= self.admin_port < 65536, "admin_port must be in 0..65535")
-        _check(is_loopback(self.admin_host) or bool(self.admin_token),
-               f"--admin-host {self.admin_host} is not a loopback address: set --admin-token (EPD_ADMIN_TOKEN) so "
-               "only the cluster's own processes can register instances")
-        try:
-            check_files(self.grpc_tls_cert, self.grpc_tls_key, self.grpc_tls_ca)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        for name in ("api_key", "role_api_key", "admin_token"):
-            try:
-                parse_keys(getattr(self, name), name.replace("_", " "))
-            except ValueError as exc:
-                raise ConfigError(f"{flag_name(name)}: {exc}") from None
-        if not self.instance_id:
-            object.__setattr__(self, "instance_id", uuid.uuid4().hex[:8])
+    def with_(self, **settings: Any) -> EpdConfig:
+        """This config with some settings changed (flat names); TypeError for a name no section has."""
+        unknown = sorted(set(settings) - _SECTION_OF.keys())
+        if unknown:
+            raise TypeError(f"unknown settings: {', '.join(unknown)}")
+        changes: dict[str, dict[str, Any]] = {}
+        for name, value in settings.items():
+            changes.setdefault(_SECTION_OF[name], {})[name] = value
+        return replace(self, **{section: replace(getattr(self, section), **values)
+                                for section, values in changes.items()})
 
-    def api_keys(self) -> KeySet:
-        """Keys of the coordinator's public API."""
-        return KeySet.of(parse_keys(self.api_key))
-
-    def admin_tokens(self) -> KeySet:
-        return KeySet.of(parse_keys(self.admin_token))
-
-    def role_api_keys(self) -> KeySet:
-        """Keys of a role's HTTP API: --role-api-key, else --api-key."""
-        return KeySet.of(parse_keys(self.role_api_key or self.api_key))
-
-    def served_model_id(self) -> str:
-        """The model id clients send and responses carry."""
-        if self.served_model_name:
-            return self.served_model_name
-        if self.model in DEMO_ALIASES:
-            return DEMO_ALIASES[self.model][1]
-        return os.path.basename(os.path.normpath(self.model)) if os.path.isdir(self.model) else self.model
-
-    def urls(self, role: str) -> list[str]:
-        raw = getattr(self, f"{role}_urls")
-        return [u.strip().removeprefix("grpc://") for u in raw.split(",") if u.strip()]
-
-    def http_urls(self, role: str) -> list[str]:
-        """The HTTP base URLs of a role's instances (same order as `urls`); empty when not configured."""
-        raw = getattr(self, f"{role}_http_urls")
-        return [u.strip().rstrip("/") for u in raw.split(",") if u.strip()]
-
-    def media_domains(self) -> tuple[str, ...]:
-        return tuple(d.strip().lower() for d in self.allowed_media_domains.split(",") if d.strip())
-
-    def with_(self, **changes: Any) -> EpdConfig:
-        return replace(self, **changes)
+    def settings(self) -> dict[str, Any]:
+        """Every setting by its flat name."""
+        return {name: value for section in _SECTIONS for name, value in asdict(getattr(self, section)).items()}
 
     def to_env(self) -> dict[str, str]:
         """The environment that reproduces this config in a child process."""
-        return {env_name(k): _render(v) for k, v in asdict(self).items()}
+        return {env_name(k): _render(v) for k, v in self.settings().items()}
 
 
-class ConfigError(ValueError):
-    pass
+_SECTIONS = tuple(f.name for f in fields(EpdConfig))
+_SECTION_OF = {setting.name: section.name for section in fields(EpdConfig)
+               for setting in fields(section.default_factory)}  # type: ignore[arg-type]
 
 
-def _role_map_ok(raw: str, keys: tuple[str, ...]) -> bool:
-    parts = [p.strip() for p in raw.split(",") if p.strip()]
-    if len(parts) == 1 and "=" not in parts[0]:
-        return parts[0].lstrip("-").isdigit()
-    return all(p.partition("=")[0].strip() in keys and p.partition("=")[2].strip().lstrip("-").isdigit()
-               for p in parts)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
+def setting_fields() -> list[tuple[str, Field[Any]]]:
+    """(section, field) of every setting, in the sections' order."""
+    return [(section.name, setting) for section in fields(EpdConfig)
+            for setting in fields(section.default_factory)]  # type: ignore[arg-type]
 
 
 def env_name(field_name: str) -> str:
     return "EPD_" + field_name.upper()
-
-
-def flag_name(field_name: str) -> str:
-    return "--" + field_name.replace("_", "-")
 
 
 def _render(value: Any) -> str:
@@ -367,8 +111,8 @@ def _convert(kind: type, raw: str) -> Any:
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per field; defaults are None so we can tell 'not given' from 'given'."""
-    for f in fields(EpdConfig):
+    """One flag per setting; defaults are None so we can tell 'not given' from 'given'."""
+    for _, f in setting_fields():
         kind = type(f.default)
         if kind is bool:
             parser.add_argument(flag_name(f.name), dest=f.name, nargs="?", const="1", default=None,
@@ -383,7 +127,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> EpdConfig:
     environ = dict(os.environ) if environ is None else environ
     values: dict[str, Any] = {}
-    for f in fields(EpdConfig):
+    for _, f in setting_fields():
         raw = getattr(ns, f.name, None)
         raw = environ.get(env_name(f.name)) if raw is None else raw
         if raw is not None:
@@ -391,11 +135,11 @@ def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> 
                 values[f.name] = _convert(type(f.default), raw)
             except ValueError as exc:
                 raise ConfigError(f"{flag_name(f.name)}: {exc}") from None
-    return EpdConfig(**values)
+    return EpdConfig.of(**values)
 
 
 def schema() -> list[dict[str, Any]]:
     """The settings table, for docs and `epd config`."""
     return [{"flag": flag_name(f.name), "env": env_name(f.name), "type": type(f.default).__name__,
              "default": f.default if f.default is not MISSING else None, "roles": f.metadata["roles"],
-             "help": f.metadata["help"]} for f in fields(EpdConfig)]
+             "section": section, "help": f.metadata["help"]} for section, f in setting_fields()]

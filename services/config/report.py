@@ -10,10 +10,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import fields
 from typing import Any
 
-from services.config import EpdConfig, env_name, flag_name, from_args
+from services.config import env_name, flag_name, from_args, setting_fields
 
 HIDDEN = "***"
 
@@ -21,7 +20,7 @@ HIDDEN = "***"
 def sources(ns: argparse.Namespace, environ: dict[str, str]) -> dict[str, str]:
     """For every setting: "flag" (given on the command line), "env" (EPD_* variable) or "default"."""
     found = {}
-    for f in fields(EpdConfig):
+    for _, f in setting_fields():
         if getattr(ns, f.name, None) is not None:
             found[f.name] = "flag"
         elif environ.get(env_name(f.name)) is not None:
@@ -43,14 +42,14 @@ def _shown(name: str, value: Any, secret: bool) -> Any:
 def effective(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> list[dict[str, Any]]:
     environ = dict(os.environ) if environ is None else environ
     config, where = from_args(ns, environ), sources(ns, environ)
-    rows = []
-    for f in fields(EpdConfig):
+    rows, settings = [], config.settings()
+    for _, f in setting_fields():
         secret = bool(f.metadata.get("secret"))
         source = where[f.name]
         if f.name == "instance_id" and source == "default":
             source = "default (random per process)"
         rows.append({"flag": flag_name(f.name), "env": env_name(f.name),
-                     "value": _shown(f.name, getattr(config, f.name), secret), "source": source,
+                     "value": _shown(f.name, settings[f.name], secret), "source": source,
                      "default": _shown(f.name, f.default, secret)})
     return rows
 

@@ -34,12 +34,13 @@ def runs_inline(store: TensorStore, nbytes: int) -> bool:
 
 def store_config(config: EpdConfig, purpose: str, producer: bool = True) -> StoreConfig:
     """The store of `purpose`: "ec", "kv", or "mm" (multimodal inputs: the EC connector's backend)."""
-    backend = config.kv_connector if purpose == "kv" else config.ec_connector
-    capacity_mb = {"ec": config.ec_capacity_mb, "kv": config.kv_capacity_mb, "mm": config.mm_capacity_mb}[purpose]
-    ttl = {"ec": config.ec_ttl_s, "kv": config.kv_ttl_s, "mm": config.mm_ttl_s}[purpose]
-    return StoreConfig(backend=backend, purpose=purpose, instance_id=config.instance_id,
+    stores = config.stores
+    backend = stores.kv_connector if purpose == "kv" else stores.ec_connector
+    capacity_mb = {"ec": stores.ec_capacity_mb, "kv": stores.kv_capacity_mb, "mm": stores.mm_capacity_mb}[purpose]
+    ttl = {"ec": stores.ec_ttl_s, "kv": stores.kv_ttl_s, "mm": stores.mm_ttl_s}[purpose]
+    return StoreConfig(backend=backend, purpose=purpose, instance_id=config.server.instance_id,
                        capacity_bytes=capacity_mb * 1024 * 1024, ttl_s=ttl,
-                       redis_url=config.redis_url if backend == "redis" else None,
+                       redis_url=config.stores.redis_url if backend == "redis" else None,
                        preallocate=producer)
 
 

@@ -39,29 +39,31 @@ def bf16_weights(config: EpdConfig) -> bool:
 
     from services.models import panel_linear
 
-    return (config.dtype == "bfloat16" and config.device == "cpu" and config.linear_kernel != "default"
+    checkpoint = config.checkpoint
+    return (checkpoint.dtype == "bfloat16" and checkpoint.device == "cpu" and config.engines.linear_kernel != "default"
             and panel_linear.available(torch.bfloat16))
 
 
 def load_dtype(config: EpdConfig) -> str:
     """The dtype decode loads its language model in (float32 under bfloat16 weights: bf16_weights)."""
-    return "float32" if bf16_weights(config) else config.dtype
+    return "float32" if bf16_weights(config) else config.checkpoint.dtype
 
 
 def wants_fused(config: EpdConfig) -> bool:
     """The fused step may run (services/decode/fused.py decides at start-up whether the model fits it)."""
     from services.models import panel_linear
 
-    return (config.decode_fused != "off" and config.decode_step != "compiled" and config.device == "cpu"
+    engines = config.engines
+    return (engines.decode_fused != "off" and engines.decode_step != "compiled" and config.checkpoint.device == "cpu"
             and load_dtype(config) == "float32" and panel_linear.available())
 
 
 def stack_kernel(config: EpdConfig) -> str:
     """The decoder stack's --linear-kernel: auto becomes panel where the fused step will want it
     (services/decode/fused.py needs panel layers; fused with panels beats every unfused kernel)."""
-    if config.linear_kernel == "auto" and wants_fused(config):
+    if config.engines.linear_kernel == "auto" and wants_fused(config):
         return "panel"
-    return config.linear_kernel
+    return config.engines.linear_kernel
 
 
 async def build(config: EpdConfig) -> RoleServer:
@@ -79,27 +81,29 @@ async def build(config: EpdConfig) -> RoleServer:
     from .servicer import DecodeServicer
     from .serving import DecodeService
 
-    path = resolve_model(config.model)
-    lm = adapter_for(path).load_language(path, config.device, load_dtype(config), config.max_model_len)
-    steps = (1, config.decode_slots) if config.decode_slots > 1 else (1,)   # the rows a decode step multiplies
-    serial = serial_rows(config.decode_serial_rows, config.decode_slots)
-    fused_serial = serial_rows(config.decode_serial_rows, config.decode_slots, fused=True)
-    export(prepack_language(lm, config.linear_kernel, rows=steps, head_rows=steps,
+    path = resolve_model(config.checkpoint.model)
+    lm = adapter_for(path).load_language(path, config.checkpoint.device, load_dtype(config),
+                                         config.checkpoint.max_model_len)
+    slots = config.engines.decode_slots
+    steps = (1, slots) if slots > 1 else (1,)   # the rows a decode step multiplies
+    serial = serial_rows(config.engines.decode_serial_rows, config.engines.decode_slots)
+    fused_serial = serial_rows(config.engines.decode_serial_rows, config.engines.decode_slots, fused=True)
+    export(prepack_language(lm, config.engines.linear_kernel, rows=steps, head_rows=steps,
                             serial_rows=fused_serial if wants_fused(config) else serial,
                             stack_mode=stack_kernel(config),
-                            head_mode=screen_head_mode(config.linear_kernel, config.lm_head_screen),
+                            head_mode=screen_head_mode(config.engines.linear_kernel, config.engines.lm_head_screen),
                             weight_dtype=torch.bfloat16 if bf16_weights(config) else None), "language")
-    engine = DecodeEngine(lm, load_tokenizer(path), config.decode_slots, config.max_model_len,
-                          max_queued=config.decode_queue, stream_timeout=config.request_timeout_s,
-                          kv_cache_bytes=config.kv_cache_mb << 20, block_size=config.kv_block_size,
-                          attention=config.decode_attention, step=config.decode_step,
-                          compile_budget_s=config.decode_compile_budget_s,
-                          step_buckets=int_list(config.decode_step_buckets) or None,
-                          serial_rows=serial, fused=config.decode_fused, fused_serial_rows=fused_serial,
-                          lm_head_screen=config.lm_head_screen)
+    engine = DecodeEngine(lm, load_tokenizer(path), config.engines.decode_slots, config.checkpoint.max_model_len,
+                          max_queued=config.engines.decode_queue, stream_timeout=config.limits.request_timeout_s,
+                          kv_cache_bytes=config.engines.kv_cache_mb << 20, block_size=config.engines.kv_block_size,
+                          attention=config.engines.decode_attention, step=config.engines.decode_step,
+                          compile_budget_s=config.engines.decode_compile_budget_s,
+                          step_buckets=int_list(config.engines.decode_step_buckets) or None,
+                          serial_rows=serial, fused=config.engines.decode_fused, fused_serial_rows=fused_serial,
+                          lm_head_screen=config.engines.lm_head_screen)
     logger.info("decode engine: %s", engine.describe())
     kv_store = open_store(config, "kv", producer=False)
-    service = DecodeService(engine, kv_store, kv_wait_s=config.decode_kv_wait_s)
+    service = DecodeService(engine, kv_store, kv_wait_s=config.engines.decode_kv_wait_s)
     servicer = DecodeServicer(service)
 
     def register(server: grpc.aio.Server) -> None:
@@ -114,6 +118,6 @@ async def build(config: EpdConfig) -> RoleServer:
 
     from .api_router import routes
 
-    VllmGauges(service, "decode", config.served_model_id())  # what llm-d scrapes
-    http = routes(service, config.served_model_id(), render_client(config))
+    VllmGauges(service, "decode", config.checkpoint.served_model_id())  # what llm-d scrapes
+    http = routes(service, config.checkpoint.served_model_id(), render_client(config))
     return RoleServer(name="decode", register_grpc=register, cleanup=cleanup, http_routes=http, stores=[kv_store])

@@ -97,8 +97,9 @@ class RenderClient:
 
 def render_client(config: EpdConfig) -> RenderClient:
     """The role's client: --openai-render-urls, with the first role API key when the roles' APIs need one."""
-    keys = parse_keys(config.role_api_key or config.api_key)
-    return RenderClient(config.openai_render_urls.split(","), keys[0] if keys else None, config.ttft_timeout_s)
+    keys = parse_keys(config.security.role_api_key or config.security.api_key)
+    return RenderClient(config.cluster.openai_render_urls.split(","), keys[0] if keys else None,
+                        config.limits.ttft_timeout_s)
 
 
 def _json_or_none(payload: bytes) -> Any:

@@ -19,16 +19,16 @@ async def build(config: EpdConfig) -> RoleServer:
     from .servicer import EncodeServicer
     from .serving import EncodeService
 
-    path = resolve_model(config.model)
-    vision = adapter_for(path).load_vision(path, config.device, config.dtype)
-    export(prepack_vision(vision, config.linear_kernel), "vision")
-    if config.linear_kernel != "default":   # RoPE in one C pass, transformers' floats (fused_rope.py)
+    path = resolve_model(config.checkpoint.model)
+    vision = adapter_for(path).load_vision(path, config.checkpoint.device, config.checkpoint.dtype)
+    export(prepack_vision(vision, config.engines.linear_kernel), "vision")
+    if config.engines.linear_kernel != "default":   # RoPE in one C pass, transformers' floats (fused_rope.py)
         fused_rope.install()
-    engine = EncodeEngine(vision, config.encode_max_batch_tokens)
+    engine = EncodeEngine(vision, config.engines.encode_max_batch_tokens)
     store = open_store(config, "ec")
     mm_store = open_store(config, "mm", producer=False)  # render's processed images, read by handle
-    service = EncodeService(engine, store, config.served_model_id(), config.request_timeout_s,
-                            config.encode_max_queue, mm_store)
+    service = EncodeService(engine, store, config.checkpoint.served_model_id(), config.limits.request_timeout_s,
+                            config.engines.encode_max_queue, mm_store)
     servicer = EncodeServicer(service)
 
     def register(server: grpc.aio.Server) -> None:
@@ -44,7 +44,7 @@ async def build(config: EpdConfig) -> RoleServer:
 
     from .api_router import routes
 
-    VllmGauges(service, "encode", config.served_model_id())  # what llm-d scrapes
+    VllmGauges(service, "encode", config.checkpoint.served_model_id())  # what llm-d scrapes
     return RoleServer(name="encode", register_grpc=register, cleanup=cleanup,
                       http_routes=routes(service, render_client(config)),
                       stores=[store, mm_store])

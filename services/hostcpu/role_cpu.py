@@ -78,9 +78,9 @@ def role_values(raw: str, role: str) -> int | None:
 
 def spin_count(config: EpdConfig, role: str) -> int | None:
     """GOMP_SPINCOUNT for `role`, or None to leave libgomp's default (--omp-spin-count)."""
-    if config.omp_spin_count >= 0:
-        return config.omp_spin_count
-    if config.single_omp_team == "on" and role in MODEL_ROLES and os.environ.get(SERVE_CHILD):
+    if config.cpu.omp_spin_count >= 0:
+        return config.cpu.omp_spin_count
+    if config.cpu.single_omp_team == "on" and role in MODEL_ROLES and os.environ.get(SERVE_CHILD):
         return SERVE_SPIN
     return None
 
@@ -159,8 +159,8 @@ def _open_long_board(role: str) -> None:
 def apply(config: EpdConfig, role: str) -> str:
     """Set this process's threads, wait policy and niceness for `role`; returns a one-line summary."""
     done = []
-    if config.omp_wait_policy:
-        policy = config.omp_wait_policy.upper()
+    if config.cpu.omp_wait_policy:
+        policy = config.cpu.omp_wait_policy.upper()
         if "torch" in sys.modules:
             logger.warning("torch already imported: OMP_WAIT_POLICY=%s may not take effect", policy)
         os.environ["OMP_WAIT_POLICY"] = policy
@@ -168,15 +168,15 @@ def apply(config: EpdConfig, role: str) -> str:
             os.environ["GOMP_SPINCOUNT"] = "0"
         done.append(f"OMP_WAIT_POLICY={policy}")
     spin = spin_count(config, role)
-    if spin is not None and config.omp_wait_policy != "passive":
+    if spin is not None and config.cpu.omp_wait_policy != "passive":
         os.environ["GOMP_SPINCOUNT"] = str(spin)
         done.append(f"GOMP_SPINCOUNT={spin}")
-    threads = role_values(config.role_threads, role)
-    if config.single_omp_team == "on" and role in MODEL_ROLES:
+    threads = role_values(config.cpu.role_threads, role)
+    if config.cpu.single_omp_team == "on" and role in MODEL_ROLES:
         from services.hostcpu import compute_threads
 
         done.append(compute_threads.apply(threads))
-        long_threads = role_values(config.role_threads, "prefill-long") if "=" in config.role_threads else None
+        long_threads = role_values(config.cpu.role_threads, "prefill-long") if "=" in config.cpu.role_threads else None
         if role == "prefill" and long_threads:
             os.environ[compute_threads.LONG_ENV] = str(long_threads)
             done.append(f"compute threads={long_threads} while a chunked prompt prefills")
@@ -185,8 +185,8 @@ def apply(config: EpdConfig, role: str) -> str:
         if "torch" in sys.modules and sys.modules["torch"] is not None:
             sys.modules["torch"].set_num_threads(threads)
         done.append(f"threads={threads}")
-    raw_nice = (SERVE_NICE if config.role_nice == "auto" and os.environ.get(SERVE_CHILD) else
-                "" if config.role_nice == "auto" else config.role_nice)
+    raw_nice = (SERVE_NICE if config.cpu.role_nice == "auto" and os.environ.get(SERVE_CHILD) else
+                "" if config.cpu.role_nice == "auto" else config.cpu.role_nice)
     nice = role_values(raw_nice, role) or 0
     longer = role_values(raw_nice, f"{role}-long") if role in ("prefill", "decode") else None
     if longer is not None:

@@ -25,23 +25,25 @@ async def build(config: EpdConfig) -> RoleServer:
     from .servicer import PrefillServicer
     from .serving import PrefillService
 
-    path = resolve_model(config.model)
+    path = resolve_model(config.checkpoint.model)
     adapter = adapter_for(path)
-    lm = adapter.load_language(path, config.device, config.dtype, config.max_model_len)
+    lm = adapter.load_language(path, config.checkpoint.device, config.checkpoint.dtype, config.checkpoint.max_model_len)
     # prompts, not single rows, go through prefill's layers (its LM head sees one row per prompt)
-    export(prepack_language(lm, config.linear_kernel, rows=(256, 1024), head_rows=(1, 16), fuse=True,
-                            head_mode=screen_head_mode(config.linear_kernel, config.lm_head_screen)), "language")
-    if config.linear_kernel != "default":   # RoPE in one C pass, transformers' floats (fused_rope.py)
+    engines = config.engines
+    export(prepack_language(lm, engines.linear_kernel, rows=(256, 1024), head_rows=(1, 16), fuse=True,
+                            head_mode=screen_head_mode(engines.linear_kernel, engines.lm_head_screen)), "language")
+    if config.engines.linear_kernel != "default":   # RoPE in one C pass, transformers' floats (fused_rope.py)
         fused_rope.install()
-    engine = PrefillEngine(lm, max_num_batched_tokens=config.max_num_batched_tokens,
-                           prefix_cache_mb=config.prefix_cache_mb, lm_head_screen=config.lm_head_screen)
+    engine = PrefillEngine(lm, max_num_batched_tokens=config.engines.max_num_batched_tokens,
+                           prefix_cache_mb=config.engines.prefix_cache_mb, lm_head_screen=config.engines.lm_head_screen)
     logger.info("prefill engine: %s", engine.screen_report.line())
     ec_store = open_store(config, "ec", producer=False)
     kv_store = open_store(config, "kv")
-    inline = InlineEncoder(adapter, path, config.device, config.dtype) if config.prefill_inline_encode else None
+    inline = InlineEncoder(adapter, path, config.checkpoint.device, config.checkpoint.dtype) \
+        if engines.prefill_inline_encode else None
     mm_store = open_store(config, "mm", producer=False) if inline is not None else None  # inline items by handle
-    service = PrefillService(engine, lm, ec_store, kv_store, config.instance_id, config.prefill_max_queue, inline,
-                             mm_store)
+    service = PrefillService(engine, lm, ec_store, kv_store, config.server.instance_id, engines.prefill_max_queue,
+                             inline, mm_store)
     servicer = PrefillServicer(service)
 
     def register(server: grpc.aio.Server) -> None:
@@ -59,7 +61,7 @@ async def build(config: EpdConfig) -> RoleServer:
 
     from .api_router import routes
 
-    VllmGauges(service, "prefill", config.served_model_id())  # what llm-d scrapes
-    http = routes(service, config.served_model_id(), adapter.metadata_keys, render_client(config))
+    VllmGauges(service, "prefill", config.checkpoint.served_model_id())  # what llm-d scrapes
+    http = routes(service, config.checkpoint.served_model_id(), adapter.metadata_keys, render_client(config))
     return RoleServer(name="prefill", register_grpc=register, cleanup=cleanup, http_routes=http,
                       stores=[ec_store, kv_store, *([mm_store] if mm_store is not None else [])])

@@ -19,29 +19,29 @@ from .serving import RenderService
 
 
 def media_policy(config: EpdConfig) -> MediaPolicy:
-    return MediaPolicy(allowed_domains=config.media_domains(),
-                       allow_private_networks=config.allow_private_media_urls,
-                       timeout_s=config.media_timeout_s, max_bytes=config.max_image_bytes,
-                       max_image_pixels=config.max_image_pixels)
+    return MediaPolicy(allowed_domains=config.limits.media_domains(),
+                       allow_private_networks=config.limits.allow_private_media_urls,
+                       timeout_s=config.limits.media_timeout_s, max_bytes=config.limits.max_image_bytes,
+                       max_image_pixels=config.limits.max_image_pixels)
 
 
 def limits(config: EpdConfig) -> RenderLimits:
-    return RenderLimits(max_images_per_request=config.max_images_per_request,
-                        max_image_pixels=config.max_image_pixels, max_image_bytes=config.max_image_bytes,
-                        max_model_len=config.max_model_len)
+    return RenderLimits(max_images_per_request=config.limits.max_images_per_request,
+                        max_image_pixels=config.limits.max_image_pixels, max_image_bytes=config.limits.max_image_bytes,
+                        max_model_len=config.checkpoint.max_model_len)
 
 
 def render_workers(config: EpdConfig) -> int:
     """--render-workers, or one per two cores (the other roles need the rest), at least 1."""
-    return config.render_workers or max(1, (os.cpu_count() or 2) // 2)
+    return config.engines.render_workers or max(1, (os.cpu_count() or 2) // 2)
 
 
 async def build(config: EpdConfig) -> RoleServer:
     from services.models.registry import resolve_model
 
-    path = resolve_model(config.model)
-    service = RenderService(path, config.served_model_id(), media_policy(config), limits(config),
-                            num_workers=render_workers(config), cache_mb=config.render_cache_mb)
+    path = resolve_model(config.checkpoint.model)
+    service = RenderService(path, config.checkpoint.served_model_id(), media_policy(config), limits(config),
+                            num_workers=render_workers(config), cache_mb=config.engines.render_cache_mb)
     if service.workers is not None:
         await asyncio.to_thread(service.workers.warm_up)  # each worker loads the image processor now
     mm_store = open_store(config, "mm")  # processed images, read by encode by handle

@@ -38,22 +38,22 @@ def check_files(cert: str, key: str, ca: str) -> None:
 
 def server_credentials(config: Any) -> grpc.ServerCredentials | None:
     """TLS (mTLS with a CA) for a role's gRPC server, or None for plaintext."""
-    if not config.grpc_tls_cert:
+    if not config.security.grpc_tls_cert:
         return None
-    pair = (_read(config.grpc_tls_key, "key"), _read(config.grpc_tls_cert, "certificate"))
-    ca = _read(config.grpc_tls_ca, "CA bundle") if config.grpc_tls_ca else None
+    pair = (_read(config.security.grpc_tls_key, "key"), _read(config.security.grpc_tls_cert, "certificate"))
+    ca = _read(config.security.grpc_tls_ca, "CA bundle") if config.security.grpc_tls_ca else None
     return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
 
 
 def channel_credentials(config: Any) -> grpc.ChannelCredentials | None:
     """TLS for the coordinator's channels (verifying the roles with the CA), or None for plaintext."""
-    if not config.grpc_tls_ca:
+    if not config.security.grpc_tls_ca:
         return None
-    cert = _read(config.grpc_tls_cert, "certificate") if config.grpc_tls_cert else None
-    key = _read(config.grpc_tls_key, "key") if config.grpc_tls_key else None
-    return grpc.ssl_channel_credentials(_read(config.grpc_tls_ca, "CA bundle"), key, cert)
+    cert = _read(config.security.grpc_tls_cert, "certificate") if config.security.grpc_tls_cert else None
+    key = _read(config.security.grpc_tls_key, "key") if config.security.grpc_tls_key else None
+    return grpc.ssl_channel_credentials(_read(config.security.grpc_tls_ca, "CA bundle"), key, cert)
 
 
 def channel_options(config: Any) -> list[tuple[str, Any]]:
-    name = config.grpc_tls_server_name
-    return [("grpc.ssl_target_name_override", name)] if name and config.grpc_tls_ca else []
+    name = config.security.grpc_tls_server_name
+    return [("grpc.ssl_target_name_override", name)] if name and config.security.grpc_tls_ca else []

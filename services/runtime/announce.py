@@ -28,7 +28,7 @@ TIMEOUT_S = 2.0
 
 
 def announcement(config: EpdConfig, role: str, grpc_port: int, http_port: int) -> dict[str, Any]:
-    host = config.advertise_host or config.host
+    host = config.server.advertise_host or config.server.host
     host = f"[{host}]" if ":" in host and not host.startswith("[") else host  # IPv6 literal
     return {"role": role, "grpc_address": f"{host}:{grpc_port}", "http_url": f"http://{host}:{http_port}"}
 
@@ -74,10 +74,10 @@ class Announcer:
 
 
 def start_announcing(config: EpdConfig, role: str, grpc_port: int, http_port: int) -> Announcer | None:
-    if not config.coordinator_url:
+    if not config.server.coordinator_url:
         return None
-    tokens = parse_keys(config.admin_token)
-    announcer = Announcer(config.coordinator_url, announcement(config, role, grpc_port, http_port),
+    tokens = parse_keys(config.security.admin_token)
+    announcer = Announcer(config.server.coordinator_url, announcement(config, role, grpc_port, http_port),
                           tokens[0] if tokens else None)
     announcer.start()
     return announcer

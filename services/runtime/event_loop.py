@@ -17,8 +17,10 @@ from typing import Any, TypeVar
 
 from prometheus_client import Gauge
 
+from services.config import EVENT_LOOPS
+
 T = TypeVar("T")
-LOOPS = ("uvloop", "asyncio")
+LOOPS = EVENT_LOOPS   # defined once, with the setting (services/config)
 INFO = Gauge("epd_event_loop_info", "The event loop this process runs on (1 = in use; --event-loop)", ["loop"])
 
 

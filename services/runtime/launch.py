@@ -53,9 +53,10 @@ class Child:
 
 def plan(config: EpdConfig, has_vision: bool = True) -> list[Child]:
     # A text-only model has no encode stage: no encoder is started, the coordinator gets none.
-    counts = {"render": 1, "encode": config.encode_instances if has_vision else 0,
-              "prefill": config.prefill_instances, "decode": config.decode_instances}
-    return [Child(role, f"{config.instance_id}_{role}{i}", free_port(config.host), free_port(config.host))
+    counts = {"render": 1, "encode": config.cluster.encode_instances if has_vision else 0,
+              "prefill": config.cluster.prefill_instances, "decode": config.cluster.decode_instances}
+    server = config.server
+    return [Child(role, f"{server.instance_id}_{role}{i}", free_port(server.host), free_port(server.host))
             for role, n in counts.items() for i in range(n)]
 
 
@@ -68,7 +69,7 @@ def _http_urls(children: list[Child], role: str, host: str) -> str:
 
 
 def coordinator_child(config: EpdConfig, children: list[Child]) -> Child:
-    return Child("coordinator", f"{config.instance_id}_coordinator", 0, config.port)
+    return Child("coordinator", f"{config.server.instance_id}_coordinator", 0, config.server.port)
 
 
 def spawn(child: Child, config: EpdConfig, extra_env: dict[str, str]) -> None:
@@ -168,12 +169,13 @@ def remove_segments(instance_prefix: str) -> list[str]:
 
 
 def print_ready(config: EpdConfig, children: list[Child], has_vision: bool = True) -> None:
-    url = f"http://{config.host}:{config.port}"
-    roles = "; ".join(f"{c.role} http://{config.host}:{c.http_port} grpc {c.grpc_address}"
+    url = f"http://{config.server.host}:{config.server.port}"
+    roles = "; ".join(f"{c.role} http://{config.server.host}:{c.http_port} grpc {c.grpc_address}"
                       for c in children if c.role != "coordinator")
-    admin = f"admin http://{config.admin_host}:{config.admin_port}"
-    print(f"epd ready: {url} (model {config.served_model_id()}) — {roles}; {admin}", flush=True)
-    print("try:\n" + curl_example(url, config.served_model_id(), has_vision, bool(config.api_key)), flush=True)
+    admin = f"admin http://{config.security.admin_host}:{config.security.admin_port}"
+    print(f"epd ready: {url} (model {config.checkpoint.served_model_id()}) — {roles}; {admin}", flush=True)
+    served = config.checkpoint.served_model_id()
+    print("try:\n" + curl_example(url, served, has_vision, bool(config.security.api_key)), flush=True)
 
 
 def long_prefill_env(config: EpdConfig, children: list[Child]) -> dict[str, dict[str, str]]:
@@ -184,7 +186,7 @@ def long_prefill_env(config: EpdConfig, children: list[Child]) -> dict[str, dict
     prefills = [c for c in children if c.role == "prefill"]
     if not os.path.isdir("/dev/shm") or not prefills or len(prefills) > LONG_BOARD_BYTES:
         return {}
-    path = create_long_board(os.path.join("/dev/shm", f"epd-long-{config.instance_id}"))
+    path = create_long_board(os.path.join("/dev/shm", f"epd-long-{config.server.instance_id}"))
     env = {c.instance_id: {LONG_BOARD_ENV: path} for c in children if c.role == "decode"}
     env.update({c.instance_id: {LONG_BOARD_ENV: path, LONG_SLOT_ENV: str(slot)} for slot, c in enumerate(prefills)})
     return env
@@ -196,10 +198,10 @@ def compute_lease_env(config: EpdConfig, children: list[Child]) -> dict[str, dic
     from services.hostcpu import compute_lease
 
     takers = [c for c in children if c.role in ("encode", "prefill")]
-    if (config.compute_lease != "auto" or not os.path.isdir("/dev/shm") or len(takers) < 2
+    if (config.cpu.compute_lease != "auto" or not os.path.isdir("/dev/shm") or len(takers) < 2
             or len(takers) > compute_lease.BOARD_BYTES):
         return {}
-    path = compute_lease.create(os.path.join("/dev/shm", f"epd-lease-{config.instance_id}"))
+    path = compute_lease.create(os.path.join("/dev/shm", f"epd-lease-{config.server.instance_id}"))
     return {c.instance_id: {compute_lease.LEASE_ENV: path, compute_lease.SLOT_ENV: str(slot)}
             for slot, c in enumerate(takers)}
 
@@ -209,8 +211,8 @@ def serve(config: EpdConfig) -> int:
     from services.models.registry import adapter_for, resolve_model
 
     sweep_stale_segments()
-    config = config.with_(admin_port=config.admin_port or free_port(config.admin_host))
-    model_path = str(resolve_model(config.model))  # builds the demo checkpoint once, before the children
+    config = config.with_(admin_port=config.security.admin_port or free_port(config.security.admin_host))
+    model_path = str(resolve_model(config.checkpoint.model))  # builds the demo checkpoint once, before the children
     has_vision = adapter_for(model_path).has_vision()
     roles = plan(config, has_vision)
     coordinator = coordinator_child(config, roles)
@@ -224,23 +226,25 @@ def serve(config: EpdConfig) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         # encode, prefill and decode render llm-d's OpenAI-format calls on the render instance
-        renders = {"EPD_OPENAI_RENDER_URLS": _http_urls(roles, "render", config.host)}
+        renders = {"EPD_OPENAI_RENDER_URLS": _http_urls(roles, "render", config.server.host)}
+        served_id = config.checkpoint.served_model_id()
         long_board = long_prefill_env(config, roles)
         lease = compute_lease_env(config, roles)
         for child in roles:
             extra = {**(renders if child.role != "render" else {}), **long_board.get(child.instance_id, {}),
                      **lease.get(child.instance_id, {})}
-            spawn(child, config, {"EPD_MODEL": model_path, "EPD_SERVED_MODEL_NAME": config.served_model_id(), **extra})
-        wait_ready(roles, config.host, time.monotonic() + STARTUP_TIMEOUT_S)
-        spawn(coordinator, config, {"EPD_SERVED_MODEL_NAME": config.served_model_id(),
+            spawn(child, config, {"EPD_MODEL": model_path, "EPD_SERVED_MODEL_NAME": served_id, **extra})
+        wait_ready(roles, config.server.host, time.monotonic() + STARTUP_TIMEOUT_S)
+        spawn(coordinator, config, {"EPD_SERVED_MODEL_NAME": served_id,
                                     **{f"EPD_{r.upper()}_URLS": _urls(roles, r)
                                        for r in ("render", "encode", "prefill", "decode")},
-                                    **{f"EPD_{r.upper()}_HTTP_URLS": _http_urls(roles, r, config.host)
+                                    **{f"EPD_{r.upper()}_HTTP_URLS": _http_urls(roles, r, config.server.host)
                                        for r in ("render", "encode", "prefill", "decode")}})
-        wait_ready([coordinator], config.host, time.monotonic() + COORDINATOR_READY_TIMEOUT_S)
+        wait_ready([coordinator], config.server.host, time.monotonic() + COORDINATOR_READY_TIMEOUT_S)
         time.sleep(0.5)  # a coordinator that lost its port to another server exits at once; don't trust that answer
         if coordinator.process is not None and coordinator.process.poll() is not None:
-            raise RuntimeError(f"coordinator exited with {coordinator.process.returncode} (port {config.port} taken?)")
+            raise RuntimeError(f"coordinator exited with {coordinator.process.returncode} "
+                               f"(port {config.server.port} taken?)")
         print_ready(config, children, has_vision)
         while not stopping["now"]:
             time.sleep(0.2)
@@ -249,6 +253,6 @@ def serve(config: EpdConfig) -> int:
         print(f"epd serve: {exc}", file=sys.stderr)
         return 1
     finally:
-        stop_all(children, config.shutdown_grace_s)
-        remove_segments(config.instance_id)
+        stop_all(children, config.server.shutdown_grace_s)
+        remove_segments(config.server.instance_id)
         print("epd serve: stopped", flush=True)

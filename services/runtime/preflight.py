@@ -125,13 +125,13 @@ def redis_binary_hint() -> str:
 
 
 def check_redis(config: EpdConfig) -> None:
-    if "redis" not in (config.ec_connector, config.kv_connector):
+    if "redis" not in (config.stores.ec_connector, config.stores.kv_connector):
         return
     import redis
 
-    where = redis_where(config.redis_url)
+    where = redis_where(config.stores.redis_url)
     try:
-        client = redis.Redis.from_url(config.redis_url, socket_connect_timeout=REDIS_TIMEOUT_S,
+        client = redis.Redis.from_url(config.stores.redis_url, socket_connect_timeout=REDIS_TIMEOUT_S,
                                       socket_timeout=REDIS_TIMEOUT_S)
         try:
             client.ping()
@@ -144,16 +144,16 @@ def check_redis(config: EpdConfig) -> None:
 
 def check_serve(config: EpdConfig) -> None:
     """`epd serve`: its one fixed port, the model, Redis (roles get free ports picked for them)."""
-    check_port(config.host, config.port, "--port")
-    check_model(config.model)
+    check_port(config.server.host, config.server.port, "--port")
+    check_model(config.checkpoint.model)
     check_redis(config)
 
 
 def check_role(role: str, config: EpdConfig) -> None:
     """One role process: its fixed ports, then its model (a role waits for Redis: readiness says so)."""
     if role == "coordinator":
-        check_port(config.host, config.port, "--port")
+        check_port(config.server.host, config.server.port, "--port")
         return
-    check_port(config.host, config.grpc_port, "--grpc-port")
-    check_port(config.host, config.http_port, "--http-port")
-    check_model(config.model)
+    check_port(config.server.host, config.server.grpc_port, "--grpc-port")
+    check_port(config.server.host, config.server.http_port, "--http-port")
+    check_model(config.checkpoint.model)

@@ -54,10 +54,10 @@ class StoreCheck:
     def _redis_problem(self) -> str | None:
         import redis
 
-        where = redis_where(self.config.redis_url)
+        where = redis_where(self.config.stores.redis_url)
         try:
             if self._client is None:
-                self._client = redis.Redis.from_url(self.config.redis_url, socket_connect_timeout=1.0,
+                self._client = redis.Redis.from_url(self.config.stores.redis_url, socket_connect_timeout=1.0,
                                                     socket_timeout=1.0)
             self._client.ping()
         except (redis.RedisError, OSError) as exc:

@@ -34,7 +34,7 @@ NO_TORCH_MESSAGE = "PyTorch was not found"
 
 
 def run(role: str, config: EpdConfig) -> int:
-    setup_logging(role, config.instance_id, config.log_level)
+    setup_logging(role, config.server.instance_id, config.server.log_level)
     if role in ("encode", "prefill", "decode"):
         from services.hostcpu.role_cpu import apply
 
@@ -54,8 +54,8 @@ def run(role: str, config: EpdConfig) -> int:
     from services.connectors.registry import sweep_stale_segments
 
     sweep_stale_segments()  # a restarted container's old pools (owners are dead; live owners hold a lock)
-    grpc_port = config.grpc_port or free_port(config.host)
-    http_port = config.http_port or free_port(config.host)
+    grpc_port = config.server.grpc_port or free_port(config.server.host)
+    http_port = config.server.http_port or free_port(config.server.host)
     module = importlib.import_module(ROLE_MODULES[role])
     from services.rpc.tls import server_credentials
     from services.runtime.server import serve
@@ -75,12 +75,13 @@ def run(role: str, config: EpdConfig) -> int:
         gc.freeze()
         announcer = start_announcing(config, role, grpc_port, http_port)
         try:
-            await serve(role_server, config.host, grpc_port, http_port, config.log_level, config.shutdown_grace_s,
-                        keys=config.role_api_keys(), grpc_host=config.grpc_host, tls=server_credentials(config),
-                        fast_lane=config.fast_lane, instance_id=config.instance_id)
+            server = config.server
+            await serve(role_server, server.host, grpc_port, http_port, server.log_level, server.shutdown_grace_s,
+                        keys=config.security.role_api_keys(), grpc_host=server.grpc_host,
+                        tls=server_credentials(config), fast_lane=server.fast_lane, instance_id=server.instance_id)
         finally:
             if announcer is not None:
                 await announcer.stop()
 
-    event_loop.run(main(), config.event_loop)
+    event_loop.run(main(), config.server.event_loop)
     return 0

@@ -11,5 +11,5 @@ def coordinator_app():
     from coordinator.app import CoordinatorApp
     from services.config import EpdConfig
 
-    return CoordinatorApp(EpdConfig(render_urls="127.0.0.1:1", encode_urls="127.0.0.1:2",
+    return CoordinatorApp(EpdConfig.of(render_urls="127.0.0.1:1", encode_urls="127.0.0.1:2",
                                     prefill_urls="127.0.0.1:3", decode_urls="127.0.0.1:4"))

@@ -11,7 +11,7 @@ from coordinator.deadlines import Deadlines
 from services.config import EpdConfig
 from services.protocol.errors import InvalidRequest
 
-CONFIG = EpdConfig(ttft_timeout_s=60.0, stream_idle_timeout_s=30.0, max_request_timeout_s=3600.0)
+CONFIG = EpdConfig.of(ttft_timeout_s=60.0, stream_idle_timeout_s=30.0, max_request_timeout_s=3600.0)
 
 
 def test_without_a_header_the_total_is_the_cap_and_the_first_token_bound_applies():

@@ -11,7 +11,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from coordinator.metrics import CoordinatorMetrics
-from coordinator.routing.policies import POLICIES
 from coordinator.routing.pool import InstancePool
 from services.config import ROUTING_POLICIES
 from services.protocol.errors import Unavailable
@@ -45,8 +44,13 @@ async def _until(predicate, timeout: float) -> float:
     return time.monotonic() - started
 
 
-def test_config_lists_every_routing_policy():
-    assert tuple(sorted(POLICIES)) == ROUTING_POLICIES
+def test_every_routing_policy_the_config_accepts_is_made_by_its_name():
+    from coordinator.routing.policies import create_policy
+
+    assert [type(create_policy(name)).__name__ for name in ROUTING_POLICIES] == [
+        "HashAffinity", "LeastLoaded", "RoundRobin"]
+    with pytest.raises(ValueError, match="unknown routing policy 'x'; supported: affinity, least_loaded"):
+        create_policy("x")
 
 
 def test_an_announced_instance_starts_down_and_a_probe_admits_it():

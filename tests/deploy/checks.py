@@ -88,10 +88,10 @@ def _config_problems(env: dict[str, str], command: str) -> list[str]:
         config = from_args(argparse.Namespace(), plain)
     except ConfigError as exc:
         return [f"invalid configuration: {exc}"]
-    if command in ROLES and not (config.grpc_port and config.http_port):
+    if command in ROLES and not (config.server.grpc_port and config.server.http_port):
         return ["a role in a container needs fixed EPD_GRPC_PORT and EPD_HTTP_PORT"]
-    if config.host != "0.0.0.0":
-        return [f"EPD_HOST is {config.host!r}: probes and peers reach the pod IP, bind 0.0.0.0"]
+    if config.server.host != "0.0.0.0":
+        return [f"EPD_HOST is {config.server.host!r}: probes and peers reach the pod IP, bind 0.0.0.0"]
     return []
 
 
@@ -212,9 +212,9 @@ def connector_wiring(docs: list[Doc]) -> list[str]:
         if command not in ("encode", "prefill", "decode"):
             continue
         where = f"{name_of(deployment)}/{c['name']}"
-        if "shm" in (config.ec_connector, config.kv_connector):
+        if "shm" in (config.stores.ec_connector, config.stores.kv_connector):
             problems += [f"{where}: {p}" for p in _shm_problems(deployment, c)]
-        if "redis" in (config.ec_connector, config.kv_connector):
+        if "redis" in (config.stores.ec_connector, config.stores.kv_connector):
             problems += [f"{where}: {p}" for p in _redis_problems(docs, c, config)]
     return problems
 
@@ -234,7 +234,7 @@ def _shm_problems(deployment: Doc, c: Doc) -> list[str]:
 def _redis_problems(docs: list[Doc], c: Doc, config: EpdConfig) -> list[str]:
     if effective_env(docs, c).get("EPD_REDIS_URL") == REF:
         return []
-    host = config.redis_url.split("://", 1)[-1].rsplit("@", 1)[-1].split("/")[0].split(":")[0]
+    host = config.stores.redis_url.split("://", 1)[-1].rsplit("@", 1)[-1].split("/")[0].split(":")[0]
     if "." in host or any(s["metadata"]["name"] == host for s in of_kind(docs, "Service")):
         return []  # a Service of this deployment, or a host outside it (a dotted name or an address)
     return [f"redis connector, but EPD_REDIS_URL host {host!r} is no Service here"]
@@ -260,7 +260,7 @@ def probes_and_drain(docs: list[Doc]) -> list[str]:
         got = tuple(((c.get(p) or {}).get("httpGet") or {}).get("path") for p in ("readinessProbe", "livenessProbe"))
         if got != want:
             problems.append(f"{where}: readiness/liveness probes are {got}, want {want}")
-        grace = float(effective_env(docs, c).get("EPD_SHUTDOWN_GRACE_S", EpdConfig().shutdown_grace_s))
+        grace = float(effective_env(docs, c).get("EPD_SHUTDOWN_GRACE_S", EpdConfig().server.shutdown_grace_s))
         waits = deployment["spec"]["template"]["spec"].get("terminationGracePeriodSeconds", 30)
         if waits < grace + STOP_MARGIN_S:
             problems.append(f"{where}: terminationGracePeriodSeconds {waits} < EPD_SHUTDOWN_GRACE_S {grace:g} + "

@@ -170,4 +170,4 @@ def test_the_placeholder_credentials_of_the_base_are_refused():
     for name, field in (("api-keys", "api_key"), ("admin-token", "admin_token")):
         placeholder = (K8S / "base" / "common" / "secrets" / name).read_text()
         with pytest.raises(ConfigError, match="still the placeholder"):
-            EpdConfig(**{field: placeholder})
+            EpdConfig.of(**{field: placeholder})

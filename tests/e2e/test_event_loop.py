@@ -44,7 +44,6 @@ def test_run_reports_the_loop_it_ran_and_refuses_an_unknown_one():
 def test_config_takes_the_loops_run_knows():
     from services.config import EVENT_LOOPS, ConfigError, EpdConfig
 
-    assert EVENT_LOOPS == event_loop.LOOPS
-    assert EpdConfig().event_loop == "uvloop"
+    assert event_loop.LOOPS is EVENT_LOOPS and EpdConfig().server.event_loop == "uvloop"
     with pytest.raises(ConfigError, match="event_loop must be one of uvloop, asyncio"):
-        EpdConfig(event_loop="trio")
+        EpdConfig.of(event_loop="trio")

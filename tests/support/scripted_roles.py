@@ -142,7 +142,7 @@ class Bench:
             addresses["decode"] = f"127.0.0.1:{free_port()},{addresses['decode']}"
         urls = {f"{role}_urls": address for role, address in addresses.items()}
         metrics = CoordinatorMetrics(CollectorRegistry())
-        self.cluster = Cluster(EpdConfig(**urls, **config), metrics)  # type: ignore[arg-type]
+        self.cluster = Cluster(EpdConfig.of(**urls, **config), metrics)  # type: ignore[arg-type]
         self.cluster.start()
         return self.cluster
 

@@ -14,16 +14,16 @@ def _parse(argv, env=None):
 
 
 def test_flag_beats_environment_beats_default():
-    assert _parse([]).port == 8000
-    assert _parse([], {"EPD_PORT": "9000"}).port == 9000
-    assert _parse(["--port", "9100"], {"EPD_PORT": "9000"}).port == 9100
+    assert _parse([]).server.port == 8000
+    assert _parse([], {"EPD_PORT": "9000"}).server.port == 9000
+    assert _parse(["--port", "9100"], {"EPD_PORT": "9000"}).server.port == 9100
 
 
 def test_booleans_and_lists():
     config = _parse(["--allow-private-media-urls", "--allowed-media-domains", "a.com, B.org"])
-    assert config.allow_private_media_urls is True
-    assert config.media_domains() == ("a.com", "b.org")
-    assert _parse([], {"EPD_ALLOW_PRIVATE_MEDIA_URLS": "false"}).allow_private_media_urls is False
+    assert config.limits.allow_private_media_urls is True
+    assert config.limits.media_domains() == ("a.com", "b.org")
+    assert _parse([], {"EPD_ALLOW_PRIVATE_MEDIA_URLS": "false"}).limits.allow_private_media_urls is False
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -43,7 +43,7 @@ def test_not_a_number_names_the_flag():
 
 
 def test_env_round_trip_reproduces_the_config():
-    config = EpdConfig(port=1234, ec_connector="redis", allow_private_media_urls=True)
+    config = EpdConfig.of(port=1234, ec_connector="redis", allow_private_media_urls=True)
     assert _parse([], config.to_env()) == config
 
 
@@ -53,7 +53,22 @@ def test_schema_lists_every_setting_with_its_env_name():
     assert rows["--redis-url"]["default"] == "redis://127.0.0.1:6379/0"
 
 
+def test_settings_live_in_frozen_sections_built_from_flat_names():
+    import dataclasses
+
+    config = EpdConfig.of(decode_slots=4, api_key="k")
+    assert (config.engines.decode_slots, config.security.api_key, config.server.port) == (4, "k", 8000)
+    assert config.with_(port=9).server.port == 9 and config.server.port == 8000
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.engines.decode_slots = 5  # type: ignore[misc]
+    with pytest.raises(TypeError, match="unknown settings: decode_slot"):
+        EpdConfig.of(decode_slot=4)
+    names = [row["flag"] for row in schema()]
+    assert len(names) == len(set(names)) and {row["section"] for row in schema()} == {
+        "server", "checkpoint", "stores", "cluster", "engines", "cpu", "limits", "security"}
+
+
 def test_served_model_id():
-    assert EpdConfig().served_model_id() == "epd-demo-qwen2-vl"
-    assert EpdConfig(model="Qwen/Qwen2-VL-2B-Instruct").served_model_id() == "Qwen/Qwen2-VL-2B-Instruct"
-    assert EpdConfig(served_model_name="x").served_model_id() == "x"
+    assert EpdConfig().checkpoint.served_model_id() == "epd-demo-qwen2-vl"
+    assert EpdConfig.of(model="Qwen/Qwen2-VL-2B-Instruct").checkpoint.served_model_id() == "Qwen/Qwen2-VL-2B-Instruct"
+    assert EpdConfig.of(served_model_name="x").checkpoint.served_model_id() == "x"

@@ -212,6 +212,6 @@ def test_step_modes_match_the_config_flag():
 
     assert DECODE_STEPS == STEP_MODES
     with pytest.raises(ValueError, match="decode_step must be one of auto, eager, compiled"):
-        EpdConfig(decode_step="fast")
+        EpdConfig.of(decode_step="fast")
     with pytest.raises(ValueError, match="decode_step_buckets must be comma-separated integers in 1..decode_slots"):
-        EpdConfig(decode_step_buckets="1,32", decode_slots=16)
+        EpdConfig.of(decode_step_buckets="1,32", decode_slots=16)

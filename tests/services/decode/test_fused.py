@@ -138,17 +138,17 @@ def test_decode_role_steers_auto_to_panels_for_the_fused_step():
     from services.decode.app import stack_kernel
     from services.models import panel_linear
 
-    assert stack_kernel(EpdConfig(linear_kernel="auto")) == ("panel" if panel_linear.available() else "auto")
-    assert stack_kernel(EpdConfig(linear_kernel="auto", decode_fused="off")) == "auto"
-    assert stack_kernel(EpdConfig(linear_kernel="auto", decode_step="compiled")) == "auto"
-    assert stack_kernel(EpdConfig(linear_kernel="prepacked")) == "prepacked"
+    assert stack_kernel(EpdConfig.of(linear_kernel="auto")) == ("panel" if panel_linear.available() else "auto")
+    assert stack_kernel(EpdConfig.of(linear_kernel="auto", decode_fused="off")) == "auto"
+    assert stack_kernel(EpdConfig.of(linear_kernel="auto", decode_step="compiled")) == "auto"
+    assert stack_kernel(EpdConfig.of(linear_kernel="prepacked")) == "prepacked"
     # --dtype bfloat16: float32 activations over bfloat16 panels, so the fused step still applies ...
-    assert stack_kernel(EpdConfig(linear_kernel="auto", dtype="bfloat16")) == (
+    assert stack_kernel(EpdConfig.of(linear_kernel="auto", dtype="bfloat16")) == (
         "panel" if panel_linear.available(torch.bfloat16) else "auto")
     # ... unless the kernels are refused: then the model is loaded in bfloat16 and runs unswapped
-    assert stack_kernel(EpdConfig(linear_kernel="default", dtype="bfloat16")) == "default"
+    assert stack_kernel(EpdConfig.of(linear_kernel="default", dtype="bfloat16")) == "default"
     with pytest.raises(ValueError, match="decode_fused must be one of auto, on, off"):
-        EpdConfig(decode_fused="maybe")
+        EpdConfig.of(decode_fused="maybe")
 
 
 @torch.inference_mode()
@@ -198,12 +198,12 @@ def test_the_decode_role_keeps_float32_activations_over_bfloat16_weights():
     from services.decode.app import bf16_weights, load_dtype, wants_fused
     from services.models import panel_linear
 
-    bf16 = EpdConfig(dtype="bfloat16")
+    bf16 = EpdConfig.of(dtype="bfloat16")
     assert bf16_weights(bf16) == panel_linear.available(torch.bfloat16)
     assert load_dtype(bf16) == ("float32" if bf16_weights(bf16) else "bfloat16")
     assert wants_fused(bf16) == bf16_weights(bf16)
-    assert not bf16_weights(EpdConfig(dtype="bfloat16", linear_kernel="default"))   # no swap: bf16 throughout
-    assert load_dtype(EpdConfig(dtype="bfloat16", linear_kernel="default")) == "bfloat16"
+    assert not bf16_weights(EpdConfig.of(dtype="bfloat16", linear_kernel="default"))   # no swap: bf16 throughout
+    assert load_dtype(EpdConfig.of(dtype="bfloat16", linear_kernel="default")) == "bfloat16"
     assert not bf16_weights(EpdConfig())
 
 

@@ -35,11 +35,11 @@ def test_config_checks_keys_at_start_and_epd_config_hides_them(tmp_path):
     empty = tmp_path / "empty"
     empty.write_text("# nothing\n")
     with pytest.raises(ConfigError, match=r"--role-api-key: the role api key file .* holds no key"):
-        EpdConfig(role_api_key=f"@{empty}")
-    config = EpdConfig(api_key="sk-public", role_api_key="")
-    assert config.role_api_keys().accepts("sk-public")  # roles default to the public keys
-    separate = EpdConfig(api_key="sk-public", role_api_key="sk-role")
-    assert separate.role_api_keys().accepts("sk-role") and not separate.role_api_keys().accepts("sk-public")
+        EpdConfig.of(role_api_key=f"@{empty}")
+    config = EpdConfig.of(api_key="sk-public", role_api_key="")
+    assert config.security.role_api_keys().accepts("sk-public")  # roles default to the public keys
+    separate = EpdConfig.of(api_key="sk-public", role_api_key="sk-role")
+    assert separate.security.role_api_keys().accepts("sk-role") and not separate.security.role_api_keys().accepts("sk-public")
     import argparse
 
     from services.config.report import effective

@@ -35,7 +35,7 @@ def test_every_render_down_is_503_render_unavailable_naming_each():
 
 
 def test_render_client_from_config_uses_the_urls_and_the_role_key():
-    client = render_client(EpdConfig(openai_render_urls="http://a:1/,http://b:2", role_api_key="sk-role-1"))
+    client = render_client(EpdConfig.of(openai_render_urls="http://a:1/,http://b:2", role_api_key="sk-role-1"))
     assert client.urls == ["http://a:1", "http://b:2"]
     assert client.headers == {"Authorization": "Bearer sk-role-1"}
     assert render_client(EpdConfig()).headers == {}

@@ -112,7 +112,7 @@ def _held_elsewhere(path: str) -> bool:
 def test_epd_serve_gives_encode_and_prefill_one_lease_and_their_own_slots():
     children = [Child(role, f"i_{role}{n}", 0, 0) for role, n in
                 (("render", 0), ("encode", 0), ("prefill", 0), ("prefill", 1), ("decode", 0))]
-    config = EpdConfig(instance_id="leasetest")
+    config = EpdConfig.of(instance_id="leasetest")
     env = compute_lease_env(config, children)
     try:
         assert set(env) == {"i_encode0", "i_prefill0", "i_prefill1"}
@@ -124,5 +124,5 @@ def test_epd_serve_gives_encode_and_prefill_one_lease_and_their_own_slots():
     assert compute_lease_env(config.with_(compute_lease="off"), children) == {}
     alone = [c for c in children if c.role != "encode" and c.instance_id != "i_prefill1"]   # one prompt role: none
     assert compute_lease_env(config, alone) == {}
-    with pytest.raises(ConfigError, match="compute_lease must be auto or off"):
-        EpdConfig(compute_lease="on")
+    with pytest.raises(ConfigError, match="compute_lease must be one of auto, off"):
+        EpdConfig.of(compute_lease="on")

@@ -17,7 +17,7 @@ PROBE = """
 import json, os, sys
 from services.config import EpdConfig
 from services.hostcpu.role_cpu import apply
-config = EpdConfig(role_threads=sys.argv[1], omp_wait_policy=sys.argv[2], role_nice=sys.argv[3],
+config = EpdConfig.of(role_threads=sys.argv[1], omp_wait_policy=sys.argv[2], role_nice=sys.argv[3],
                    single_omp_team=sys.argv[5])
 before = os.nice(0)
 summary = apply(config, sys.argv[4])
@@ -106,7 +106,7 @@ from services.config import EpdConfig
 from services.hostcpu import role_cpu
 def group():
     return int(open("/proc/self/autogroup").read().split()[-1])
-summary = role_cpu.apply(EpdConfig(role_nice=sys.argv[1]), "prefill")
+summary = role_cpu.apply(EpdConfig.of(role_nice=sys.argv[1]), "prefill")
 seen = [group()]
 for running in (True, True, False):
     role_cpu.long_prompt_running(running)
@@ -136,7 +136,7 @@ from services.config import EpdConfig
 from services.hostcpu import role_cpu
 def group():
     return int(open("/proc/self/autogroup").read().split()[-1])
-summary = role_cpu.apply(EpdConfig(role_nice=sys.argv[1]), "decode")
+summary = role_cpu.apply(EpdConfig.of(role_nice=sys.argv[1]), "decode")
 board = open(os.environ["EPD_LONG_PREFILL_BOARD"], "r+b")
 seen = [group()]
 for flags in (b"\\x00\\x00", b"\\x00\\x01", b"\\x00\\x01", b"\\x00\\x00"):   # prefill 1 starts, goes on, ends
@@ -178,18 +178,18 @@ def test_prefill_marks_its_long_prompts_on_the_board(tmp_path, monkeypatch):
 def test_role_maps_parse_and_bad_ones_are_refused():
     assert role_values("", "decode") is None and role_values("3", "decode") == 3
     assert role_values("decode=2,prefill=1", "prefill") == 1 and role_values("decode=2", "encode") is None
-    EpdConfig(role_nice="encode=5,prefill=5,prefill-long=10,decode-long=2", role_threads="prefill=2,prefill-long=1")
+    EpdConfig.of(role_nice="encode=5,prefill=5,prefill-long=10,decode-long=2", role_threads="prefill=2,prefill-long=1")
     for bad in ({"role_threads": "decoder=2"}, {"role_nice": "prefill=high"}, {"omp_wait_policy": "spin"},
                 {"role_threads": "decode-long=2"}, {"role_nice": "encode-long=3"}):
         with pytest.raises(ConfigError):
-            EpdConfig(**bad)
+            EpdConfig.of(**bad)
 
 
 TEAMS = """
 import os, sys, threading
 from services.config import EpdConfig
 from services.hostcpu.role_cpu import apply
-apply(EpdConfig(single_omp_team=sys.argv[1]), "encode")
+apply(EpdConfig.of(single_omp_team=sys.argv[1]), "encode")
 import torch
 from services.hostcpu import compute_threads
 compute_threads.single()   # as role_main does for the main thread

@@ -19,14 +19,14 @@ def test_plaintext_by_default():
 def test_files_are_checked_at_start(tmp_path):
     files = make_tls_files(tmp_path)
     with pytest.raises(ConfigError, match="--grpc-tls-cert and --grpc-tls-key go together"):
-        EpdConfig(grpc_tls_cert=str(files["cert"]))
+        EpdConfig.of(grpc_tls_cert=str(files["cert"]))
     with pytest.raises(ConfigError, match="cannot read the gRPC TLS CA bundle /nonexistent/ca.pem"):
-        EpdConfig(grpc_tls_ca="/nonexistent/ca.pem")
+        EpdConfig.of(grpc_tls_ca="/nonexistent/ca.pem")
 
 
 def test_credentials_from_real_files(tmp_path):
     files = make_tls_files(tmp_path)
-    config = EpdConfig(grpc_tls_cert=str(files["cert"]), grpc_tls_key=str(files["key"]),
+    config = EpdConfig.of(grpc_tls_cert=str(files["cert"]), grpc_tls_key=str(files["key"]),
                        grpc_tls_ca=str(files["ca"]), grpc_tls_server_name="epd-roles")
     assert isinstance(server_credentials(config), grpc.ServerCredentials)
     assert isinstance(channel_credentials(config), grpc.ChannelCredentials)
