@@ -33,7 +33,7 @@ def test_overhead_breakdown_line_names_every_part():
         "Where the overhead sits (p50 ms, each on its own): render hop 2.00; encode hop 1.90; prefill hop 1.80; "
         "coordinator outside the three calls (decode open included) 4.60; client side (HTTP in and out) 2.30; "
         "in-role transfers 8.20.")
-    assert overhead.TARGET_MS == 3.0
+    assert overhead.TARGET_MS == 5.0
 
 
 def test_ttft_vs_vllm_measures_both_sizes_at_c1_and_tabulates_them():
@@ -57,7 +57,7 @@ def test_tree_at_exports_the_version_at_a_git_ref():
     tree = tree_at("HEAD")
     committed = subprocess.run(["git", "-C", str(ROOT), "show", "HEAD:services/runtime/cli.py"], check=True,
                                capture_output=True).stdout
-    assert (tree / "services" / "cli.py").read_bytes() == committed
+    assert (tree / "services" / "runtime" / "cli.py").read_bytes() == committed
     assert (tree / "services" / "rpc" / "v1" / "epd_pb2.py").is_file() and not (tree / ".git").exists()
 
 

@@ -145,8 +145,9 @@ def test_omp_team_and_epd_dtype_flags_are_epd_serve_flags():
     def serve(flags: str):
         return from_args(build_parser().parse_args(["serve", *shlex.split(flags)]))
 
-    assert (serve("").single_omp_team, serve(omp_team.DEFAULT_B).single_omp_team) == ("on", "off")
-    assert (serve(epd_dtype.A_FLAGS).dtype, serve(epd_dtype.B_FLAGS).dtype) == ("bfloat16", "float32")
+    assert (serve("").cpu.single_omp_team, serve(omp_team.DEFAULT_B).cpu.single_omp_team) == ("on", "off")
+    dtypes = (serve(epd_dtype.A_FLAGS).checkpoint.dtype, serve(epd_dtype.B_FLAGS).checkpoint.dtype)
+    assert dtypes == ("bfloat16", "float32")
 
 
 def test_epd_dtype_quick_runs_bfloat16_beside_float32():

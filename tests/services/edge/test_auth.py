@@ -39,7 +39,8 @@ def test_config_checks_keys_at_start_and_epd_config_hides_them(tmp_path):
     config = EpdConfig.of(api_key="sk-public", role_api_key="")
     assert config.security.role_api_keys().accepts("sk-public")  # roles default to the public keys
     separate = EpdConfig.of(api_key="sk-public", role_api_key="sk-role")
-    assert separate.security.role_api_keys().accepts("sk-role") and not separate.security.role_api_keys().accepts("sk-public")
+    keys = separate.security.role_api_keys()
+    assert keys.accepts("sk-role") and not keys.accepts("sk-public")
     import argparse
 
     from services.config.report import effective
