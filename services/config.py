@@ -17,11 +17,12 @@ from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any
 
 from .auth import KeySet, parse_keys
+from .device_plan import CUDA_DECODE_SLOTS, device_defaults, refusal
 from .grpc_tls import check_files
 
 CONNECTORS = ("shm", "redis")
 DEVICES_PREFIXES = ("cpu", "cuda")
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEMO_ALIASES = {"demo": "epd-demo-qwen2-vl", "epd-demo-qwen2-vl": "epd-demo-qwen2-vl",
                 "demo-medium": "epd-demo-qwen2-vl-medium"}
 LINEAR_KERNELS = ("auto", "panel", "prepacked", "default")   # services.models.prepack.MODES (checked by a test)
@@ -90,12 +91,16 @@ class EpdConfig:
                                 "order)", roles="coordinator")
     decode_http_urls: str = _f("", "comma-separated decode HTTP base URLs (decode_urls order)", roles="coordinator")
     device: str = _f("cpu", "torch device of model roles: cpu, cuda, cuda:N")
-    dtype: str = _f("float32", "model dtype: float32 | bfloat16 (decode: float32 math over bf16 weights) | float16")
+    dtype: str = _f("auto", "model dtype: auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 (CPU decode: "
+                    "float32 math over bf16 weights) | float16")
     linear_kernel: str = _f("auto", "matmuls of model roles: auto (time F.linear, the panel C kernel and oneDNN "
                             "prepacked weights at start-up on the role's batch sizes, the LM head apart, keep the "
                             "fastest) | panel | prepacked | default (also transformers' own RoPE ops)")
     max_model_len: int = _f(8192, "context length (prompt + output tokens)")
-    decode_slots: int = _f(16, "concurrent sequences one decode instance runs (continuous batching)")
+    decode_slots: int = _f(0, "concurrent sequences one decode instance runs (continuous batching); 0 (auto): 16 on "
+                           f"CPU, {CUDA_DECODE_SLOTS} on CUDA (its CUDA graphs are captured up to it)")
+    gpu_memory_fraction: float = _f(0.9, "CUDA: the share of the GPU's memory all epd roles on it may use together; "
+                                    "decode's KV pool is what is left of it once loaded (services/gpu_budget.py)")
     decode_serial_rows: int = _f(-1, "decode steps of at most this many rows run on one thread; -1 (auto): none for "
                                   "the fused step (its one OpenMP region wins at every batch size on 2 cores); "
                                   "unfused, 4 rows where decode may use at most 2 cores, else 1; 0: never")
@@ -219,6 +224,11 @@ class EpdConfig:
                                  "runs at most this many requests; 0: never", roles="coordinator")
 
     def __post_init__(self) -> None:
+        _check(self.device.split(":")[0] in DEVICES_PREFIXES, "device must be cpu, cuda or cuda:N")
+        for name, value in device_defaults(self).items():   # dtype and decode_slots "auto" (device_plan.py)
+            object.__setattr__(self, name, value)
+        _check(0 < self.gpu_memory_fraction <= 1 and not refusal(self), refusal(self) or "gpu_memory_fraction must "
+               "be in (0, 1]")
         for name, allowed in (("ec_connector", CONNECTORS), ("kv_connector", CONNECTORS), ("dtype", DTYPES),
                               ("linear_kernel", LINEAR_KERNELS), ("decode_attention", ATTENTION_KERNELS),
                               ("decode_step", DECODE_STEPS), ("event_loop", EVENT_LOOPS),
@@ -238,7 +248,6 @@ class EpdConfig:
                                 ("role_nice", nice, (*ROLES, "prefill-long", "decode-long"))):
             _check(_role_map_ok(raw, keys), f"{name} must be N or role=N,role=N (keys: {', '.join(keys)})")
         _check(self.decode_kv_wait_s >= 0, "decode_kv_wait_s must be >= 0")
-        _check(self.device.split(":")[0] in DEVICES_PREFIXES, "device must be cpu, cuda or cuda:N")
         for name in ("encode_instances", "prefill_instances", "decode_instances", "decode_slots",
                      "max_model_len", "ec_capacity_mb", "kv_capacity_mb", "kv_cache_mb", "mm_capacity_mb",
                      "max_images_per_request", "max_image_pixels", "max_image_bytes", "encode_max_batch_tokens",

@@ -8,6 +8,7 @@ import os
 import grpc
 
 from services.config import EpdConfig
+from services.device_plan import plan_for
 from services.server import RoleServer
 
 logger = logging.getLogger(__name__)
@@ -28,6 +29,28 @@ def serial_rows(configured: int, slots: int, fused: bool = False) -> int:
     return min(SMALL_BOX_SERIAL_ROWS, slots) if len(os.sched_getaffinity(0)) <= 2 else 1
 
 
+def gpu_kv_bytes(config: EpdConfig, lm: object) -> int:
+    """CUDA: decode's KV pool from the GPU budget the roles on this GPU share (services/gpu_budget.py), read off
+    the device now that the model is loaded (decode starts last under `epd serve`)."""
+    import torch
+
+    from services.decode.block_pool import block_bytes
+    from services.gpu_budget import decode_pool_bytes, ipc_reserve, step_workspace
+
+    layout, text = lm.layout, lm.model.config   # type: ignore[attr-defined]
+    free, total = torch.cuda.mem_get_info(torch.device(config.device))
+    block = block_bytes(layout, config.kv_block_size)
+    hidden = int(lm.hidden_size)   # type: ignore[attr-defined]
+    workspace = step_workspace(config.decode_slots, hidden, int(getattr(text, "intermediate_size", 4 * hidden)),
+                               int(lm.vocab_size), layout.dtype.itemsize, free // block)   # type: ignore[attr-defined]
+    reserve = workspace + ipc_reserve(config.ec_connector, config.kv_connector, config.ec_capacity_mb,
+                                      config.kv_capacity_mb)
+    min_pool = (-(-config.max_model_len // config.kv_block_size) + 1) * block
+    budget = decode_pool_bytes(total, free, config.gpu_memory_fraction, reserve, min_pool)
+    logger.info("decode %s", budget.line())
+    return budget.pool
+
+
 def bf16_weights(config: EpdConfig) -> bool:
     """--dtype bfloat16 on CPU: decode keeps float32 activations and KV over bfloat16 weights.
 
@@ -39,7 +62,7 @@ def bf16_weights(config: EpdConfig) -> bool:
 
     from services.models import panel_linear
 
-    return (config.dtype == "bfloat16" and config.device == "cpu" and config.linear_kernel != "default"
+    return (config.dtype == "bfloat16" and plan_for(config).cpu and config.linear_kernel != "default"
             and panel_linear.available(torch.bfloat16))
 
 
@@ -52,7 +75,7 @@ def wants_fused(config: EpdConfig) -> bool:
     """The fused step may run (services/decode/fused.py decides at start-up whether the model fits it)."""
     from services.models import panel_linear
 
-    return (config.decode_fused != "off" and config.decode_step != "compiled" and config.device == "cpu"
+    return (config.decode_fused != "off" and config.decode_step != "compiled" and plan_for(config).cpu
             and load_dtype(config) == "float32" and panel_linear.available())
 
 
@@ -79,24 +102,25 @@ async def build(config: EpdConfig) -> RoleServer:
     from .servicer import DecodeServicer
     from .serving import DecodeService
 
+    plan = plan_for(config)   # what runs on this device (CPU-only kernels never on CUDA)
     path = resolve_model(config.model)
     lm = adapter_for(path).load_language(path, config.device, load_dtype(config), config.max_model_len)
     steps = (1, config.decode_slots) if config.decode_slots > 1 else (1,)   # the rows a decode step multiplies
     serial = serial_rows(config.decode_serial_rows, config.decode_slots)
     fused_serial = serial_rows(config.decode_serial_rows, config.decode_slots, fused=True)
-    export(prepack_language(lm, config.linear_kernel, rows=steps, head_rows=steps,
+    export(prepack_language(lm, plan.linear_kernel, rows=steps, head_rows=steps,
                             serial_rows=fused_serial if wants_fused(config) else serial,
-                            stack_mode=stack_kernel(config),
-                            head_mode=screen_head_mode(config.linear_kernel, config.lm_head_screen),
+                            stack_mode=stack_kernel(config) if plan.cpu else None,
+                            head_mode=screen_head_mode(plan.linear_kernel, plan.lm_head_screen),
                             weight_dtype=torch.bfloat16 if bf16_weights(config) else None), "language")
     engine = DecodeEngine(lm, load_tokenizer(path), config.decode_slots, config.max_model_len,
                           max_queued=config.decode_queue, stream_timeout=config.request_timeout_s,
-                          kv_cache_bytes=config.kv_cache_mb << 20, block_size=config.kv_block_size,
-                          attention=config.decode_attention, step=config.decode_step,
+                          kv_cache_bytes=config.kv_cache_mb << 20 if plan.cpu else gpu_kv_bytes(config, lm),
+                          block_size=config.kv_block_size, attention=plan.decode_attention, step=plan.decode_step,
                           compile_budget_s=config.decode_compile_budget_s,
                           step_buckets=int_list(config.decode_step_buckets) or None,
-                          serial_rows=serial, fused=config.decode_fused, fused_serial_rows=fused_serial,
-                          lm_head_screen=config.lm_head_screen)
+                          serial_rows=serial, fused=plan.decode_fused, fused_serial_rows=fused_serial,
+                          lm_head_screen=plan.lm_head_screen)
     logger.info("decode engine: %s", engine.describe())
     kv_store = open_store(config, "kv", producer=False)
     service = DecodeService(engine, kv_store, kv_wait_s=config.decode_kv_wait_s)

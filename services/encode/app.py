@@ -10,6 +10,7 @@ from services.server import RoleServer
 
 async def build(config: EpdConfig) -> RoleServer:
     from services.connectors.wiring import open_store
+    from services.device_plan import plan_for
     from services.models import fused_rope
     from services.models.prepack import export, prepack_vision
     from services.models.registry import adapter_for, resolve_model
@@ -19,10 +20,11 @@ async def build(config: EpdConfig) -> RoleServer:
     from .servicer import EncodeServicer
     from .serving import EncodeService
 
+    plan = plan_for(config)   # what runs on this device (CPU-only kernels never on CUDA)
     path = resolve_model(config.model)
     vision = adapter_for(path).load_vision(path, config.device, config.dtype)
-    export(prepack_vision(vision, config.linear_kernel), "vision")
-    if config.linear_kernel != "default":   # RoPE in one C pass, transformers' floats (fused_rope.py)
+    export(prepack_vision(vision, plan.linear_kernel, fuse=plan.fused_kernels), "vision")
+    if plan.fused_kernels:   # RoPE in one C pass, transformers' floats (fused_rope.py)
         fused_rope.install()
     engine = EncodeEngine(vision, config.encode_max_batch_tokens)
     store = open_store(config, "ec")

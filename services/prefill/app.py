@@ -15,6 +15,7 @@ logger = logging.getLogger(__name__)
 async def build(config: EpdConfig) -> RoleServer:
     from services.connectors.wiring import open_store
     from services.decode.judge import FirstTokenJudge
+    from services.device_plan import plan_for
     from services.models import fused_rope
     from services.models.head_screen import screen_head_mode
     from services.models.prepack import export, prepack_language
@@ -27,16 +28,18 @@ async def build(config: EpdConfig) -> RoleServer:
     from .servicer import PrefillServicer
     from .serving import PrefillService
 
+    plan = plan_for(config)   # what runs on this device (CPU-only kernels never on CUDA)
     path = resolve_model(config.model)
     adapter = adapter_for(path)
     lm = adapter.load_language(path, config.device, config.dtype, config.max_model_len)
     # prompts, not single rows, go through prefill's layers (its LM head sees one row per prompt)
-    export(prepack_language(lm, config.linear_kernel, rows=(256, 1024), head_rows=(1, 16), fuse=True,
-                            head_mode=screen_head_mode(config.linear_kernel, config.lm_head_screen)), "language")
-    if config.linear_kernel != "default":   # RoPE in one C pass, transformers' floats (fused_rope.py)
+    export(prepack_language(lm, plan.linear_kernel, rows=(256, 1024), head_rows=(1, 16), fuse=plan.fused_kernels,
+                            head_mode=screen_head_mode(plan.linear_kernel, plan.lm_head_screen)), "language")
+    if plan.fused_kernels:   # RoPE in one C pass, transformers' floats (fused_rope.py)
         fused_rope.install()
     engine = PrefillEngine(lm, max_num_batched_tokens=config.max_num_batched_tokens,
-                           prefix_cache_mb=config.prefix_cache_mb, lm_head_screen=config.lm_head_screen)
+                           prefix_cache_mb=config.prefix_cache_mb, lm_head_screen=plan.lm_head_screen,
+                           native_attention=plan.native_attention)
     logger.info("prefill engine: %s", engine.screen_report.line())
     ec_store = open_store(config, "ec", producer=False)
     kv_store = open_store(config, "kv")
