@@ -81,7 +81,8 @@ class ShmReader:
 
     @contextmanager
     def view(self, ref: ShmRef) -> Iterator[dict[str, torch.Tensor]]:
-        """Tensors viewing the segment; checked again when the block ends without an exception."""
+        """Tensors viewing the segment; checked again when the block ends without an exception (unless the entry
+        has no bytes here: its device tensors are the caller's lease's to protect, ipc_lease.py)."""
         seg, layout = self._attach(ref, hold=True)
         try:
             header = self._check(seg, layout, ref)
@@ -89,7 +90,8 @@ class ShmReader:
             if self._verify and header.flags & HAS_CRC:
                 self._verify_crc(ref, views, header.crc)
             yield views
-            self._check(seg, layout, ref, after=True)
+            if ref.specs:
+                self._check(seg, layout, ref, after=True)
         finally:
             with self._lock:
                 self._in_use[ref.segment] -= 1

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from services.config import EpdConfig
 from services.device_plan import plan_for
 from services.server import RoleServer
+
+if TYPE_CHECKING:
+    from services.device_plan import DevicePlan
+    from services.models.prepack import LinearReport
 
 logger = logging.getLogger(__name__)
 
@@ -87,13 +92,26 @@ def stack_kernel(config: EpdConfig) -> str:
     return config.linear_kernel
 
 
-async def build(config: EpdConfig) -> RoleServer:
+def prepare(lm: Any, config: EpdConfig, plan: DevicePlan) -> LinearReport:
+    """The language model's CPU kernels where the plan has them (none on CUDA: services/device_plan.py)."""
     import torch
+
+    from services.models.head_screen import screen_head_mode
+    from services.models.prepack import prepack_language
+
+    steps = (1, config.decode_slots) if config.decode_slots > 1 else (1,)   # the rows a decode step multiplies
+    serial = serial_rows(config.decode_serial_rows, config.decode_slots, fused=wants_fused(config))
+    return prepack_language(lm, plan.linear_kernel, rows=steps, head_rows=steps, serial_rows=serial,
+                            stack_mode=stack_kernel(config) if plan.cpu else None,
+                            head_mode=screen_head_mode(plan.linear_kernel, plan.lm_head_screen),
+                            weight_dtype=torch.bfloat16 if bf16_weights(config) else None)
+
+
+async def build(config: EpdConfig) -> RoleServer:
 
     from services.config import int_list
     from services.connectors.wiring import open_store
-    from services.models.head_screen import screen_head_mode
-    from services.models.prepack import export, prepack_language
+    from services.models.prepack import export
     from services.models.processing import load_tokenizer
     from services.models.registry import adapter_for, resolve_model
     from services.rpc.v1 import epd_pb2_grpc as rpc
@@ -105,14 +123,9 @@ async def build(config: EpdConfig) -> RoleServer:
     plan = plan_for(config)   # what runs on this device (CPU-only kernels never on CUDA)
     path = resolve_model(config.model)
     lm = adapter_for(path).load_language(path, config.device, load_dtype(config), config.max_model_len)
-    steps = (1, config.decode_slots) if config.decode_slots > 1 else (1,)   # the rows a decode step multiplies
     serial = serial_rows(config.decode_serial_rows, config.decode_slots)
     fused_serial = serial_rows(config.decode_serial_rows, config.decode_slots, fused=True)
-    export(prepack_language(lm, plan.linear_kernel, rows=steps, head_rows=steps,
-                            serial_rows=fused_serial if wants_fused(config) else serial,
-                            stack_mode=stack_kernel(config) if plan.cpu else None,
-                            head_mode=screen_head_mode(plan.linear_kernel, plan.lm_head_screen),
-                            weight_dtype=torch.bfloat16 if bf16_weights(config) else None), "language")
+    export(prepare(lm, config, plan), "language")
     engine = DecodeEngine(lm, load_tokenizer(path), config.decode_slots, config.max_model_len,
                           max_queued=config.decode_queue, stream_timeout=config.request_timeout_s,
                           kv_cache_bytes=config.kv_cache_mb << 20 if plan.cpu else gpu_kv_bytes(config, lm),

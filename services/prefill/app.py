@@ -3,22 +3,39 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from services.config import EpdConfig
 from services.server import RoleServer
 
+if TYPE_CHECKING:
+    from services.device_plan import DevicePlan
+    from services.models.prepack import LinearReport
+
 logger = logging.getLogger(__name__)
+
+
+def prepare(lm: Any, plan: DevicePlan) -> LinearReport:
+    """The language model's CPU kernels where the plan has them (none on CUDA: services/device_plan.py)."""
+    from services.models import fused_rope
+    from services.models.head_screen import screen_head_mode
+    from services.models.prepack import prepack_language
+
+    # prompts, not single rows, go through prefill's layers (its LM head sees one row per prompt)
+    report = prepack_language(lm, plan.linear_kernel, rows=(256, 1024), head_rows=(1, 16), fuse=plan.fused_kernels,
+                              head_mode=screen_head_mode(plan.linear_kernel, plan.lm_head_screen))
+    if plan.fused_kernels:   # RoPE in one C pass, transformers' floats (fused_rope.py)
+        fused_rope.install()
+    return report
 
 
 async def build(config: EpdConfig) -> RoleServer:
     from services.connectors.wiring import open_store
     from services.decode.judge import FirstTokenJudge
     from services.device_plan import plan_for
-    from services.models import fused_rope
-    from services.models.head_screen import screen_head_mode
-    from services.models.prepack import export, prepack_language
+    from services.models.prepack import export
     from services.models.processing import load_tokenizer
     from services.models.registry import adapter_for, resolve_model
     from services.rpc.v1 import epd_pb2_grpc as rpc
@@ -32,11 +49,7 @@ async def build(config: EpdConfig) -> RoleServer:
     path = resolve_model(config.model)
     adapter = adapter_for(path)
     lm = adapter.load_language(path, config.device, config.dtype, config.max_model_len)
-    # prompts, not single rows, go through prefill's layers (its LM head sees one row per prompt)
-    export(prepack_language(lm, plan.linear_kernel, rows=(256, 1024), head_rows=(1, 16), fuse=plan.fused_kernels,
-                            head_mode=screen_head_mode(plan.linear_kernel, plan.lm_head_screen)), "language")
-    if plan.fused_kernels:   # RoPE in one C pass, transformers' floats (fused_rope.py)
-        fused_rope.install()
+    export(prepare(lm, plan), "language")
     engine = PrefillEngine(lm, max_num_batched_tokens=config.max_num_batched_tokens,
                            prefix_cache_mb=config.prefix_cache_mb, lm_head_screen=plan.lm_head_screen,
                            native_attention=plan.native_attention)
