@@ -13,6 +13,10 @@ the GPU, this one included.  `reserve` is what is allocated later, outside what 
 - the shm connector's CUDA IPC entries: encode's EC store and prefill's KV store keep every tensor they hand out
   by IPC handle in their own GPU memory, up to --ec-capacity-mb / --kv-capacity-mb each (`ipc_reserve`; only
   for a connector that is shm, the one-host path).
+The pool's block count is then capped and rounded (`pool_blocks`): flex attention's kernels address one layer's
+pool of one KV head with 32-bit offsets, so a head's run of tokens x head_dim stays under 2^31 elements (a bound
+only the tiny demo models reach); and the count keeps its top five bits only (at most 1/16 less), so the same
+budget gives the same pool from one start to the next, a shape Inductor's on-disk cache then compiles once.
 Peers' forward activations (a prefill of --max-num-batched-tokens, an encode batch) come out of the 1 - fraction
 left over (0.1 by default: 8 GiB of an 80 GiB H100).  A pool that would be smaller than one request at
 max_model_len is refused at start with the figures (`decode_pool_bytes`), never an out-of-memory mid-request.
@@ -75,3 +79,16 @@ def decode_pool_bytes(total: int, free: int, fraction: float, reserve: int, min_
                          "raise --gpu-memory-fraction, lower --max-model-len, --decode-slots or the shm stores' "
                          "capacities, or give decode a GPU of its own")
     return budget
+
+
+INT32_ELEMENTS = (1 << 31) - 1
+
+
+def pool_blocks(pool_bytes: int, block_bytes: int, block_size: int, kv_heads: int, head_dim: int) -> int:
+    """Blocks of a CUDA pool of `pool_bytes`: capped for flex's 32-bit offsets (its scratch block included), then
+    rounded down to the top five bits of the count (module docstring)."""
+    blocks = min(pool_bytes // block_bytes, INT32_ELEMENTS // (kv_heads * head_dim * block_size) - 1)
+    if blocks < 1:
+        return 0
+    granule = 1 << max(0, blocks.bit_length() - 5)
+    return blocks // granule * granule

@@ -40,7 +40,7 @@ def gpu_kv_bytes(config: EpdConfig, lm: object) -> int:
     import torch
 
     from services.decode.block_pool import block_bytes
-    from services.gpu_budget import decode_pool_bytes, ipc_reserve, step_workspace
+    from services.gpu_budget import decode_pool_bytes, ipc_reserve, pool_blocks, step_workspace
 
     layout, text = lm.layout, lm.model.config   # type: ignore[attr-defined]
     free, total = torch.cuda.mem_get_info(torch.device(config.device))
@@ -52,8 +52,9 @@ def gpu_kv_bytes(config: EpdConfig, lm: object) -> int:
                                       config.kv_capacity_mb)
     min_pool = (-(-config.max_model_len // config.kv_block_size) + 1) * block
     budget = decode_pool_bytes(total, free, config.gpu_memory_fraction, reserve, min_pool)
-    logger.info("decode %s", budget.line())
-    return budget.pool
+    blocks = pool_blocks(budget.pool, block, config.kv_block_size, layout.num_kv_heads, layout.head_dim)
+    logger.info("decode %s: %d blocks of %d tokens", budget.line(), blocks, config.kv_block_size)
+    return blocks * block
 
 
 def bf16_weights(config: EpdConfig) -> bool:

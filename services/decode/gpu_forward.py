@@ -20,6 +20,7 @@ import torch
 from services.decode.block_pool import BlockPool
 from services.decode.flex_paged import PagedMask, attend, flex_function
 from services.decode.paged_forward import check_supported, rotate_half
+from services.gpu_budget import INT32_ELEMENTS
 from services.models.base import LanguageModel
 
 IDS, POS, SLOT = range(3)   # rows of the int64 step buffer
@@ -65,6 +66,9 @@ class GpuDecoder:
     def __init__(self, lm: LanguageModel, pool: BlockPool, max_rows: int, max_blocks: int) -> None:
         if not pool.heads_major:
             raise ValueError("the CUDA decode step needs a heads-major block pool")
+        if pool.kv[0, 0].numel() > INT32_ELEMENTS:   # flex's kernels address a layer's keys with 32-bit offsets
+            raise ValueError(f"a KV pool of {pool.num_blocks} blocks is beyond flex attention's 32-bit offsets "
+                             "(services/gpu_budget.py pool_blocks caps it)")
         stack = lm.model
         check_supported(stack)
         self.lm, self.pool = lm, pool

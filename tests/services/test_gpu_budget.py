@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 
 from services.config import EpdConfig
-from services.gpu_budget import FIXED_WORKSPACE, MIB, decode_pool_bytes, ipc_reserve, step_workspace
+from services.gpu_budget import (
+    FIXED_WORKSPACE,
+    INT32_ELEMENTS,
+    MIB,
+    decode_pool_bytes,
+    ipc_reserve,
+    pool_blocks,
+    step_workspace,
+)
 from services.launch import Child, start_order
 
 GIB = 1 << 30
@@ -34,6 +42,19 @@ def test_the_step_workspace_counts_logits_activations_mask_and_a_fixed_part():
     logits = 64 * 151936 * 2 + 64 * 8
     activations = 64 * (8 * 1024 + 3 * 2816) * 2
     assert step_workspace(64, 1024, 2816, 151936, 2, 1000) == logits + 2 * activations + 8 * 1002 + FIXED_WORKSPACE
+
+
+def test_pool_blocks_keep_flex_offsets_in_32_bits_and_round_to_five_bits():
+    # a real model's pool: 28 layers x 2 x 2 heads x 16 tokens x 128 x 2 bytes per block; 50 GiB
+    block = 28 * 2 * 2 * 16 * 128 * 2
+    raw = 50 * GIB // block                                   # 117,028 blocks = 0b11100100100100100
+    assert pool_blocks(50 * GIB, block, 16, 2, 128) == 0b11100 << 12 == 114688   # within 1/16 below
+    assert pool_blocks(50 * GIB + 3 * block, block, 16, 2, 128) == 114688        # small jitter: the same pool
+    assert 114688 <= raw < 114688 * 17 // 16
+    # a tiny model (2 heads of 16): 40 GiB would be 2.6 G elements per head; capped under 2^31
+    capped = pool_blocks(40 * GIB, 2 * 2 * 2 * 16 * 16 * 2, 16, 2, 16)
+    assert (capped + 1) * 16 * 2 * 16 <= INT32_ELEMENTS and capped == 0b11111 << 17
+    assert pool_blocks(100, 4096, 16, 2, 16) == 0
 
 
 def test_ipc_reserve_counts_only_the_shm_connectors_stores():
