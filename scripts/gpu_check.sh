@@ -39,20 +39,20 @@ if [ -z "$DRY" ]; then
 print('cuda:', ok, torch.cuda.get_device_name(0) if ok else '', 'torch', torch.__version__); sys.exit(0 if ok else 3)" \
     || { echo "gpu_check: no CUDA device here"; exit 3; }
   # the checkpoints first (random weights from configs, built once into EPD_CACHE_DIR)
-  timeout -k 5 45 "$PYTHON" -c "from services.models.tiny import tiny_model_path; from services.models.demo import \
+  timeout -k 5 40 "$PYTHON" -c "from services.models.tiny import tiny_model_path; from services.models.demo import \
 demo_model_path; [tiny_model_path(f) for f in ('qwen2_vl', 'qwen2_5_vl', 'llava')]; demo_model_path('medium')"
 fi
 
-section() {   # NAME LIMIT_S [SECTIONS_ALSO_IN_DRY_RUN]: one process, its own time limit, its own log
+section() {   # NAME LIMIT_S: one process, its own time limit, its own log
   timeout -k 5 "$2" "$PYTHON" -m benchmarks.gpu_check "$1" --device $DEVICE --out "$PARTS" $DRY \
     > "$PARTS/$1.log" 2>&1
   echo "gpu_check: $1 exited $? after $(( $(date +%s) - start )) s"
 }
-section env 15
-section ipc 30
-section exactness 60
-section decode 70
-[ -z "$DRY" ] || [ -n "${GPU_CHECK_CLUSTER:-}" ] && section cluster 80
+section env 10
+section ipc 25
+section exactness 85
+section decode 65
+[ -z "$DRY" ] || [ -n "${GPU_CHECK_CLUSTER:-}" ] && section cluster 75
 if [ -z "$DRY" ] && [ -n "${OUT:-}" ]; then   # the device tool brings back only what is under $OUT
   tar -C "$PARTS" -czf "$OUT/gpu_check_logs.tgz" . 2>/dev/null || true
 fi
