@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING, Any, cast
 from services.connectors.base import (
     ConnectorError,
     EntryCorrupt,
-    Reservation,
     StoreConfig,
     StoreStats,
     TensorSpec,
@@ -129,16 +128,6 @@ class ShmTensorStore(TensorStore):
             return entry.length
 
         return self._fill_and_publish(entry, [], fill_views)
-
-    def reserve(self, key: str, specs: dict[str, TensorSpec]) -> Reservation | None:
-        """The entry's handle now, its payload later (`_Reserved.publish`); None with checksums on (the handle
-        carries the checksum of a payload not written yet)."""
-        if self.config.verify_checksum or any(spec_device(spec) != "cpu" for spec in specs.values()):
-            return None   # device tensors are shared once written (their IPC event orders the reads): put_into
-        check_key(key)
-        planned, length = plan_specs(specs)
-        entry = self._reserve(key, planned, length)
-        return _Reserved(self, entry, self._handle(entry, []))
 
     def _reserve(self, key: str, specs: list[Any], length: int, extra: int = 0,
                  keep: list[Any] | None = None) -> PoolEntry:
@@ -259,22 +248,3 @@ class ShmTensorStore(TensorStore):
 
 def _on_host(t: Data) -> bool:
     return is_array(t) or cast("torch.Tensor", t).device.type == "cpu"
-
-
-class _Reserved(Reservation):
-    def __init__(self, store: ShmTensorStore, entry: PoolEntry, handle: dict[str, Any]) -> None:
-        self._store, self._entry, self.handle = store, entry, handle
-        self._ended = False
-
-    def publish(self, fill: Callable[[dict[str, torch.Tensor]], None]) -> int:
-        if self._ended:
-            return 0
-        self._ended = True
-        self._store._fill_views(self._entry, fill)
-        return self._entry.length
-
-    def abort(self) -> None:
-        if not self._ended:
-            self._ended = True
-            with self._store._lock:
-                self._store._ensure_pool().abort(self._entry)

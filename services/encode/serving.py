@@ -1,7 +1,10 @@
 """Encode's core: kwargs items -> EC entries (embedding + family extras) in the EC store -> handles.
 
 An item whose mm_hash is already stored is not encoded again (counted as a
-cache hit); concurrent requests for the same item share one encode.  An item
+cache hit); concurrent requests for the same item share one encode, which runs
+as this service's own task: a request that leaves (cancelled, its client gone)
+stops waiting for it without cancelling it for the others, and the embedding is
+stored for the next request either way.  An item
 that comes by handle (render's mm store, services.connectors.mm) is read as
 zero-copy views kept open through the forward, so the tower's own input copy
 is the only copy of its pixels; an entry evicted meanwhile fails the item
@@ -61,7 +64,7 @@ class EncodeService:
                  max_queue: int = 256, mm_store: TensorStore | None = None) -> None:
         self.engine, self.store, self.model_id, self.timeout_s = engine, store, model_id, timeout_s
         self.mm_store = mm_store  # where items sent by handle are read
-        self._inflight: dict[str, asyncio.Future[EncodedResult]] = {}
+        self._inflight: dict[str, asyncio.Task[EncodedResult]] = {}   # key -> the one encode of that item running
         self.admission = Admission("encode", max_queue)  # items waiting for or in the tower
         self.gauges = OwnedGauges(self, GAUGES)  # read at scrape time: evictions and expiry show at once
 
@@ -75,23 +78,23 @@ class EncodeService:
         if item is None:
             raise InvalidRequest(f"item {mm_hash}: no kwargs_data and not in the encoder cache",
                                  code="missing_kwargs_data")
-        pending = self._inflight.get(key)
-        if pending is not None:  # another request is encoding this item right now: not encoded twice
+        task = self._inflight.get(key)
+        if task is not None:  # another request is encoding this item right now: not encoded twice
             ITEMS.labels("cache_hit").inc()
-            return await asyncio.shield(pending)
-        future: asyncio.Future[EncodedResult] = asyncio.get_running_loop().create_future()
-        self._inflight[key] = future
-        try:
-            with self.admission.admit():
-                result = await self._encode(key, mm_hash, item, ref)
-            future.set_result(result)
-            return result
-        except BaseException as exc:
-            future.set_exception(exc)
-            future.exception()  # mark retrieved: waiters (if any) re-raise it themselves
-            raise
-        finally:
+        else:
+            admitted = self.admission.admit()
+            admitted.__enter__()   # refused (Overloaded) at once when full; held until the encode ends
+            task = asyncio.get_running_loop().create_task(self._encode(key, mm_hash, item, ref))
+            self._inflight[key] = task
+            task.add_done_callback(lambda done: self._ended(key, done, admitted))
+        return await asyncio.shield(task)   # leaving stops this request's wait, never the encode
+
+    def _ended(self, key: str, task: asyncio.Task, admitted: contextlib.AbstractContextManager) -> None:
+        if self._inflight.get(key) is task:
             del self._inflight[key]
+        admitted.__exit__(None, None, None)
+        if not task.cancelled():
+            task.exception()   # retrieved: every waiter re-raises it itself (none may be left)
 
     def _lookup(self, key: str) -> dict | None:
         try:
