@@ -57,3 +57,19 @@ def is_loopback(host: str) -> bool:
 
 def flag_name(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
+
+
+def cpu_only_on_cuda(device: str, engines: Any) -> str:
+    """Why the engines' settings ask a CPU-only kernel on a CUDA device ("" when they do not): an explicit choice
+    is refused, never silently ignored (services/models/device_plan.py: on CUDA "auto" means off)."""
+    if device.split(":")[0] != "cuda":
+        return ""
+    asked = [f"--linear-kernel {engines.linear_kernel}" if engines.linear_kernel in ("panel", "prepacked") else "",
+             "--decode-fused on" if engines.decode_fused == "on" else "",
+             "--lm-head-screen on" if engines.lm_head_screen == "on" else "",
+             f"--decode-attention {engines.decode_attention}" if engines.decode_attention != "auto" else ""]
+    asked = [a for a in asked if a]
+    if not asked:
+        return ""
+    return (f"{', '.join(asked)}: CPU-only, not available with --device {device} (leave them at auto: CUDA runs "
+            "transformers' layers and its own paged flex attention)")

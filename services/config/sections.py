@@ -16,11 +16,12 @@ from typing import Any
 from services.edge.auth import KeySet, parse_keys
 from services.rpc.tls import check_files
 
-from .checks import ConfigError, _at_least, _check, _int_list_ok, _one_of, _role_map_ok, flag_name, is_loopback
+from .checks import ConfigError, _at_least, _check, _one_of, _role_map_ok, flag_name, is_loopback
 
 CONNECTORS = ("shm", "redis")
 DEVICES_PREFIXES = ("cpu", "cuda")
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+CPU_DECODE_SLOTS, CUDA_DECODE_SLOTS = 16, 64   # --decode-slots auto (CUDA: the rows its CUDA graphs are captured for)
 # The built-in demo models: alias -> (the size services/models/demo.py builds, the model id clients send).
 DEMO_ALIASES = {"demo": ("tiny", "epd-demo-qwen2-vl"), "epd-demo-qwen2-vl": ("tiny", "epd-demo-qwen2-vl"),
                 "demo-medium": ("medium", "epd-demo-qwen2-vl-medium")}
@@ -82,7 +83,8 @@ class CheckpointConfig:
     model: str = _f("demo", "Hugging Face id or local checkpoint folder; 'demo' is the built-in tiny Qwen2-VL")
     served_model_name: str = _f("", "model id clients send (default: the model's folder name or 'epd-demo-qwen2-vl')")
     device: str = _f("cpu", "torch device of model roles: cpu, cuda, cuda:N")
-    dtype: str = _f("float32", "model dtype: float32 | bfloat16 (decode: float32 math over bf16 weights) | float16")
+    dtype: str = _f("auto", "model dtype: auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 (CPU decode: "
+                    "float32 math over bf16 weights) | float16")
     max_model_len: int = _f(8192, "context length (prompt + output tokens)")
 
     def __post_init__(self) -> None:
@@ -191,7 +193,11 @@ class EnginesConfig:
                                      "itself (loads the vision tower on first need)")
     prefill_max_queue: int = _f(32, "requests one prefill instance holds (running + waiting); more are "
                                 "refused (429, the coordinator tries another instance)")
-    decode_slots: int = _f(16, "concurrent sequences one decode instance runs (continuous batching)")
+    decode_slots: int = _f(0, "concurrent sequences one decode instance runs (continuous batching); 0 (auto): 16 on "
+                           f"CPU, {CUDA_DECODE_SLOTS} on CUDA (its CUDA graphs are captured up to it)")
+    gpu_memory_fraction: float = _f(0.9, "CUDA: the share of the GPU's memory all epd roles on it may use together; "
+                                    "decode's KV pool is what is left of it once loaded "
+                                    "(services/decode/gpu_budget.py)")
     decode_queue: int = _f(64, "requests waiting for a decode slot before new ones are refused")
     kv_cache_mb: int = _f(1024, "bytes (MiB) of one decode instance's KV block pool; running and waiting "
                           "requests share it (each reserves prompt + max_tokens at admission)")
@@ -228,13 +234,13 @@ class EnginesConfig:
         _one_of(self, ("decode_attention",), ATTENTION_KERNELS)
         _one_of(self, ("decode_step",), DECODE_STEPS)
         _one_of(self, ("decode_fused", "lm_head_screen"), SWITCHES)
-        _at_least(self, ("decode_slots", "kv_cache_mb", "encode_max_batch_tokens", "prefill_max_queue",
-                         "encode_max_queue", "max_num_batched_tokens"), 1)
+        _at_least(self, ("kv_cache_mb", "encode_max_batch_tokens", "prefill_max_queue", "encode_max_queue",
+                         "max_num_batched_tokens"), 1)
+        _at_least(self, ("decode_slots",), 0)   # 0: auto, resolved for the device (EpdConfig)
+        _check(0 < self.gpu_memory_fraction <= 1, "gpu_memory_fraction must be in (0, 1]")
         _at_least(self, ("prefix_cache_mb", "render_workers", "render_cache_mb", "decode_kv_wait_s",
                          "decode_compile_budget_s"), 0)
         _check(self.decode_serial_rows >= -1, "decode_serial_rows must be -1 (auto), 0 or more")
-        _check(_int_list_ok(self.decode_step_buckets, 1, self.decode_slots),
-               f"decode_step_buckets must be comma-separated integers in 1..decode_slots ({self.decode_slots})")
         _check(1 <= self.kv_block_size <= 256, "kv_block_size must be in 1..256")
 
 

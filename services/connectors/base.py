@@ -67,6 +67,8 @@ class StoreConfig:
     """Compute and check a crc32 of the payload; None means the backend default (shm off, redis on)."""
     preallocate: bool = True
     """shm: create and pre-fault the pool at construction; False defers it to the first put (consumers)."""
+    pin_memory: bool = False
+    """redis: stage payloads in page-locked host memory (a CUDA role: device <-> host copies by DMA)."""
 
     def __post_init__(self) -> None:
         if self.purpose not in PURPOSES:
@@ -99,8 +101,15 @@ class StoreStats:
     it (get); zero-copy views count nothing.  The copy-count tests and /metrics read it."""
 
 
-TensorSpec = tuple[Any, tuple[int, ...]]
-"""(torch.dtype, shape) of one tensor that `TensorStore.put_into` reserves."""
+TensorSpec = tuple[Any, ...]
+"""(torch.dtype, shape) or (torch.dtype, shape, device) of one tensor that `TensorStore.put_into` reserves; the
+device is where the producer's `fill` copies from (default "cpu"): shm hands a device tensor over by IPC
+handle, Redis stages it in page-locked host memory."""
+
+
+def spec_device(spec: TensorSpec) -> str:
+    """The device a spec's data comes from ("cpu" when it names none)."""
+    return str(spec[2]) if len(spec) > 2 else "cpu"
 
 
 def check_key(key: str) -> str:
@@ -135,7 +144,7 @@ class TensorStore(ABC):
         entry costs exactly one copy; this default fills fresh tensors and then calls `put` (two)."""
         import torch
 
-        tensors = {name: torch.empty(shape, dtype=dtype) for name, (dtype, shape) in specs.items()}
+        tensors = {name: torch.empty(spec[1], dtype=spec[0], device=spec_device(spec)) for name, spec in specs.items()}
         fill(tensors)
         return self.put(key, tensors)
 

@@ -107,10 +107,10 @@ def plan(tensors: dict[str, Data]) -> tuple[list[TensorSpec], int]:
     return plan_specs({name: (_dtype_of(name, t), tuple(t.shape)) for name, t in tensors.items()})
 
 
-def plan_specs(specs: dict[str, tuple[Any, tuple[int, ...]]]) -> tuple[list[TensorSpec], int]:
-    """Specs for (dtype, shape) pairs laid out back to back, and the payload length."""
+def plan_specs(specs: dict[str, tuple[Any, ...]]) -> tuple[list[TensorSpec], int]:
+    """Specs for (dtype, shape[, device]) laid out back to back, and the payload length."""
     out, offset = [], 0
-    for name, (dtype, shape) in specs.items():
+    for name, (dtype, shape, *_) in specs.items():
         wire = dtype_name(dtype)
         shape = tuple(int(n) for n in shape)
         nbytes = math.prod(shape) * ITEMSIZE[wire]

@@ -72,8 +72,25 @@ class RedisTensorStore(TensorStore):
     def redis_key(self, key: str) -> str:
         return f"{self.config.namespace}:{self.config.purpose}:{check_key(key)}"
 
+    def _buffer(self, nbytes: int) -> np.ndarray:
+        """A host buffer for a payload: page-locked for a CUDA role (`pin_memory`), so its copies are DMA."""
+        if not self.config.pin_memory:
+            return np.empty(nbytes, np.uint8)
+        import torch
+
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+
+    def _host(self, t: Any) -> Any:
+        if is_array(t) or t.device.type == "cpu":
+            return t if is_array(t) else t.detach()
+        if not self.config.pin_memory:
+            return t.detach().cpu()
+        import torch
+
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t.detach())   # device -> pinned host
+
     def put(self, key: str, tensors: dict[str, Data]) -> dict[str, Any]:
-        cpu = {n: t if is_array(t) else t.detach().cpu() for n, t in tensors.items()}
+        cpu = {n: self._host(t) for n, t in tensors.items()}
         specs, length = plan(cpu)
         return self._send(key, specs, length, [byte_view(t) for t in cpu.values()])
 
@@ -81,7 +98,7 @@ class RedisTensorStore(TensorStore):
                  fill: Callable[[dict[str, torch.Tensor]], None]) -> dict[str, Any]:
         """One copy: `fill` writes into the buffer whose bytes are then sent."""
         planned, length = plan_specs(specs)
-        buf = np.empty(length, np.uint8)
+        buf = self._buffer(length)   # pinned for a CUDA producer: its fill copies device -> pinned host
         fill({s.name: tensor_at(buf, s) for s in planned})
         handle = self._send(key, planned, length, [bytes_at(buf, s) for s in planned])
         with self._lock:
@@ -152,7 +169,7 @@ class RedisTensorStore(TensorStore):
 
     def get(self, handle: dict[str, Any]) -> dict[str, torch.Tensor]:
         ref = RedisRef.from_handle(handle)
-        buf = np.empty(ref.total, np.uint8)  # one owned buffer, received into; tensors are views into it
+        buf = self._buffer(ref.total)  # one owned buffer, received into; tensors are views into it
         ranges = [(a, min(a + READ_CHUNK, ref.total)) for a in range(0, ref.total, READ_CHUNK)]
         commands: list[list[Arg]] = [["MULTI"]]
         commands += [["GETRANGE", ref.rkey, a, b - 1] for a, b in ranges]

@@ -1,4 +1,4 @@
-"""The shm backend: tensors in a POSIX shared-memory pool on this host; CUDA tensors by IPC handle.
+"""The shm backend: tensors in a POSIX shared-memory pool on this host; device tensors by IPC handle.
 
 Producer: one pool segment per store, created once (at construction unless
 `preallocate=False`), pre-faulted and reused (shm_pool).  Consumer: any process
@@ -6,7 +6,12 @@ on the host loads by handle through cached attachments (shm_reader).  A handle:
 
     {"backend": "shm", "key", "segment", "slot", "generation", "offset", "length",
      "checksum": crc32 | None, "tensors": [{"name", "dtype", "shape", "offset", "nbytes"}],
-     "cuda": [CUDA IPC descriptions, see cuda_ipc]}
+     "cuda": [IPC descriptions of device tensors, see ipc.py / cuda_ipc.py]}
+
+Device tensors (CUDA, by default `CudaIpc`) never touch the pool's bytes: `put` keeps them in the entry and
+hands out their IPC descriptions; `put_into` with a spec on a device allocates them there for `fill` (a GPU
+prefill's KV goes GPU to GPU).  A consumer leases the entry's slot while it reads them (ipc_lease.py), so
+entries opened by several consumers are freed when the last one is done, and a consumer that dies lets go.
 
 close() (also run at exit or when the store is collected) unlinks the segment.
 
@@ -25,17 +30,20 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from services.connectors.base import (
     ConnectorError,
+    EntryCorrupt,
     StoreConfig,
     StoreStats,
     TensorSpec,
     TensorStore,
     check_key,
+    spec_device,
 )
 from services.connectors.codec import Data, copy_into, is_array, plan, plan_specs, tensor_at
+from services.connectors.ipc import IpcOpener
 from services.connectors.shm_pool import PoolEntry, ShmPool
 from services.connectors.shm_reader import ShmReader, ShmRef
 from services.connectors.shm_segment import segment_name
@@ -48,8 +56,9 @@ class ShmTensorStore(TensorStore):
     backend = "shm"
     local = True  # the pool segment and the index are this host's memory
 
-    def __init__(self, config: StoreConfig) -> None:
+    def __init__(self, config: StoreConfig, ipc: IpcOpener | None = None) -> None:
         self.config = config
+        self._ipc_opener = ipc   # None: CUDA IPC, imported at first use (a store of host tensors never needs torch)
         self._name = segment_name(config.namespace, config.purpose, config.instance_id)
         self._reader = ShmReader(bool(config.verify_checksum))
         self._pool: ShmPool | None = None
@@ -75,21 +84,40 @@ class ShmTensorStore(TensorStore):
             self._finalizers.append(weakref.finalize(self, self._pool.close))
         return self._pool
 
+    @property
+    def _ipc(self) -> IpcOpener:
+        if self._ipc_opener is None:
+            from services.connectors.cuda_ipc import CudaIpc
+
+            self._ipc_opener = CudaIpc()
+        return self._ipc_opener
+
+    def _by_handle(self, t: Data) -> bool:
+        """`t` travels by IPC handle: a device tensor (or what a given opener claims: the tests' FAKE one)."""
+        if _on_host(t) and self._ipc_opener is None:
+            return False   # host data: no torch.cuda import for it
+        return not is_array(t) and self._ipc.owns(t)
+
     def put(self, key: str, tensors: dict[str, Data]) -> dict[str, Any]:
         check_key(key)
-        host = {n: t for n, t in tensors.items() if is_array(t) or t.device.type == "cpu"}
-        gpu = {n: t for n, t in tensors.items() if not is_array(t) and t.device.type == "cuda"}
+        gpu = {n: cast("torch.Tensor", t) for n, t in tensors.items() if self._by_handle(t)}
+        host = {n: t for n, t in tensors.items() if n not in gpu and _on_host(t)}
         if len(host) + len(gpu) != len(tensors):
-            raise ConnectorError(f"entry {key!r}: only CPU and CUDA tensors can be stored")
-        cuda = [_share_cuda(n, t) for n, t in gpu.items()]
+            raise ConnectorError(f"entry {key!r}: only CPU tensors and {self._ipc.kind} device tensors can be stored")
+        cuda = [self._ipc.share(n, t) for n, t in gpu.items()]
         specs, length = plan(host)
         entry = self._reserve(key, specs, length, sum(d["nbytes"] for d in cuda), list(gpu.values()))
         return self._fill_and_publish(entry, cuda, lambda buf: self._copy_in(buf, entry, host))
 
     def put_into(self, key: str, specs: dict[str, TensorSpec],
                  fill: Callable[[dict[str, torch.Tensor]], None]) -> dict[str, Any]:
-        """One copy: `fill` writes straight into views of the reserved pool extent (not yet readable)."""
+        """One copy: `fill` writes straight into views of the reserved pool extent (not yet readable); specs on a
+        device get tensors there, handed over by IPC handle (a GPU producer's data never leaves the GPU)."""
         check_key(key)
+        if any(spec_device(spec) != "cpu" for spec in specs.values()):
+            tensors = {name: self._ipc.empty(spec[0], spec[1], spec_device(spec)) for name, spec in specs.items()}
+            fill(tensors)
+            return self.put(key, dict(tensors))
         planned, length = plan_specs(specs)
         return self._fill_views(self._reserve(key, planned, length), fill)
 
@@ -152,8 +180,19 @@ class ShmTensorStore(TensorStore):
     @contextmanager
     def view(self, handle: dict[str, Any]) -> Iterator[dict[str, torch.Tensor]]:
         ref = self._ref(handle)
-        with self._reader.view(ref) as views:
-            yield {**views, **self._open_cuda(ref)}
+        if not ref.cuda or self._is_own(ref):
+            with self._reader.view(ref) as views:
+                yield {**views, **self._open_cuda(ref)}
+            return
+        leases = self._reader.leases
+        leases.acquire(ref.segment, ref.slot)   # before the slot header is checked (ipc_lease.py)
+        opened: dict[str, torch.Tensor] = {}
+        try:
+            with self._reader.view(ref) as views:
+                opened = self._open_cuda(ref)
+                yield {**views, **opened}
+        finally:   # given back once this process's reads of the device tensors completed
+            leases.release_when(ref.segment, ref.slot, self._ipc.reads_done(list(opened.values())))
 
     def _ref(self, handle: dict[str, Any]) -> ShmRef:
         if self._closed:
@@ -167,9 +206,11 @@ class ShmTensorStore(TensorStore):
             entry = self._pool.entry_for(ref.slot, ref.gen) if self._pool and self._is_own(ref) else None
         if entry is not None:  # a process cannot open its own IPC handles: use the tensors it keeps
             return dict(zip((d["name"] for d in ref.cuda), entry.keep, strict=True))
-        from services.connectors.cuda_ipc import open_shared
-
-        return {d["name"]: open_shared(d) for d in ref.cuda}
+        ipc = self._ipc
+        kinds = {d.get("kind", "cuda") for d in ref.cuda}
+        if kinds != {ipc.kind}:
+            raise EntryCorrupt(f"entry {ref.key!r} holds {sorted(kinds)} device tensors; this store opens {ipc.kind}")
+        return {d["name"]: ipc.open(d) for d in ref.cuda}
 
     def _is_own(self, ref: ShmRef) -> bool:
         return ref.segment == self._name
@@ -205,7 +246,5 @@ class ShmTensorStore(TensorStore):
             self._pool = None
 
 
-def _share_cuda(name: str, t: torch.Tensor) -> dict[str, Any]:
-    from services.connectors.cuda_ipc import share
-
-    return share(name, t)
+def _on_host(t: Data) -> bool:
+    return is_array(t) or cast("torch.Tensor", t).device.type == "cpu"

@@ -12,6 +12,12 @@ Entries are kept in LRU order; room for a new entry is made by first
 reclaiming expired and consumed entries, then evicting the least recently
 used ones.  `bytes_used` (aligned payload bytes plus any extra charge, e.g.
 CUDA tensors kept alive for IPC) never exceeds the capacity.
+
+An entry with device tensors (`keep`, handed out by IPC handle) that is freed
+while a consumer still holds a lease on its slot (services/connectors/
+ipc_lease.py) is *draining*: it is gone for lookups and readers, but its slot,
+its device tensors and their charge stay until a later `reclaim` finds no
+lease left; only then does the device memory go back.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from typing import Any
 
 from services.connectors.base import ConnectorError
 from services.connectors.codec import TensorSpec, align_up, bytes_at, crc_of, key_hash
+from services.connectors.ipc_lease import is_leased
 from services.connectors.shm_alloc import ExtentAllocator, SlotAllocator
 from services.connectors.shm_layout import HAS_CRC, SLOT_MAGIC, Layout, SlotHeader
 from services.connectors.shm_segment import Segment, create_segment, unlink_segment
@@ -53,6 +60,7 @@ class ShmPool:
         self._extents = ExtentAllocator(capacity)
         self._slots = SlotAllocator(self.layout.num_slots)
         self._entries: OrderedDict[str, PoolEntry] = OrderedDict()
+        self._draining: list[PoolEntry] = []   # freed, device tensors still leased by a consumer
         self._ttl_s, self._use_crc = ttl_s, use_crc
         self._next_gen = 1
         self._owner_pid = os.getpid()
@@ -120,18 +128,37 @@ class ShmPool:
         self._release(entry)
         return True
 
+    @property
+    def num_draining(self) -> int:
+        """Freed entries whose device tensors a consumer still reads."""
+        return len(self._draining)
+
     def _release(self, entry: PoolEntry) -> None:
-        self.layout.mark_free(self.segment.mm, entry.slot)  # before the extent can be reused
+        self.layout.mark_free(self.segment.mm, entry.slot)  # before the extent can be reused; before the lease test
         self._extents.release(entry.offset - self.layout.data_start, entry.size)
+        if entry.keep and self.segment.fd is not None and is_leased(self.segment.fd, entry.slot):
+            self._draining.append(entry)   # slot, device tensors and charge kept until the last lease goes
+            return
+        self._drop(entry)
+
+    def _drop(self, entry: PoolEntry) -> None:
         self._slots.release(entry.slot)
         self.bytes_used -= entry.charge
         entry.keep.clear()
 
     def reclaim(self) -> None:
-        """Free every expired entry and every entry a consumer marked consumed."""
+        """Free every expired entry and every entry a consumer marked consumed; drop the draining entries no
+        consumer leases any more."""
         now = time.monotonic()
         for key in [k for k, e in self._entries.items() if self._is_stale(e, now)]:
             self.free(key)
+        if self._draining and self.segment.fd is not None:
+            fd, draining, self._draining = self.segment.fd, self._draining, []
+            for entry in draining:
+                if is_leased(fd, entry.slot):
+                    self._draining.append(entry)
+                else:
+                    self._drop(entry)
 
     def _is_stale(self, entry: PoolEntry, now: float) -> bool:
         if entry.expires_at <= now:
@@ -150,6 +177,9 @@ class ShmPool:
             elif self._entries:
                 self.free(next(iter(self._entries)))
                 self.evictions += 1
+            elif self._draining:   # the rest is device memory consumers still read: refuse, never wait
+                raise ConnectorError(f"shm pool {self.name} cannot place {charge} bytes: {len(self._draining)} "
+                                     "freed entries are still read by consumers (raise the store's capacity)")
             else:  # cannot happen while charge <= capacity; guards against a bookkeeping bug looping
                 raise ConnectorError(f"shm pool {self.name} cannot place {size} bytes")
 
@@ -168,6 +198,7 @@ class ShmPool:
     def close(self) -> None:
         """Unlink the segment (attached consumers get EntryMissing) and unmap it."""
         self._entries.clear()
+        self._draining.clear()
         if os.getpid() == self._owner_pid:  # a forked child exiting must not unlink its parent's pool
             unlink_segment(self.name)
         self.segment.close()

@@ -7,7 +7,8 @@ does not describe the handle's entry is EntryCorrupt.  Attachments are cached
 per segment and re-validated by inode on each read, so a segment that was
 unlinked (producer closed, exited or was swept) reads as EntryMissing.
 
-Liveness: a watcher thread (started with the first attachment) checks every
+Liveness: a watcher thread (started with the first attachment) gives back the
+IPC leases whose reads completed (ipc_lease.py) and checks every
 LIVENESS_INTERVAL_S whether the producer of each cached attachment is gone
 (segment unlinked or replaced, or its owner's flock released: a SIGKILLed
 producer) and unmaps those no view is using, so a dead or restarted
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from services.connectors.base import EntryCorrupt, EntryMissing
 from services.connectors.codec import TensorSpec, byte_view, crc_of, key_hash, specs_from, tensor_at
+from services.connectors.ipc_lease import Leases
 from services.connectors.shm_fence import ensure as ensure_fence
 from services.connectors.shm_layout import HAS_CRC, READY, SLOT_MAGIC, Layout, SlotHeader
 from services.connectors.shm_segment import Segment, attach_segment, producer_gone
@@ -75,10 +77,12 @@ class ShmReader:
         self._interval = liveness_interval_s
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
+        self.leases = Leases()   # this process's leases on other pools' IPC entries (ipc_lease.py)
 
     @contextmanager
     def view(self, ref: ShmRef) -> Iterator[dict[str, torch.Tensor]]:
-        """Tensors viewing the segment; checked again when the block ends without an exception."""
+        """Tensors viewing the segment; checked again when the block ends without an exception (unless the entry
+        has no bytes here: its device tensors are the caller's lease's to protect, ipc_lease.py)."""
         seg, layout = self._attach(ref, hold=True)
         try:
             header = self._check(seg, layout, ref)
@@ -86,7 +90,8 @@ class ShmReader:
             if self._verify and header.flags & HAS_CRC:
                 self._verify_crc(ref, views, header.crc)
             yield views
-            self._check(seg, layout, ref, after=True)
+            if ref.specs:
+                self._check(seg, layout, ref, after=True)
         finally:
             with self._lock:
                 self._in_use[ref.segment] -= 1
@@ -148,6 +153,7 @@ class ShmReader:
     def _watch(self) -> None:
         while not self._stop.wait(self._interval):
             try:
+                self.leases.reap()   # leases whose GPU reads completed since their view closed
                 self.drop_dead()
             except Exception:  # noqa: BLE001 - the watcher must outlive one odd segment; try again next round
                 log.exception("shm liveness check failed")
@@ -173,6 +179,7 @@ class ShmReader:
 
     def close(self) -> None:
         self._stop.set()
+        self.leases.close()
         with self._lock:
             for seg, _ in self._segments.values():
                 seg.close()

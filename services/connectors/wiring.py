@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from services.config import EpdConfig
+from services.models.device_plan import is_cuda
 from services.protocol.errors import EpdError, NotFound, Unavailable
 
 from .base import BackendUnavailable, ConnectorError, EntryCorrupt, EntryMissing, StoreConfig, TensorStore
@@ -41,7 +42,7 @@ def store_config(config: EpdConfig, purpose: str, producer: bool = True) -> Stor
     return StoreConfig(backend=backend, purpose=purpose, instance_id=config.server.instance_id,
                        capacity_bytes=capacity_mb * 1024 * 1024, ttl_s=ttl,
                        redis_url=config.stores.redis_url if backend == "redis" else None,
-                       preallocate=producer)
+                       preallocate=producer, pin_memory=purpose != "mm" and is_cuda(config.checkpoint.device))
 
 
 def open_store(config: EpdConfig, purpose: str, producer: bool = True) -> TensorStore:

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from services.config import EpdConfig
+from services.models.device_plan import plan_for
 from services.runtime.server import RoleServer
+
+if TYPE_CHECKING:
+    from services.models.device_plan import DevicePlan
+    from services.models.prepack import LinearReport
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +34,30 @@ def serial_rows(configured: int, slots: int, fused: bool = False) -> int:
     return min(SMALL_BOX_SERIAL_ROWS, slots) if len(os.sched_getaffinity(0)) <= 2 else 1
 
 
+def gpu_kv_bytes(config: EpdConfig, lm: object) -> int:
+    """CUDA: decode's KV pool from the GPU budget the roles on this GPU share (services/decode/gpu_budget.py), read off
+    the device now that the model is loaded (decode starts last under `epd serve`)."""
+    import torch
+
+    from services.decode.block_pool import block_bytes
+    from services.decode.gpu_budget import decode_pool_bytes, ipc_reserve, pool_blocks, step_workspace
+
+    layout, text = lm.layout, lm.model.config   # type: ignore[attr-defined]
+    free, total = torch.cuda.mem_get_info(torch.device(config.checkpoint.device))
+    block = block_bytes(layout, config.engines.kv_block_size)
+    hidden = int(lm.hidden_size)   # type: ignore[attr-defined]
+    workspace = step_workspace(config.engines.decode_slots, hidden, int(getattr(text, "intermediate_size", 4 * hidden)),
+                               int(lm.vocab_size), layout.dtype.itemsize, free // block)   # type: ignore[attr-defined]
+    stores = config.stores
+    reserve = workspace + ipc_reserve(stores.ec_connector, stores.kv_connector, stores.ec_capacity_mb,
+                                      stores.kv_capacity_mb)
+    min_pool = (-(-config.checkpoint.max_model_len // config.engines.kv_block_size) + 1) * block
+    budget = decode_pool_bytes(total, free, config.engines.gpu_memory_fraction, reserve, min_pool)
+    blocks = pool_blocks(budget.pool, block, config.engines.kv_block_size, layout.num_kv_heads, layout.head_dim)
+    logger.info("decode %s: %d blocks of %d tokens", budget.line(), blocks, config.engines.kv_block_size)
+    return blocks * block
+
+
 def bf16_weights(config: EpdConfig) -> bool:
     """--dtype bfloat16 on CPU: decode keeps float32 activations and KV over bfloat16 weights.
 
@@ -39,8 +69,7 @@ def bf16_weights(config: EpdConfig) -> bool:
 
     from services.models import panel_linear
 
-    checkpoint = config.checkpoint
-    return (checkpoint.dtype == "bfloat16" and checkpoint.device == "cpu" and config.engines.linear_kernel != "default"
+    return (config.checkpoint.dtype == "bfloat16" and plan_for(config).cpu and config.engines.linear_kernel != "default"
             and panel_linear.available(torch.bfloat16))
 
 
@@ -53,8 +82,7 @@ def wants_fused(config: EpdConfig) -> bool:
     """The fused step may run (services/decode/fused.py decides at start-up whether the model fits it)."""
     from services.models import panel_linear
 
-    engines = config.engines
-    return (engines.decode_fused != "off" and engines.decode_step != "compiled" and config.checkpoint.device == "cpu"
+    return (config.engines.decode_fused != "off" and config.engines.decode_step != "compiled" and plan_for(config).cpu
             and load_dtype(config) == "float32" and panel_linear.available())
 
 
@@ -66,13 +94,27 @@ def stack_kernel(config: EpdConfig) -> str:
     return config.engines.linear_kernel
 
 
-async def build(config: EpdConfig) -> RoleServer:
+def prepare(lm: Any, config: EpdConfig, plan: DevicePlan) -> LinearReport:
+    """The language model's CPU kernels where the plan has them (none on CUDA: services/models/device_plan.py)."""
     import torch
+
+    from services.models.head_screen import screen_head_mode
+    from services.models.prepack import prepack_language
+
+    slots = config.engines.decode_slots
+    steps = (1, slots) if slots > 1 else (1,)   # the rows a decode step multiplies
+    serial = serial_rows(config.engines.decode_serial_rows, config.engines.decode_slots, fused=wants_fused(config))
+    return prepack_language(lm, plan.linear_kernel, rows=steps, head_rows=steps, serial_rows=serial,
+                            stack_mode=stack_kernel(config) if plan.cpu else None,
+                            head_mode=screen_head_mode(plan.linear_kernel, plan.lm_head_screen),
+                            weight_dtype=torch.bfloat16 if bf16_weights(config) else None)
+
+
+async def build(config: EpdConfig) -> RoleServer:
 
     from services.config import int_list
     from services.connectors.wiring import open_store
-    from services.models.head_screen import screen_head_mode
-    from services.models.prepack import export, prepack_language
+    from services.models.prepack import export
     from services.models.processing import load_tokenizer
     from services.models.registry import adapter_for, resolve_model
     from services.rpc.v1 import epd_pb2_grpc as rpc
@@ -81,26 +123,22 @@ async def build(config: EpdConfig) -> RoleServer:
     from .servicer import DecodeServicer
     from .serving import DecodeService
 
+    plan = plan_for(config)   # what runs on this device (CPU-only kernels never on CUDA)
     path = resolve_model(config.checkpoint.model)
     lm = adapter_for(path).load_language(path, config.checkpoint.device, load_dtype(config),
                                          config.checkpoint.max_model_len)
-    slots = config.engines.decode_slots
-    steps = (1, slots) if slots > 1 else (1,)   # the rows a decode step multiplies
     serial = serial_rows(config.engines.decode_serial_rows, config.engines.decode_slots)
     fused_serial = serial_rows(config.engines.decode_serial_rows, config.engines.decode_slots, fused=True)
-    export(prepack_language(lm, config.engines.linear_kernel, rows=steps, head_rows=steps,
-                            serial_rows=fused_serial if wants_fused(config) else serial,
-                            stack_mode=stack_kernel(config),
-                            head_mode=screen_head_mode(config.engines.linear_kernel, config.engines.lm_head_screen),
-                            weight_dtype=torch.bfloat16 if bf16_weights(config) else None), "language")
+    export(prepare(lm, config, plan), "language")
     engine = DecodeEngine(lm, load_tokenizer(path), config.engines.decode_slots, config.checkpoint.max_model_len,
                           max_queued=config.engines.decode_queue, stream_timeout=config.limits.request_timeout_s,
-                          kv_cache_bytes=config.engines.kv_cache_mb << 20, block_size=config.engines.kv_block_size,
-                          attention=config.engines.decode_attention, step=config.engines.decode_step,
+                          kv_cache_bytes=config.engines.kv_cache_mb << 20 if plan.cpu else gpu_kv_bytes(config, lm),
+                          block_size=config.engines.kv_block_size, attention=plan.decode_attention,
+                          step=plan.decode_step,
                           compile_budget_s=config.engines.decode_compile_budget_s,
                           step_buckets=int_list(config.engines.decode_step_buckets) or None,
-                          serial_rows=serial, fused=config.engines.decode_fused, fused_serial_rows=fused_serial,
-                          lm_head_screen=config.engines.lm_head_screen)
+                          serial_rows=serial, fused=plan.decode_fused, fused_serial_rows=fused_serial,
+                          lm_head_screen=plan.lm_head_screen)
     logger.info("decode engine: %s", engine.describe())
     kv_store = open_store(config, "kv", producer=False)
     service = DecodeService(engine, kv_store, kv_wait_s=config.engines.decode_kv_wait_s)

@@ -2,7 +2,11 @@
 
 Layout: `kv` [num_layers, 2 (k/v), num_blocks, num_kv_heads, block_size, head_dim] in the
 model dtype, so `kv[layer, 0]` is one layer's keys for every block, contiguous (what the
-attention kernel reads).  A request owns a list of block ids (its block table).
+CPU attention kernels read).  `heads_major=True` (the CUDA step, services/decode/gpu_runner.py)
+swaps the two: [num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim], so one layer's keys
+of one head are one run of tokens that flex attention reads as a sequence.  `blocks` views either
+in the first order; whatever writes blocks (services/decode/request_blocks.py) goes through it.
+A request owns a list of block ids (its block table).
 
 Budget (the policy, docs/architecture.md): admission *reserves* the blocks a request can ever
 need, ceil((prompt_len + max_tokens) / block_size); blocks are *taken* from the free list only
@@ -63,8 +67,8 @@ def block_bytes(layout: KVLayout, block_size: int) -> int:
 
 
 class BlockPool:
-    def __init__(self, layout: KVLayout, capacity_bytes: int, block_size: int = 16, device: str | torch.device = "cpu"
-                 ) -> None:
+    def __init__(self, layout: KVLayout, capacity_bytes: int, block_size: int = 16, device: str | torch.device = "cpu",
+                 heads_major: bool = False) -> None:
         if block_size < 1 or block_size > 256:
             raise ValueError(f"block_size must be in [1, 256], got {block_size}")
         self.layout, self.block_size = layout, block_size
@@ -73,9 +77,15 @@ class BlockPool:
         if self.num_blocks < 1:
             raise ValueError(f"a KV pool of {capacity_bytes} bytes holds no block of {self.block_bytes} bytes")
         self.scratch_block = self.num_blocks      # never handed out (module docstring)
-        shape = (layout.num_layers, 2, self.num_blocks + 1, layout.num_kv_heads, block_size, layout.head_dim)
+        blocks, heads = self.num_blocks + 1, layout.num_kv_heads
+        shape = (layout.num_layers, 2, *((heads, blocks) if heads_major else (blocks, heads)), block_size,
+                 layout.head_dim)
         # empty, not zeros: zeros would touch (make resident) every page now; a block is zeroed when taken.
         self.kv = torch.empty(shape, dtype=layout.dtype, device=device)
+        self.heads_major = heads_major
+        self.blocks = self.kv.transpose(2, 3) if heads_major else self.kv   # [layers, 2, block, head, token, dim]
+        if heads_major:   # read (masked) by padding rows of a CUDA step: finite, never NaN garbage
+            self.blocks[:, :, self.scratch_block] = 0
         self._free = list(range(self.num_blocks - 1, -1, -1))   # a stack: pop() gives low ids first
         self._reserved = 0
         self._tokens = 0   # tokens held in taken blocks, all requests

@@ -38,19 +38,17 @@ from typing import Any
 
 import torch
 
-from services.decode.block_pool import BlockPool
 from services.decode.compiled import StepReport
 from services.decode.errors import ContextTooLong, EngineClosed, EngineFull
 from services.decode.metrics import EngineStats
 from services.decode.request import DecodeRequest
 from services.decode.request_blocks import RequestBlocks
-from services.decode.runner import DecodeRunner
+from services.decode.runners import make_pool, make_runner
 from services.decode.stream import DecodeEvent, DecodeStream
 from services.generation.detokenizer import IncrementalDetokenizer, decode_function
 from services.generation.judge import token_budget
 from services.generation.params import DecodeParams
 from services.generation.stop import FINISH_ABORT, FINISH_ERROR
-from services.hostcpu import compute_threads, role_cpu
 from services.models.base import LanguageModel
 from services.protocol.errors import InvalidRequest
 from services.sampling.sampler import Sampler
@@ -77,10 +75,10 @@ class DecodeEngine:
         self.stream_timeout = stream_timeout
         if kv_cache_bytes is None:  # room for every slot at full length, as a preallocated engine had
             kv_cache_bytes = num_slots * -(-max_model_len // block_size) * _block_bytes(lm, block_size)
-        self.pool = BlockPool(lm.layout, kv_cache_bytes, block_size, device=lm.device or "cpu")
-        self._runner = DecodeRunner(lm, self.pool, num_slots, max_model_len, Sampler(seed), attention, step,
-                                    compile_budget_s, step_buckets, serial_rows, fused, fused_serial_rows,
-                                    lm_head_screen)
+        self.pool = make_pool(lm, kv_cache_bytes, block_size, attention)   # CPU or CUDA: services/decode/runners.py
+        self._runner = make_runner(lm, self.pool, num_slots, max_model_len, Sampler(seed), attention, step,
+                                   compile_budget_s, step_buckets, serial_rows, fused, fused_serial_rows,
+                                   lm_head_screen)
         self._bytes_copied = 0
         self._decoders = {skip: decode_function(tokenizer, skip) for skip in (True, False)}
         self._cond = threading.Condition()
@@ -286,7 +284,7 @@ class DecodeEngine:
     # ---- worker thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
-        compute_threads.enter()   # the process's one multi-threaded torch thread (compute_threads.py)
+        self._runner.enter_thread()   # CPU: the process's one multi-threaded torch thread (compute_threads.py)
         while True:
             with self._cond:
                 self._cond.wait_for(self._has_work, _IDLE_WAIT_S)
@@ -306,7 +304,7 @@ class DecodeEngine:
         self._apply_aborts(aborts)
         self._admit()
         if self._rows:
-            role_cpu.follow_long_prefill()   # decode's niceness while a long prompt prefills (role_cpu.py)
+            self._runner.before_step()   # CPU: decode's niceness while a long prompt prefills (role_cpu.py)
             self._step()
 
     def _has_work(self) -> bool:

@@ -43,7 +43,7 @@ class UnsupportedDecoder(ValueError):
     """The checkpoint's decoder layers are not of a shape the paged forward implements."""
 
 
-def _check_supported(stack: Any) -> None:
+def check_supported(stack: Any) -> None:
     config = stack.config
     layer_types = getattr(config, "layer_types", None) or []
     if any(kind != "full_attention" for kind in layer_types) or getattr(config, "use_sliding_window", False):
@@ -60,7 +60,7 @@ def _check_supported(stack: Any) -> None:
 class PagedDecoder:
     def __init__(self, lm: LanguageModel, pool: BlockPool, attention: AttentionFn) -> None:
         stack = lm.model
-        _check_supported(stack)
+        check_supported(stack)
         self.lm, self.pool, self.attention = lm, pool, attention
         self.layers = list(stack.layers)
         self.norm = stack.norm
@@ -99,8 +99,8 @@ class PagedDecoder:
             v = attn.v_proj(x).view(rows, self.num_kv_heads, self.head_dim)
             if self.has_qk_norm:
                 q, k = attn.q_norm(q), attn.k_norm(k)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
             if torch.compiler.is_compiling():
                 out = torch.ops.epd.paged_attention(q, k, v, write_blocks, write_offsets, tables, lens, index)
             else:
@@ -157,6 +157,6 @@ _OPS.impl("paged_attention", _paged_attention, "CompositeExplicitAutograd")
 torch.library.register_fake("epd::paged_attention", _paged_attention_fake, lib=_OPS)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -30,8 +30,11 @@ class RequestBlocks:
         return self._released
 
     def load(self, kv: torch.Tensor) -> None:
-        """Copy a prefilled KV [num_layers, 2, num_kv_heads, L, head_dim] into fresh blocks: one copy."""
+        """Copy a prefilled KV [num_layers, 2, num_kv_heads, L, head_dim] into fresh blocks: one copy (a KV on
+        another device, say Redis's host copy for a CUDA pool, first crosses over whole)."""
         pool, size = self.pool, self.pool.block_size
+        if kv.device != pool.kv.device:   # a blocking copy: the source (a store's buffer) may go right after
+            kv = kv.to(pool.kv.device)
         length = kv.shape[3]
         count = pool.blocks_for(length)
         with self._lock:
@@ -48,11 +51,11 @@ class RequestBlocks:
                 # consecutive block ids (the pool hands out low ids first) take one slice copy_ each, which
                 # also widens a bfloat16 KV into float32 blocks in the same pass
                 for offset, first, count in runs:
-                    pool.kv[:, :, first:first + count].copy_(source[:, :, offset:offset + count])
+                    pool.blocks[:, :, first:first + count].copy_(source[:, :, offset:offset + count])
             else:
-                pool.kv[:, :, torch.tensor(self.blocks[:full], device=pool.kv.device)] = source
+                pool.blocks[:, :, torch.tensor(self.blocks[:full], device=pool.kv.device)] = source
         if length > full * size:
-            tail = pool.kv[:, :, self.blocks[full]]
+            tail = pool.blocks[:, :, self.blocks[full]]
             tail[:, :, :, :length - full * size] = kv[:, :, :, full * size:]
             tail[:, :, :, length - full * size:] = 0   # never read by the C kernel; masked by the torch one
         self.num_tokens = length
@@ -67,7 +70,7 @@ class RequestBlocks:
             with self._lock:
                 self.blocks.extend(self.pool.take(1))
                 self._reserved -= 1
-            self.pool.kv[:, :, self.blocks[-1]] = 0
+            self.pool.blocks[:, :, self.blocks[-1]] = 0
         self.num_tokens += 1
         self.pool.count_tokens(1)
         return self.blocks[-1], offset, is_new

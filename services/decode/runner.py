@@ -46,8 +46,8 @@ from services.decode.compiled import (
 from services.decode.fused import choose_fused
 from services.decode.paged_forward import PagedDecoder
 from services.decode.request_blocks import RequestBlocks
-from services.hostcpu import compute_threads
-from services.models.base import LanguageModel
+from services.hostcpu import compute_threads, role_cpu
+from services.models.base import KVLayout, LanguageModel
 from services.models.head_screen import HeadScreen, build_screen
 from services.observability.compute_metrics import compute_timer
 from services.sampling.sampler import RowSampling, Sampler
@@ -55,6 +55,16 @@ from services.sampling.sampler import RowSampling, Sampler
 # a prefilled KV of these dtypes widens exactly into blocks of those (prefill in bfloat16 beside a decode
 # that keeps float32 activations over bfloat16 weights: services/decode/app.py bf16_weights)
 _WIDENS = {(torch.bfloat16, torch.float32), (torch.float16, torch.float32)}
+
+
+def check_prefill(layout: KVLayout, kv: torch.Tensor, prompt_len: int) -> None:
+    """Raises ValueError unless kv is a prefilled KV of `prompt_len` tokens that loads into `layout`'s blocks."""
+    expected = (layout.num_layers, 2, layout.num_kv_heads, prompt_len, layout.head_dim)
+    if not isinstance(kv, torch.Tensor) or tuple(kv.shape) != expected:
+        shape = tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__
+        raise ValueError(f"kv must have shape {expected}, got {shape}")
+    if kv.dtype != layout.dtype and (kv.dtype, layout.dtype) not in _WIDENS:
+        raise ValueError(f"kv dtype must be the model dtype {layout.dtype}, got {kv.dtype}")
 
 
 class DecodeRunner:
@@ -110,13 +120,15 @@ class DecodeRunner:
 
     def check_prefill(self, kv: torch.Tensor, prompt_len: int) -> None:
         """Raises ValueError unless kv can be loaded for a prompt of `prompt_len` tokens."""
-        layout = self.lm.layout
-        expected = (layout.num_layers, 2, layout.num_kv_heads, prompt_len, layout.head_dim)
-        if not isinstance(kv, torch.Tensor) or tuple(kv.shape) != expected:
-            shape = tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__
-            raise ValueError(f"kv must have shape {expected}, got {shape}")
-        if kv.dtype != layout.dtype and (kv.dtype, layout.dtype) not in _WIDENS:
-            raise ValueError(f"kv dtype must be the model dtype {layout.dtype}, got {kv.dtype}")
+        check_prefill(self.lm.layout, kv, prompt_len)
+
+    def enter_thread(self) -> None:
+        """The engine's worker thread starts: the process's one multi-threaded torch thread (compute_threads.py)."""
+        compute_threads.enter()
+
+    def before_step(self) -> None:
+        """Decode's niceness while a long prompt prefills (role_cpu.py)."""
+        role_cpu.follow_long_prefill()
 
     def place(self, row: int, blocks: RequestBlocks) -> None:
         """Row `row` now belongs to `blocks`: copy its block table in (done when a request joins)."""

@@ -2,16 +2,33 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import grpc
 
 from services.config import EpdConfig
 from services.runtime.server import RoleServer
 
+if TYPE_CHECKING:
+    from services.models.device_plan import DevicePlan
+    from services.models.prepack import LinearReport
+
+
+def prepare(vision: Any, plan: DevicePlan) -> LinearReport:
+    """The vision tower's CPU kernels where the plan has them (none on CUDA: services/models/device_plan.py)."""
+    from services.models import fused_rope
+    from services.models.prepack import prepack_vision
+
+    report = prepack_vision(vision, plan.linear_kernel, fuse=plan.fused_kernels)
+    if plan.fused_kernels:   # RoPE in one C pass, transformers' floats (fused_rope.py)
+        fused_rope.install()
+    return report
+
 
 async def build(config: EpdConfig) -> RoleServer:
     from services.connectors.wiring import open_store
-    from services.models import fused_rope
-    from services.models.prepack import export, prepack_vision
+    from services.models.device_plan import plan_for
+    from services.models.prepack import export
     from services.models.registry import adapter_for, resolve_model
     from services.rpc.v1 import epd_pb2_grpc as rpc
 
@@ -19,11 +36,10 @@ async def build(config: EpdConfig) -> RoleServer:
     from .servicer import EncodeServicer
     from .serving import EncodeService
 
+    plan = plan_for(config)   # what runs on this device (CPU-only kernels never on CUDA)
     path = resolve_model(config.checkpoint.model)
     vision = adapter_for(path).load_vision(path, config.checkpoint.device, config.checkpoint.dtype)
-    export(prepack_vision(vision, config.engines.linear_kernel), "vision")
-    if config.engines.linear_kernel != "default":   # RoPE in one C pass, transformers' floats (fused_rope.py)
-        fused_rope.install()
+    export(prepare(vision, plan), "vision")
     engine = EncodeEngine(vision, config.engines.encode_max_batch_tokens)
     store = open_store(config, "ec")
     mm_store = open_store(config, "mm", producer=False)  # render's processed images, read by handle

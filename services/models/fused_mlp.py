@@ -190,7 +190,7 @@ class GemmPatchEmbed(nn.Module):
         weight = conv.weight.detach().reshape(self.embed_dim, self.patch_dim)
         # oneDNN's blocked layout where it takes the weight (its AVX-512 GEMM: ~0.4x F.linear's time here, whose
         # BLAS runs AVX2 code on AMD CPUs); the packed tensor is then the one copy (its dtype reads as the weight's)
-        self.packed = torch.backends.mkldnn.is_available() and (
+        self.packed = torch.backends.mkldnn.is_available() and weight.device.type == "cpu" and (
             weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and bf16_packable()))
         self.weight = (pack_weight(weight, PATCH_ROWS) if self.packed
                        else nn.Parameter(weight, requires_grad=False))

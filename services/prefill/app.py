@@ -3,20 +3,38 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from services.config import EpdConfig
 from services.runtime.server import RoleServer
 
+if TYPE_CHECKING:
+    from services.models.device_plan import DevicePlan
+    from services.models.prepack import LinearReport
+
 logger = logging.getLogger(__name__)
+
+
+def prepare(lm: Any, plan: DevicePlan) -> LinearReport:
+    """The language model's CPU kernels where the plan has them (none on CUDA: services/models/device_plan.py)."""
+    from services.models import fused_rope
+    from services.models.head_screen import screen_head_mode
+    from services.models.prepack import prepack_language
+
+    # prompts, not single rows, go through prefill's layers (its LM head sees one row per prompt)
+    report = prepack_language(lm, plan.linear_kernel, rows=(256, 1024), head_rows=(1, 16), fuse=plan.fused_kernels,
+                              head_mode=screen_head_mode(plan.linear_kernel, plan.lm_head_screen))
+    if plan.fused_kernels:   # RoPE in one C pass, transformers' floats (fused_rope.py)
+        fused_rope.install()
+    return report
 
 
 async def build(config: EpdConfig) -> RoleServer:
     from services.connectors.wiring import open_store
-    from services.models import fused_rope
-    from services.models.head_screen import screen_head_mode
-    from services.models.prepack import export, prepack_language
+    from services.models.device_plan import plan_for
+    from services.models.prepack import export
     from services.models.registry import adapter_for, resolve_model
     from services.rpc.v1 import epd_pb2_grpc as rpc
 
@@ -25,17 +43,15 @@ async def build(config: EpdConfig) -> RoleServer:
     from .servicer import PrefillServicer
     from .serving import PrefillService
 
+    plan = plan_for(config)   # what runs on this device (CPU-only kernels never on CUDA)
+    engines = config.engines
     path = resolve_model(config.checkpoint.model)
     adapter = adapter_for(path)
     lm = adapter.load_language(path, config.checkpoint.device, config.checkpoint.dtype, config.checkpoint.max_model_len)
-    # prompts, not single rows, go through prefill's layers (its LM head sees one row per prompt)
-    engines = config.engines
-    export(prepack_language(lm, engines.linear_kernel, rows=(256, 1024), head_rows=(1, 16), fuse=True,
-                            head_mode=screen_head_mode(engines.linear_kernel, engines.lm_head_screen)), "language")
-    if config.engines.linear_kernel != "default":   # RoPE in one C pass, transformers' floats (fused_rope.py)
-        fused_rope.install()
-    engine = PrefillEngine(lm, max_num_batched_tokens=config.engines.max_num_batched_tokens,
-                           prefix_cache_mb=config.engines.prefix_cache_mb, lm_head_screen=config.engines.lm_head_screen)
+    export(prepare(lm, plan), "language")
+    engine = PrefillEngine(lm, max_num_batched_tokens=engines.max_num_batched_tokens,
+                           prefix_cache_mb=engines.prefix_cache_mb, lm_head_screen=plan.lm_head_screen,
+                           native_attention=plan.native_attention)
     logger.info("prefill engine: %s", engine.screen_report.line())
     ec_store = open_store(config, "ec", producer=False)
     kv_store = open_store(config, "kv")

@@ -98,8 +98,9 @@ def packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
     return out, None
 
 
-def install(lm: LanguageModel) -> None:
-    """Route `lm`'s attention through `packed_attention` (sdpa for every forward without a plan)."""
+def install(lm: LanguageModel, native: bool = True) -> None:
+    """Route `lm`'s attention through `packed_attention` (sdpa for every forward without a plan); `native`
+    builds the AVX-512 kernel for short spans (CPU roles only)."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -110,4 +111,5 @@ def install(lm: LanguageModel) -> None:
     if current not in ("sdpa", NAME):
         raise ValueError(f"packed prefill needs a model loaded with sdpa attention, not {current!r}")
     config._attn_implementation = NAME
-    attention_kernel.load()
+    if native:
+        attention_kernel.load()

@@ -70,8 +70,9 @@ class PrefillEngine:
 
     def __init__(self, lm: LanguageModel, max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
                  prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB, block_size: int = BLOCK_SIZE,
-                 idle_exit_s: float = 5.0, lm_head_screen: str = "auto") -> None:
-        attention.install(lm)
+                 idle_exit_s: float = 5.0, lm_head_screen: str = "auto", native_attention: bool = True) -> None:
+        # native: the AVX-512 kernel (CPU only: services/models/device_plan.py)
+        attention.install(lm, native_attention)
         # greedy prompts' first tokens from a bfloat16 screen of the head, decided in float32
         self.screen, self.screen_report = build_screen(lm.lm_head, lm_head_screen)
         self._last_rows = last_rows.install(lm)

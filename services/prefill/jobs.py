@@ -81,16 +81,17 @@ class HeldPrefill:
         """Pool blocks holding the prompt's KV in order (prefix-cache hits shared with other prompts first)."""
         return tuple(self._blocks)
 
-    def kv_spec(self) -> dict[str, tuple[Any, tuple[int, ...]]]:
-        """{"kv": (dtype, [num_layers, 2, num_kv_heads, L, head_dim])}: what `fill` writes."""
+    def kv_spec(self) -> dict[str, tuple[Any, ...]]:
+        """{"kv": (dtype, [num_layers, 2, num_kv_heads, L, head_dim], device)}: what `fill` writes, from where
+        (a CUDA pool's KV goes to the store as a CUDA tensor: services/connectors/base.py TensorSpec)."""
         layout = self._pool.layout
         shape = (layout.num_layers, 2, layout.num_kv_heads, self.num_prompt_tokens, layout.head_dim)
-        return {KV_NAME: (layout.dtype, shape)}
+        return {KV_NAME: (layout.dtype, shape, str(self._pool.data.device))}
 
     @property
     def kv_nbytes(self) -> int:
         """The bytes `fill` writes."""
-        [(dtype, shape)] = self.kv_spec().values()
+        [(dtype, shape, _)] = self.kv_spec().values()
         return math.prod(shape) * dtype.itemsize
 
     def fill(self, views: dict[str, torch.Tensor]) -> None:
@@ -105,8 +106,8 @@ class HeldPrefill:
         """A tensor of its own holding the KV (tests, callers without a store)."""
         import torch
 
-        [(dtype, shape)] = self.kv_spec().values()
-        out = torch.empty(shape, dtype=dtype, device=self._pool.data.device)
+        [(dtype, shape, device)] = self.kv_spec().values()
+        out = torch.empty(shape, dtype=dtype, device=device)
         self.fill({KV_NAME: out})
         return out
 

@@ -9,7 +9,9 @@ i % block_size` (its *slot*).  Everything moves by slot index, in one tensor op 
 - `gather`: a prompt's past keys/values for attention (one copy, only when a chunk has a past:
   earlier chunks or prefix-cache hits);
 - `copy_out`: a finished prompt's whole KV into the wire layout [num_layers, 2, num_kv_heads,
-  L, head_dim] (the hand-off's one copy, straight into the KV store's memory).
+  L, head_dim] (the hand-off's one copy, straight into the KV store's memory: a pool segment's view,
+  a CUDA tensor the store hands over by IPC handle, or from a CUDA pool a gathered copy into a host
+  buffer, the Redis path).
 
 Who owns which block is `BlockManager`'s business (blocks.py); the pool only holds bytes.
 The tensor is made with `torch.empty`, so untouched blocks cost no resident memory.
@@ -77,7 +79,9 @@ class KVPool:
         if tuple(out.shape) != expected or out.dtype != self.data.dtype:
             raise ValueError(f"KV destination must be {expected} {self.data.dtype}, got {tuple(out.shape)} "
                              f"{out.dtype}")
-        if out.is_contiguous():
+        if out.device != self.data.device:   # a CUDA pool into a host buffer (Redis: device -> pinned host)
+            out.copy_(self.data.index_select(3, slots))
+        elif out.is_contiguous():
             torch.index_select(self.data, 3, slots, out=out)
         else:
             out.copy_(self.data.index_select(3, slots))

@@ -25,6 +25,7 @@ import urllib.request
 from dataclasses import dataclass
 
 from services.config import EpdConfig
+from services.models.device_plan import plan_for
 from services.runtime.demo_request import curl_example
 from services.runtime.server import free_port
 
@@ -206,6 +207,15 @@ def compute_lease_env(config: EpdConfig, children: list[Child]) -> dict[str, dic
             for slot, c in enumerate(takers)}
 
 
+def start_order(config: EpdConfig, roles: list[Child]) -> list[list[Child]]:
+    """The roles in the batches they start in (each ready before the next starts).  On CUDA decode starts last:
+    its KV pool is what the GPU budget leaves once every other role on the GPU has loaded
+    (services/decode/gpu_budget.py).  On CPU all at once."""
+    if plan_for(config).cpu:
+        return [roles]
+    return [[c for c in roles if c.role != "decode"], [c for c in roles if c.role == "decode"]]
+
+
 def serve(config: EpdConfig) -> int:
     from services.connectors.registry import sweep_stale_segments
     from services.models.registry import adapter_for, resolve_model
@@ -228,14 +238,17 @@ def serve(config: EpdConfig) -> int:
         # encode, prefill and decode render llm-d's OpenAI-format calls on the render instance
         renders = {"EPD_OPENAI_RENDER_URLS": _http_urls(roles, "render", config.server.host)}
         served_id = config.checkpoint.served_model_id()
-        long_board = long_prefill_env(config, roles)
-        lease = compute_lease_env(config, roles)
-        for child in roles:
-            extra = {**(renders if child.role != "render" else {}), **long_board.get(child.instance_id, {}),
-                     **lease.get(child.instance_id, {})}
-            spawn(child, config, {"EPD_MODEL": model_path, "EPD_SERVED_MODEL_NAME": served_id, **extra})
-        wait_ready(roles, config.server.host, time.monotonic() + STARTUP_TIMEOUT_S)
-        spawn(coordinator, config, {"EPD_SERVED_MODEL_NAME": served_id,
+        cpu = plan_for(config).cpu_knobs   # the CPU roles' boards; none on CUDA (services/models/device_plan.py)
+        long_board = long_prefill_env(config, roles) if cpu else {}
+        lease = compute_lease_env(config, roles) if cpu else {}
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        for batch in start_order(config, roles):
+            for child in batch:
+                extra = {**(renders if child.role != "render" else {}), **long_board.get(child.instance_id, {}),
+                         **lease.get(child.instance_id, {})}
+                spawn(child, config, {"EPD_MODEL": model_path, "EPD_SERVED_MODEL_NAME": served_id, **extra})
+            wait_ready(batch, config.server.host, deadline)
+        spawn(coordinator, config, {"EPD_SERVED_MODEL_NAME": config.checkpoint.served_model_id(),
                                     **{f"EPD_{r.upper()}_URLS": _urls(roles, r)
                                        for r in ("render", "encode", "prefill", "decode")},
                                     **{f"EPD_{r.upper()}_HTTP_URLS": _http_urls(roles, r, config.server.host)

@@ -36,9 +36,12 @@ NO_TORCH_MESSAGE = "PyTorch was not found"
 def run(role: str, config: EpdConfig) -> int:
     setup_logging(role, config.server.instance_id, config.server.log_level)
     if role in ("encode", "prefill", "decode"):
-        from services.hostcpu.role_cpu import apply
+        from services.models.device_plan import plan_for
 
-        apply(config, role)  # before torch is imported: the OpenMP runtime reads its environment at load
+        if plan_for(config).cpu_knobs:   # threads, OpenMP, niceness, compute lease: CPU roles only
+            from services.hostcpu.role_cpu import apply
+
+            apply(config, role)  # before torch is imported: the OpenMP runtime reads its environment at load
     if role == "coordinator":
         from coordinator.main import run_coordinator
 

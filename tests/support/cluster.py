@@ -63,7 +63,9 @@ def start_cluster(*flags: str, env: dict[str, str] | None = None, timeout: float
 
     port = free_port()
     cmd = [sys.executable, "-m", "services.runtime.cli", "serve", "--port", str(port), *flags]
-    full_env = {**os.environ, "PYTHONPATH": ROOT, **(env or {})}
+    # the tree first, then what the caller's PYTHONPATH adds (scripts/gpu_check.sh carries wheels that way)
+    full_env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+                **(env or {})}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     cluster = RunningCluster(proc, url="")

@@ -8,7 +8,7 @@ from PIL import Image
 
 
 class Reference:
-    def __init__(self, model_path: str | Path, device: str = "cpu") -> None:
+    def __init__(self, model_path: str | Path, device: str = "cpu", dtype: str | None = None) -> None:
         from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
         from services.models.processing import load_processor
@@ -19,7 +19,12 @@ class Reference:
         auto = AutoModelForCausalLM if self.is_text_only else AutoModelForImageTextToText
         self.device = device
         self.model_path = model_path
-        self.model = auto.from_pretrained(str(model_path)).to(device).eval()
+        if dtype is None:
+            self.model = auto.from_pretrained(str(model_path)).to(device).eval()
+        else:   # the cluster's own dtype (bfloat16 on CUDA by default)
+            import torch
+
+            self.model = auto.from_pretrained(str(model_path), dtype=getattr(torch, dtype)).to(device).eval()
 
     def greedy(self, text: str, images: list[Image.Image] = (), max_new_tokens: int = 16,
                **generate_kwargs) -> list[int]:

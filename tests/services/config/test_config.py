@@ -28,13 +28,26 @@ def test_booleans_and_lists():
 
 @pytest.mark.parametrize("argv,message", [
     (["--ec-connector", "nfs"], "ec_connector must be one of shm, redis"),
-    (["--decode-slots", "0"], "decode_slots must be >= 1"),
+    (["--decode-slots", "-1"], "decode_slots must be >= 0"),
+    (["--gpu-memory-fraction", "1.5"], r"gpu_memory_fraction must be in \(0, 1\]"),
+    (["--device", "cuda", "--linear-kernel", "panel"], "--linear-kernel panel: CPU-only"),
+    (["--device", "cuda:1", "--decode-fused", "on", "--decode-attention", "c"],
+     "--decode-fused on, --decode-attention c: CPU-only, not available with --device cuda:1"),
     (["--dtype", "int4"], "dtype must be one of"),
     (["--port", "70000"], "ports must be"),
 ])
 def test_invalid_settings_fail_at_start_naming_the_rule(argv, message):
     with pytest.raises(ConfigError, match=message):
         _parse(argv)
+
+
+def test_auto_dtype_and_decode_slots_follow_the_device_and_travel_resolved():
+    cpu, cuda = _parse([]), _parse(["--device", "cuda"])
+    assert (cpu.dtype, cpu.decode_slots) == ("float32", 16)
+    assert (cuda.dtype, cuda.decode_slots) == ("bfloat16", 64)
+    assert _parse(["--device", "cuda", "--dtype", "float32", "--decode-slots", "8"]).dtype == "float32"
+    # children get the resolved values, so every process of a cluster counts the same slots
+    assert cuda.to_env()["EPD_DTYPE"] == "bfloat16" and cuda.to_env()["EPD_DECODE_SLOTS"] == "64"
 
 
 def test_not_a_number_names_the_flag():

@@ -59,7 +59,8 @@ from tests.services.connectors.helpers import digest, sample_tensors
 
 
 def child_env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))   # keep carried wheels (gpu_check)
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
 
 
 def run_child(body: str, *args: str, timeout: float = 60.0) -> str:

@@ -137,7 +137,7 @@ def test_fill_writes_the_kv_once_into_the_given_memory(parts):
     token_ids, items = prompt(parts, seed=1)
     engine = PrefillEngine(parts[2], prefix_cache_mb=0)
     held = engine.submit(token_ids, items).result(60)
-    [(dtype, shape)] = held.kv_spec().values()
+    [(dtype, shape, _)] = held.kv_spec().values()
     assert dtype == torch.float32 and shape[3] == len(token_ids)
     memory = torch.zeros((2, *shape), dtype=dtype)
     held.fill({"kv": memory[1]})
