@@ -74,19 +74,17 @@ class EpdConfig:
 
     @classmethod
     def of(cls, **settings: Any) -> EpdConfig:
-        """A config from flat setting names (`decode_slots=4`); the rest take their defaults."""
-        return cls().with_(**settings)
+        """A config from flat setting names (`decode_slots=4`); the rest take their defaults, and the "auto" ones
+        are resolved for the device given here."""
+        grouped = _grouped(settings)
+        return cls(**{f.name: f.default_factory(**grouped.get(f.name, {}))  # type: ignore[misc]
+                      for f in fields(cls)})
 
     def with_(self, **settings: Any) -> EpdConfig:
-        """This config with some settings changed (flat names); TypeError for a name no section has."""
-        unknown = sorted(set(settings) - _SECTION_OF.keys())
-        if unknown:
-            raise TypeError(f"unknown settings: {', '.join(unknown)}")
-        changes: dict[str, dict[str, Any]] = {}
-        for name, value in settings.items():
-            changes.setdefault(_SECTION_OF[name], {})[name] = value
+        """This config with some settings changed (flat names); TypeError for a name no section has.  Settings
+        already resolved for the device stay as they are (give dtype and decode_slots with a new device)."""
         return replace(self, **{section: replace(getattr(self, section), **values)
-                                for section, values in changes.items()})
+                                for section, values in _grouped(settings).items()})
 
     def settings(self) -> dict[str, Any]:
         """Every setting by its flat name."""
@@ -100,6 +98,17 @@ class EpdConfig:
 _SECTIONS = tuple(f.name for f in fields(EpdConfig))
 _SECTION_OF = {setting.name: section.name for section in fields(EpdConfig)
                for setting in fields(section.default_factory)}  # type: ignore[arg-type]
+
+
+def _grouped(settings: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Flat settings by section; TypeError for a name no section has."""
+    unknown = sorted(set(settings) - _SECTION_OF.keys())
+    if unknown:
+        raise TypeError(f"unknown settings: {', '.join(unknown)}")
+    grouped: dict[str, dict[str, Any]] = {}
+    for name, value in settings.items():
+        grouped.setdefault(_SECTION_OF[name], {})[name] = value
+    return grouped
 
 
 def setting_fields() -> list[tuple[str, Field[Any]]]:

@@ -43,9 +43,9 @@ def test_invalid_settings_fail_at_start_naming_the_rule(argv, message):
 
 def test_auto_dtype_and_decode_slots_follow_the_device_and_travel_resolved():
     cpu, cuda = _parse([]), _parse(["--device", "cuda"])
-    assert (cpu.dtype, cpu.decode_slots) == ("float32", 16)
-    assert (cuda.dtype, cuda.decode_slots) == ("bfloat16", 64)
-    assert _parse(["--device", "cuda", "--dtype", "float32", "--decode-slots", "8"]).dtype == "float32"
+    assert (cpu.checkpoint.dtype, cpu.engines.decode_slots) == ("float32", 16)
+    assert (cuda.checkpoint.dtype, cuda.engines.decode_slots) == ("bfloat16", 64)
+    assert _parse(["--device", "cuda", "--dtype", "float32", "--decode-slots", "8"]).checkpoint.dtype == "float32"
     # children get the resolved values, so every process of a cluster counts the same slots
     assert cuda.to_env()["EPD_DTYPE"] == "bfloat16" and cuda.to_env()["EPD_DECODE_SLOTS"] == "64"
 
