@@ -166,9 +166,18 @@ def _jsonable(value: Any) -> Any:
     return repr(value)
 
 
+BENCHMARKS_DOC = ROOT / "docs" / "benchmarks.md"
+DOC_BLOCKS_DIR = RESULTS_DIR / "docs"   # one JSON per docs/benchmarks.md section: the page is generated from them
+
+
 def replace_block(path: Path, name: str, body: str) -> None:
     """Replace the text between `<!-- name:begin -->` and `<!-- name:end -->` in a Markdown file
-    (appended at the end when the markers are missing), so scripts refresh only their own figures."""
+    (appended at the end when the markers are missing), so scripts refresh only their own figures.
+    docs/benchmarks.md is generated whole from benchmarks/results/docs/*.json (scripts/gen_benchmarks_doc.py):
+    its blocks are written there, with the script that wrote them, and the page rendered again."""
+    if path.resolve() == BENCHMARKS_DOC.resolve():
+        _save_doc_block(name, body)
+        return
     begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
     text = path.read_text(encoding="utf-8") if path.exists() else ""
     block = f"{begin}\n{body.rstrip()}\n{end}"
@@ -179,6 +188,21 @@ def replace_block(path: Path, name: str, body: str) -> None:
     else:
         text = text.rstrip() + ("\n\n" if text else "") + block + "\n"
     path.write_text(text, encoding="utf-8")
+
+
+def _save_doc_block(name: str, body: str) -> None:
+    import inspect
+
+    caller = next((f for f in inspect.stack()[2:] if f.frame.f_globals.get("__name__", "").startswith("benchmarks.")
+                   and f.frame.f_globals["__name__"] != __name__), None)
+    module = caller.frame.f_globals if caller is not None else {}
+    script = str(module.get("__name__", ""))
+    title = ((module.get("__doc__") or "").strip().splitlines() or [name])[0].rstrip(".")
+    write_json({"name": name, "script": script, "title": title, "written": machine()["time"], "body": body.rstrip()},
+               DOC_BLOCKS_DIR / f"{name}.json")
+    from benchmarks.docpage import write_page
+
+    write_page()
 
 
 def write_doc_block(name: str, command: str, figures: Sequence[Figure], extra: str = "") -> None:

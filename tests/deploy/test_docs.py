@@ -122,3 +122,10 @@ def test_relative_links_stay_inside_the_repository_and_resolve(name):
             broken.append(target)
     assert broken == []
     assert "shared/design" not in text   # the team's design notes are not part of the repository
+
+
+def test_benchmarks_md_is_generated_from_the_results_json():
+    """docs/benchmarks.md holds nothing typed by hand but its header: every section is a JSON a benchmark wrote."""
+    out = subprocess.run([sys.executable, "-m", "benchmarks.docpage", "--check"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
