@@ -41,7 +41,7 @@ async def build(config: EpdConfig) -> RoleServer:
     inline = InlineEncoder(adapter, path, config.device, config.dtype) if config.prefill_inline_encode else None
     mm_store = open_store(config, "mm", producer=False) if inline is not None else None  # inline items by handle
     service = PrefillService(engine, lm, ec_store, kv_store, config.instance_id, config.prefill_max_queue, inline,
-                             mm_store)
+                             mm_store, model_id=config.served_model_id())
     servicer = PrefillServicer(service)
 
     def register(server: grpc.aio.Server) -> None:
