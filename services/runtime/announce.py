@@ -4,7 +4,9 @@ With --coordinator-url set (the coordinator's admin API: --admin-host /
 --admin-port, never its public port), a role process posts {role,
 grpc_address, http_url}, with `Authorization: Bearer <first --admin-token>`
 when a token is configured, at start and every ANNOUNCE_EVERY_S (so a coordinator that
-restarted, or forgot the instance while it was down, learns it again), and
+restarted, or forgot the instance while it was down, learns it again; every
+RETRY_EVERY_S while the coordinator cannot be reached, so an instance whose host
+was cut off joins again within seconds of the network's return), and
 sends DELETE /v1/instances when it stops, so no new work is routed to it.
 The coordinator admits an announced instance only once its health probe
 answers.  --advertise-host is the host the coordinator can reach (a pod IP);
@@ -24,6 +26,7 @@ from services.edge.auth import parse_keys
 
 log = logging.getLogger(__name__)
 ANNOUNCE_EVERY_S = 10.0
+RETRY_EVERY_S = 1.0
 TIMEOUT_S = 2.0
 
 
@@ -61,7 +64,7 @@ class Announcer:
                 if not failing:  # one line per outage, not one per attempt
                     log.warning("cannot announce to coordinator %s: %s", self.url, exc)
                 failing = True
-            await asyncio.sleep(ANNOUNCE_EVERY_S)
+            await asyncio.sleep(RETRY_EVERY_S if failing else ANNOUNCE_EVERY_S)
 
     async def stop(self) -> None:
         if self._task is not None:
