@@ -1,6 +1,8 @@
-"""Prefill's HTTP routes (PROTOCOL.md): POST /inference/v1/generate, /v1/chat/completions, /abort_requests.
+"""Prefill's HTTP routes (PROTOCOL.md): POST /inference/v1/generate, /v1/chat/completions, /v1/completions,
+/abort_requests.
 
-POST /v1/chat/completions takes llm-d's OpenAI-format prefill call (services.edge.openai_calls).
+POST /v1/chat/completions and /v1/completions take llm-d's (and vLLM's E/P/D proxy's) OpenAI-format prefill calls
+(services.edge.openai_calls).
 
 Generate on prefill means: token ids + each item's mm_metadata + the
 ec_transfer_params encode answered -> the first token (choices[0].token_ids)
@@ -130,6 +132,13 @@ class PrefillApi:
         answer, cached = await self._prefill(call.generate, request)
         return model_response(call.answer(answer), headers={"X-Cached-Tokens": str(cached)})
 
+    @endpoint
+    async def completion(self, request: Request) -> Response:
+        """llm-d's completions-path prefill call: the prompt's token ids capped to one token + transfer params."""
+        call = await openai_call(request, self.render, kind="completion")
+        answer, cached = await self._prefill(call.generate, request)
+        return model_response(call.answer(answer), headers={"X-Cached-Tokens": str(cached)})
+
     async def _prefill(self, body: GenerateRequest, request: Request) -> tuple[GenerateResponse, int]:
         check_model(body.model, self.model_id)
         self._check_shape(body)
@@ -172,4 +181,5 @@ def routes(service: PrefillService, model_id: str, metadata_keys: Sequence[str],
     api = PrefillApi(service, model_id, metadata_keys, render or RenderClient([]))
     return [Route("/inference/v1/generate", api.generate, methods=["POST"]),
             Route("/v1/chat/completions", api.chat, methods=["POST"]),
+            Route("/v1/completions", api.completion, methods=["POST"]),
             Route("/abort_requests", api.abort, methods=["POST"])]

@@ -163,3 +163,89 @@ async def serving_again(url: str, address: str, since: float, timeout: float = 2
                 return back, time.monotonic() - since
             await asyncio.sleep(POLL_S)
     return back, float("inf")
+
+
+# ---- scenarios (tests/e2e/multihost/test_host_faults.py asserts them; benchmarks/multihost_faults.py reports them)
+
+
+async def ready_flip(url: str, ready: bool, since: float, timeout: float = 20.0) -> float:
+    """Seconds from `since` until GET `url`/ready answers 200 (`ready`) or not; inf if it never does."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+        while time.monotonic() - since < timeout:
+            try:
+                async with session.get(url + "/ready") as reply:
+                    if (reply.status == 200) == ready:
+                        return time.monotonic() - since
+            except (TimeoutError, aiohttp.ClientError):
+                pass
+            await asyncio.sleep(POLL_S)
+    return float("inf")
+
+
+async def cut_and_restore(cluster: Any, hosts: tuple[str, ...] = ("decode0", "encode0"), count: int = 8,
+                          max_tokens: int = 24, workers: int = 6, cut_for_s: float = 4.0) -> dict[str, Any]:
+    """Under streaming load, take `hosts` off the network at once, bring them back after `cut_for_s`: requests
+    lost, when each was seen down, when each was healthy again and had served a call again."""
+    expected = await expected_texts(cluster.url, count, max_tokens)
+    load = StreamLoad(cluster.url, count, max_tokens, workers)
+    load.start()
+    await asyncio.sleep(2.0)   # every worker mid-stream
+    addresses = [cluster.grpc_address(h) for h in hosts]
+    cut = cluster.hosts.cut(hosts[0])
+    for host in hosts[1:]:
+        cluster.hosts.cut(host)
+    seen = await asyncio.gather(*(seen_down(cluster.url, a, cut) for a in addresses))
+    await asyncio.sleep(max(0.0, cut + cut_for_s - time.monotonic()))
+    restored = cluster.hosts.restore(hosts[0])
+    for host in hosts[1:]:
+        cluster.hosts.restore(host)
+    back = await asyncio.gather(*(serving_again(cluster.url, a, restored) for a in addresses))
+    results = await load.stop()
+    return {"hosts": list(hosts), "requests": len(results), "lost": len(lost(results, expected)),
+            "lost_examples": [vars(r) for r in lost(results, expected)[:3]], "cut_for_s": cut_for_s,
+            "seen_down_s": dict(zip(hosts, seen, strict=True)),
+            "healthy_again_s": {h: b[0] for h, b in zip(hosts, back, strict=True)},
+            "serving_again_s": {h: b[1] for h, b in zip(hosts, back, strict=True)}}
+
+
+async def redis_restart(cluster: Any, away_s: float = 3.5, count: int = 8, max_tokens: int = 24,
+                        workers: int = 6) -> dict[str, Any]:
+    """Under streaming load, Redis is killed and started again (empty) `away_s` later: requests lost, when the
+    roles and the coordinator turned not ready and when ready again."""
+    expected = await expected_texts(cluster.url, count, max_tokens)
+    load = StreamLoad(cluster.url, count, max_tokens, workers)
+    load.start()
+    await asyncio.sleep(2.0)
+    urls = {h: cluster.http_url(h) for h in ("encode0", "prefill", "decode0")} | {"coordinator": cluster.url}
+    killed = cluster.kill("redis")
+    not_ready = await asyncio.gather(*(ready_flip(u, False, killed) for u in urls.values()))
+    await asyncio.sleep(max(0.0, killed + away_s - time.monotonic()))
+    cluster.start_redis()
+    started = time.monotonic()
+    ready = await asyncio.gather(*(ready_flip(u, True, started) for u in urls.values()))
+    await asyncio.sleep(2.0)   # requests made after it is back, too
+    results = await load.stop()
+    return {"requests": len(results), "lost": len(lost(results, expected)),
+            "lost_examples": [vars(r) for r in lost(results, expected)[:3]], "away_s": away_s,
+            "not_ready_after_s": dict(zip(urls, not_ready, strict=True)),
+            "ready_again_after_s": dict(zip(urls, ready, strict=True))}
+
+
+async def partition(cluster: Any, a: str = "prefill", b: str = "decode0", requests: int = 12,
+                    max_tokens: int = 8) -> dict[str, Any]:
+    """`a` and `b` cannot reach each other (both reach everything else): requests lost, and how many `b` served
+    meanwhile (prefill's KV reaches it through Redis, never directly)."""
+    expected = await expected_texts(cluster.url, requests, max_tokens)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+        before = served(await metrics(session, cluster.url), cluster.grpc_address(b))
+    cluster.hosts.partition(a, b)
+    try:
+        timeout = aiohttp.ClientTimeout(total=120)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            results = await asyncio.gather(*(stream_one(session, cluster.url, prompt(i, max_tokens), i)
+                                              for i in range(requests)))
+            after = served(await metrics(session, cluster.url), cluster.grpc_address(b))
+    finally:
+        cluster.hosts.heal(a, b)
+    return {"between": [a, b], "requests": len(results), "lost": len(lost(list(results), expected)),
+            "served_by_" + b: after - before}

@@ -105,6 +105,13 @@ class MultiHostCluster:
             "--admin-token", ADMIN_TOKEN, "--openai-render-urls", self.http_url("render"), *ROLE_FLAGS,
             *self._common()])
 
+    def kill(self, host: str) -> float:
+        """SIGKILL what `host` runs (a crash); the monotonic time it happened."""
+        process = self.processes[host]
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)
+        return time.monotonic()
+
     def wait_ready(self, timeout: float = 300.0) -> None:
         """Until the coordinator has every instance ready (each announced and probed SERVING)."""
         want = {role: len(hosts) for role, hosts in ROLE_HOSTS.items()}
