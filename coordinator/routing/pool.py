@@ -36,9 +36,9 @@ from services.runtime.server import GRPC_OPTIONS
 from .policies import Policy, create_policy
 
 log = logging.getLogger(__name__)
-PROBE_INTERVAL_S = 0.25
+PROBE_INTERVAL_S = 0.2
 PROBE_TIMEOUT_S = 1.0
-REMOTE_PROBE_TIMEOUT_S = 0.5   # another host: unanswered this long is taken out at once (while another serves)
+REMOTE_PROBE_TIMEOUT_S = 0.4   # another host: unanswered this long is taken out at once (while another serves)
 PROBE_MISSES_TO_DOWN = 3   # slow (not refused) probes in a row before a healthy instance is taken out
 # Keepalive finds a peer that vanished without closing its sockets (node loss); a killed process is seen
 # at once anyway (its kernel resets the connections).  Short reconnect backoff: a restarted instance on the

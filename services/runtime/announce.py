@@ -19,6 +19,7 @@ import asyncio
 import json
 import logging
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from services.config import EpdConfig
@@ -48,6 +49,9 @@ class Announcer:
     def __init__(self, coordinator_url: str, body: dict[str, Any], token: str | None = None) -> None:
         self.url, self.body, self._token = coordinator_url, body, token
         self._task: asyncio.Task | None = None
+        # Its own thread: a POST hanging on an unreachable coordinator never waits behind the role's work in the
+        # loop's default executor, nor holds one of its threads.
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="announce")
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop())
@@ -56,7 +60,7 @@ class Announcer:
         failing = False
         while True:
             try:
-                await asyncio.to_thread(_send, self.url, "POST", self.body, self._token)
+                await self._run(_send, self.url, "POST", self.body, self._token)
                 if failing:
                     log.info("announced to %s again", self.url)
                 failing = False
@@ -71,9 +75,14 @@ class Announcer:
             self._task.cancel()
         try:
             ref = {"role": self.body["role"], "grpc_address": self.body["grpc_address"]}
-            await asyncio.to_thread(_send, self.url, "DELETE", ref, self._token)
+            await self._run(_send, self.url, "DELETE", ref, self._token)
         except OSError:
             pass  # the coordinator forgets us once our probes fail
+        finally:
+            self._thread.shutdown(wait=False)
+
+    async def _run(self, *call: Any) -> int:
+        return await asyncio.get_running_loop().run_in_executor(self._thread, *call)
 
 
 def start_announcing(config: EpdConfig, role: str, grpc_port: int, http_port: int) -> Announcer | None:

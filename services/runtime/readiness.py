@@ -54,7 +54,13 @@ class StoreCheck:
     def _redis_problem(self) -> str | None:
         import redis
 
+        from services.connectors.redis_nodes import is_cluster, ping_problem
+
         where = redis_where(self.config.redis_url)
+        if is_cluster(self.config.redis_url):   # usable while any node answers: a lost node's entries are misses
+            problem = ping_problem(self.config.redis_url, 1.0)
+            return None if problem is None else \
+                f"{self.label}: no node of the Redis Cluster at {where} is reachable ({problem})"
         try:
             if self._client is None:
                 self._client = redis.Redis.from_url(self.config.redis_url, socket_connect_timeout=1.0,
@@ -84,6 +90,7 @@ class Readiness:
         self.problems: list[str] = ["not checked yet"]
         self.draining = False
         self._failing_since: float | None = None
+        self._running: asyncio.Future | None = None   # the check in its thread, when one outlived its deadline
 
     @property
     def ready(self) -> bool:
@@ -98,8 +105,12 @@ class Readiness:
 
     async def refresh(self) -> bool:
         """Check now (in a thread: a Redis PING must not stall the event loop); True when ready."""
+        # One check at a time: a check stuck on an unreachable host is waited for, not joined by one more
+        # thread every interval (they would fill the loop's default executor, which the role's work needs).
+        if self._running is None or self._running.done():
+            self._running = asyncio.ensure_future(asyncio.to_thread(self._check))
         try:
-            problems = await asyncio.wait_for(asyncio.to_thread(self._check), CHECK_TIMEOUT_S)
+            problems = await asyncio.wait_for(asyncio.shield(self._running), CHECK_TIMEOUT_S)
         except TimeoutError:
             problems = [f"the readiness checks took over {CHECK_TIMEOUT_S:g} s"]
         now = time.monotonic()
