@@ -23,6 +23,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 CHECK_INTERVAL_S = 0.5
 CHECK_TIMEOUT_S = 2.0
+REDIS_PING_S = 0.5   # a Redis that does not answer a PING in this long (no retry) is not reachable
 NOT_READY_AFTER_S = 2.0
 SHM_DIR = "/dev/shm"
 
@@ -44,30 +45,37 @@ class StoreCheck:
     def label(self) -> str:
         return f"{self.config.purpose} store ({self.config.backend})"
 
-    def problem(self) -> str | None:
+    def problem(self, seen: dict[str, str | None] | None = None) -> str | None:
+        """What is wrong with the store, or None; `seen` holds this round's answers per Redis URL (a role's stores
+        share one Redis: it is asked once)."""
         if self.config.backend == "redis":
-            return self._redis_problem()
+            seen = {} if seen is None else seen
+            if self.config.redis_url not in seen:
+                seen[self.config.redis_url] = self._redis_problem()
+            reason = seen[self.config.redis_url]
+            return None if reason is None else f"{self.label}: {reason}"
         if self.config.backend == "shm":
             return self._shm_problem()
         return None
 
     def _redis_problem(self) -> str | None:
         import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
 
         from services.connectors.redis_nodes import is_cluster, ping_problem
 
         where = redis_where(self.config.redis_url)
         if is_cluster(self.config.redis_url):   # usable while any node answers: a lost node's entries are misses
-            problem = ping_problem(self.config.redis_url, 1.0)
-            return None if problem is None else \
-                f"{self.label}: no node of the Redis Cluster at {where} is reachable ({problem})"
+            problem = ping_problem(self.config.redis_url, REDIS_PING_S)
+            return None if problem is None else f"no node of the Redis Cluster at {where} is reachable ({problem})"
         try:
             if self._client is None:
-                self._client = redis.Redis.from_url(self.config.redis_url, socket_connect_timeout=1.0,
-                                                    socket_timeout=1.0)
+                self._client = redis.Redis.from_url(self.config.redis_url, socket_connect_timeout=REDIS_PING_S,
+                                                    socket_timeout=REDIS_PING_S, retry=Retry(NoBackoff(), 0))
             self._client.ping()
         except (redis.RedisError, OSError) as exc:
-            return f"{self.label}: Redis at {where} is not reachable ({str(exc).splitlines()[0][:100]})"
+            return f"Redis at {where} is not reachable ({str(exc).splitlines()[0][:100]})"
         return None
 
     def _shm_problem(self) -> str | None:
@@ -101,7 +109,8 @@ class Readiness:
 
     def _check(self) -> list[str]:
         problems = [] if self._core_ready() else [f"{self.role_name} is still starting"]
-        return problems + [p for c in self.checks if (p := c.problem()) is not None]
+        seen: dict[str, str | None] = {}
+        return problems + [p for c in self.checks if (p := c.problem(seen)) is not None]
 
     async def refresh(self) -> bool:
         """Check now (in a thread: a Redis PING must not stall the event loop); True when ready."""

@@ -76,3 +76,27 @@ def test_roles_take_grpc_only_with_a_client_certificate(multihost):
     assert check(mutual)
     assert not check(grpc.ssl_channel_credentials(ca))
     assert not check(None)
+
+
+def test_roles_export_scaling_signals_and_the_coordinator_a_ratio(multihost):
+    """After traffic: each model role's busy fraction is in (0, 1], encode exports its queued embeddings, and GET
+    /cluster carries the E:P:D ratio the capacity model recommends (also as metrics)."""
+    for case in sorted(CASES):
+        _ask(multihost.url, case)
+    for host, role in (("encode0", "encode"), ("encode1", "encode"), ("prefill", "prefill"),
+                       ("decode0", "decode"), ("decode1", "decode")):
+        text = httpx.get(multihost.http_url(host) + "/metrics", timeout=10).text
+        busy = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if line.startswith(f'epd_role_busy_fraction{{role="{role}"}}')]
+        assert len(busy) <= 1 and all(0.0 <= b <= 1.0 for b in busy), (host, busy)
+        if role == "encode":
+            assert "\nepd_encode_queued_items " in text
+    prefill = httpx.get(multihost.http_url("prefill") + "/metrics", timeout=10).text
+    assert 0.0 < float(next(line for line in prefill.splitlines()
+                            if line.startswith('epd_role_busy_fraction{role="prefill"}')).rsplit(" ", 1)[1]) <= 1.0
+    capacity = httpx.get(multihost.url + "/cluster", timeout=10).json()["capacity"]
+    assert capacity["instances"] == {"encode": 2, "prefill": 1, "decode": 2}
+    assert capacity["load"]["prefill"] > 0 and capacity["load"]["decode"] > 0
+    assert capacity["ratio_text"].count(":") == 2 and min(v for v in capacity["ratio"].values() if v) == 1.0
+    metrics = httpx.get(multihost.url + "/metrics", timeout=10).text
+    assert 'epd_coordinator_recommended_instances{role="decode"}' in metrics
