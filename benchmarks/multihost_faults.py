@@ -24,8 +24,16 @@ import argparse
 import asyncio
 from typing import Any
 
-from benchmarks.common import ROOT, Figure, machine, markdown_table, print_figures, replace_block, results_dir, \
-    write_json
+from benchmarks.common import (
+    ROOT,
+    Figure,
+    machine,
+    markdown_table,
+    print_figures,
+    replace_block,
+    results_dir,
+    write_json,
+)
 from tests.support import host_faults
 from tests.support.multihost import start_multihost
 

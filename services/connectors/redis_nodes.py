@@ -72,7 +72,8 @@ def credentials(url: str) -> dict[str, Any]:
 
 def ping_problem(url: str, timeout_s: float) -> str | None:
     """None when the store's Redis answers PING (a cluster: any of its listed nodes), else why not."""
-    once = {"socket_connect_timeout": timeout_s, "socket_timeout": timeout_s, "retry": Retry(NoBackoff(), 0)}
+    once: dict[str, Any] = {"socket_connect_timeout": timeout_s, "socket_timeout": timeout_s,
+                            "retry": Retry(NoBackoff(), 0)}
     targets = ([redis.Redis(host=h, port=p, **once, **credentials(url)) for h, p in cluster_addresses(url)]
                if is_cluster(url) else [redis.Redis.from_url(url, **once)])
     problem = None
@@ -109,7 +110,8 @@ class OneServer:
 
     def delete(self, rkeys: list[str]) -> None:
         for i in range(0, len(rkeys), 512):
-            self.call(rkeys[i], "delete", lambda c, batch=rkeys[i:i + 512]: c.delete(*batch))
+            batch = rkeys[i:i + 512]
+            self.call(batch[0], "delete", lambda client: client.delete(*batch))  # noqa: B023 - called at once
 
     def close(self) -> None:
         self._client.close()
@@ -174,7 +176,7 @@ class ClusterNodes:
         """Each key on its own node (a multi-key DEL must not span slots); nodes that are down are skipped."""
         for rkey in rkeys:
             try:
-                self.call(rkey, "delete", lambda c, k=rkey: c.delete(k))
+                self.call(rkey, "delete", lambda client: client.delete(rkey))  # noqa: B023 - called at once
             except (NodeDown, Moved):
                 continue
 

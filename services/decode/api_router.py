@@ -21,6 +21,7 @@ request_id); /abort_requests takes that id, with or without the
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Literal
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -106,7 +107,7 @@ class DecodeApi:
         """llm-d's completions-path decode call: the client's completion (prompt: token ids) + kv_transfer_params."""
         return await self._openai(request, "completion")
 
-    async def _openai(self, request: Request, kind: str) -> Response:
+    async def _openai(self, request: Request, kind: Literal["chat", "completion"]) -> Response:
         call = await openai_call(request, self.render, lambda _: "none", kind)  # decode needs the token ids only
         body = call.generate
         check_model(body.model, self.model_id)
