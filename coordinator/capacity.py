@@ -4,8 +4,9 @@ docs/capacity.md's model: per second of traffic, encode needs λ·k·E instance-
 holds λ·O·D rows (a request holds a row for its O steps); instances = load / ρ for encode and prefill, rows /
 (ρ · slots) for decode, ρ the target utilisation.  The coordinator sees these loads directly: by Little's law the
 average number of its calls in flight to a role *is* that role's arrival rate times its time per call — encode
-calls are one per item (λ·k·E), prefill calls one per request (λ·P), decode streams are rows (λ·O·D).  So every
-SAMPLE_S it adds up the in-flight calls of each role's instances, and over the last WINDOW_S:
+calls are one per item (λ·k·E), prefill calls one per request (λ·P), decode streams are rows (λ·O·D).  Each pool
+integrates its calls in flight over time exactly (`InstancePool.call_seconds`: every call's duration, summed);
+every SAMPLE_S the tracker reads it, and over the last WINDOW_S (load = call-seconds / seconds):
 
     recommended instances: encode = L_encode / ρ, prefill = L_prefill / ρ, decode = L_decode / (ρ · slots)
 
@@ -33,7 +34,7 @@ class CapacityTracker:
                  window_s: float = WINDOW_S) -> None:
         self.pools, self.decode_slots, self.metrics = pools, decode_slots, metrics
         self.window_s = window_s
-        self._samples: deque[tuple[float, dict[str, int]]] = deque()
+        self._samples: deque[tuple[float, dict[str, float]]] = deque()
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -51,7 +52,7 @@ class CapacityTracker:
 
     def sample(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
-        self._samples.append((now, {r: sum(i.inflight for i in self.pools[r].instances) for r in ROLES}))
+        self._samples.append((now, {r: self.pools[r].call_seconds() for r in ROLES}))
         while self._samples and self._samples[0][0] <= now - self.window_s:
             self._samples.popleft()
         if self.metrics is not None:
@@ -62,9 +63,10 @@ class CapacityTracker:
 
     def load(self) -> dict[str, float]:
         """Average calls in flight per role over the window (instance-seconds per second; decode: rows)."""
-        if not self._samples:
+        if len(self._samples) < 2:
             return dict.fromkeys(ROLES, 0.0)
-        return {r: sum(s[r] for _, s in self._samples) / len(self._samples) for r in ROLES}
+        (start, first), (end, last) = self._samples[0], self._samples[-1]
+        return {r: (last[r] - first[r]) / (end - start) for r in ROLES}
 
     def plan(self) -> dict[str, Any]:
         load = self.load()

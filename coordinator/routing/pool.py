@@ -106,6 +106,8 @@ class InstancePool:
             self.add(address, urls[index] if index < len(urls) else "", registered=False)
         self._probe_task: asyncio.Task | None = None
         self._closing: set[asyncio.Task] = set()   # removed instances' channels, closing after their grace
+        # The integral of this pool's calls in flight over time (coordinator/capacity.py: the role's load).
+        self._calls, self._call_seconds, self._since = 0, 0.0, time.monotonic()
 
     # ---- membership ---------------------------------------------------------------------------
 
@@ -169,10 +171,22 @@ class InstancePool:
                 f"{tried} tried for this request)")
 
     def begin(self, instance: Instance) -> None:
+        self._accrue(+1)
         instance.inflight += 1
 
     def end(self, instance: Instance) -> None:
+        self._accrue(-1)
         instance.inflight -= 1
+
+    def _accrue(self, change: int) -> None:
+        now = time.monotonic()
+        self._call_seconds += self._calls * (now - self._since)
+        self._calls, self._since = self._calls + change, now
+
+    def call_seconds(self) -> float:
+        """Seconds of calls to this role so far, summed over the calls (two at once for 1 s: 2)."""
+        self._accrue(0)
+        return self._call_seconds
 
     @contextlib.contextmanager
     def track(self, instance: Instance) -> Iterator[Instance]:
