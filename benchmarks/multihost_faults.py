@@ -57,6 +57,8 @@ def figures(result: dict[str, Any]) -> list[Figure]:
     return [
         Figure("requests lost, decode + encode links cut under load", sum(r["lost"] for r in cuts), 0, "eq",
                "count", note=f"{sum(r['requests'] for r in cuts)} requests"),
+        Figure("decode streams resumed on the other decode instance", sum(r["resumed_streams"] for r in cuts),
+               unit="count", note=f"encode calls failed over: {sum(r['encode_failovers'] for r in cuts):g}"),
         Figure("decode host seen down after its link was cut", 1000 * worst(cuts, "seen_down_s", "decode0"), 1000,
                "le", "ms"),
         Figure("encode host seen down after its link was cut", 1000 * worst(cuts, "seen_down_s", "encode0"), 1000,

@@ -9,7 +9,8 @@ from benchmarks import multihost_faults, redis_cluster
 
 
 def _round(lost: int, seen: float, back: float) -> dict:
-    return {"requests": 10, "lost": lost, "seen_down_s": {"decode0": seen, "encode0": seen / 2},
+    return {"requests": 10, "lost": lost, "resumed_streams": 2, "encode_failovers": 1,
+            "seen_down_s": {"decode0": seen, "encode0": seen / 2},
             "serving_again_s": {"decode0": back, "encode0": back / 2}}
 
 
@@ -25,6 +26,7 @@ def test_host_fault_figures_are_the_worst_round_against_the_targets():
     assert shown["encode instance serving again after its link returned"].value == pytest.approx(3000)
     assert shown["requests lost, Redis restarted under load"].passed is False
     assert shown["requests lost, decode + encode links cut under load"].note == "20 requests"
+    assert shown["decode streams resumed on the other decode instance"].value == 4
 
 
 def test_redis_cluster_bandwidth_is_measured_on_both_backends():

@@ -138,6 +138,14 @@ def served(text: str, address: str) -> float:
     return metric_value(text, "epd_coordinator_instance_calls_total", f'instance="{address}",result="ok"')
 
 
+async def counters(url: str) -> dict[str, float]:
+    """The coordinator's count of resumed decode streams and of encode calls that failed over."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+        text = await metrics(session, url)
+    return {"resumed_streams": metric_value(text, "epd_coordinator_resumed_streams_total"),
+            "encode_failovers": metric_value(text, "epd_coordinator_failovers_total", 'role="encode"')}
+
+
 async def seen_down(url: str, address: str, since: float, timeout: float = 10.0) -> float:
     """Seconds from `since` until the coordinator reports `address` unhealthy (or forgot it); inf if never."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
@@ -187,6 +195,7 @@ async def cut_and_restore(cluster: Any, hosts: tuple[str, ...] = ("decode0", "en
     """Under streaming load, take `hosts` off the network at once, bring them back after `cut_for_s`: requests
     lost, when each was seen down, when each was healthy again and had served a call again."""
     expected = await expected_texts(cluster.url, count, max_tokens)
+    before = await counters(cluster.url)
     load = StreamLoad(cluster.url, count, max_tokens, workers)
     load.start()
     await asyncio.sleep(2.0)   # every worker mid-stream
@@ -201,7 +210,9 @@ async def cut_and_restore(cluster: Any, hosts: tuple[str, ...] = ("decode0", "en
         cluster.hosts.restore(host)
     back = await asyncio.gather(*(serving_again(cluster.url, a, restored) for a in addresses))
     results = await load.stop()
+    after = await counters(cluster.url)
     return {"hosts": list(hosts), "requests": len(results), "lost": len(lost(results, expected)),
+            **{name: after[name] - before[name] for name in after},
             "lost_examples": [vars(r) for r in lost(results, expected)[:3]], "cut_for_s": cut_for_s,
             "seen_down_s": dict(zip(hosts, seen, strict=True)),
             "healthy_again_s": {h: b[0] for h, b in zip(hosts, back, strict=True)},
