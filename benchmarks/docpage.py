@@ -32,6 +32,7 @@ GROUPS: list[tuple[str, tuple[str, ...]]] = [
     ("Kernels", (
         "kernels", "prefill-kernels", "fused-mlp", "decode-attention", "decode-step", "bf16-gemm", "fused-step",
         "panel-ref", "head-screen", "int8-screen", "linear-kernels")),
+    ("Scale-out and stores", ("redis-cluster",)),
     ("GPU", ("gpu-check",)),
     ("Other", ()),
 ]

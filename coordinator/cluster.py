@@ -20,6 +20,8 @@ from services.observability.owned_metrics import OwnedGauges
 from services.rpc.tls import channel_credentials, channel_options
 from services.rpc.v1 import epd_pb2_grpc as rpc
 
+from .capacity import ROLES as CAPACITY_ROLES
+from .capacity import CapacityTracker
 from .clients import EncodeClient, PrefillClient, RenderClient
 from .decode_stream import DecodeClient
 from .metrics import CoordinatorMetrics
@@ -80,6 +82,9 @@ class Cluster:
         self.decode = DecodeClient(self._pool("decode", rpc.DecodeServiceStub))
         for pool in self.pools:
             pool.start_probing()
+        self.capacity = CapacityTracker({r: self.pool(r) for r in CAPACITY_ROLES}, self.config.engines.decode_slots,
+                                        self.metrics)
+        self.capacity.start()
         self.mm_store = open_store(self.config, "mm", producer=False)
         self.gauges = OwnedGauges(self, GAUGES)
 
@@ -96,6 +101,7 @@ class Cluster:
         return {p.role: p for p in self.pools}[role]
 
     async def close(self) -> None:
+        await self.capacity.close()
         for pool in self.pools:
             await pool.close()
         if self.mm_store is not None:

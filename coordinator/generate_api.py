@@ -76,7 +76,8 @@ class GenerateApi:
         probes = await asyncio.gather(*(pool.check_all() for pool in pools))
         instances = [entry for pool, health in zip(pools, probes, strict=True)
                      for entry in self._entries(pool, health)]
-        return JSONResponse({"model": self.config.checkpoint.served_model_id(), "instances": instances})
+        return JSONResponse({"model": self.config.checkpoint.served_model_id(), "instances": instances,
+                             "capacity": self.cluster.capacity.plan()})
 
     def _entries(self, pool: InstancePool, health: dict[str, bool]) -> list[dict[str, Any]]:
         # http_url: from --<role>-http-urls, or as the instance announced itself (POST /v1/instances).

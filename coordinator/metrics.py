@@ -57,6 +57,11 @@ class CoordinatorMetrics:
                                "and that went on on another one (the prompt and the tokens sent prefilled again)")
         self.cancelled = Counter("epd_coordinator_cancelled_requests",
                                  "Requests cancelled by reason (disconnect, abort)", ["reason"])
+        self.recommended_instances = Gauge(
+            "epd_coordinator_recommended_instances", "Instances of the role the capacity model recommends for the "
+            "last minute's load at 70% utilisation (coordinator/capacity.py; docs/capacity.md)", ["role"])
+        self.recommended_ratio = Gauge("epd_coordinator_recommended_ratio", "The recommended instances of the role "
+                                       "over the smallest role's: the E:P:D ratio", ["role"])
 
     def forget_instance(self, role: str, address: str) -> None:
         """Drop the per-instance series of an instance that left the pool."""

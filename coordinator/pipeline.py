@@ -13,11 +13,18 @@ seeded answers are the same as an undisturbed run's (decode judges the resumed t
 depend only on (seed, index): services/sampling/sampler.py).  Each resume costs the request one retry of its
 transport budget (--max-retries), like any failover.
 
+A shared store that is briefly away (Redis restarting: every instance's calls fail with `*_store_unavailable`, and
+the roles turn not ready) is waited out, not answered: the request pauses STORE_PAUSE_S and runs again from the step
+the store's recovery names (the entries may be gone: encode or prefill again), for up to STORE_OUTAGE_S, also
+while no instance of a role is ready meanwhile (`<role>_unavailable`).  Only requests that met the outage wait; one
+that arrives while no instance is ready is answered 503 at once (the coordinator's /ready is false then).
+
 Adding a step is one file in steps/ and one line in STEPS.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -45,6 +52,8 @@ STEPS: list[type[Step]] = [GenerateInputStep, RenderStep, EncodeStep, PrefillSte
 EC_MISSING_CODE = "ec_entry_missing"
 KV_MISSING_CODE = "kv_entry_missing"
 MM_MISSING_CODE = "mm_entry_missing"
+STORE_PAUSE_S = 0.25     # between two tries of a request waiting for its store
+STORE_OUTAGE_S = 10.0    # the longest a request waits for a store that is away (a Redis restart takes ~1 s)
 
 
 @dataclass(frozen=True)
@@ -68,6 +77,9 @@ RECOVERIES: dict[str, Recovery] = {
     # decode found the KV entry gone (evicted, expired, consumed by an instance that died): prefill again
     KV_MISSING_CODE: Recovery("prefill", lambda p, ctx: PrefillStep.forget_answer(ctx)),
 }
+# A store that does not answer (Redis restarting): what it held may be gone when it is back, so the same steps again.
+STORE_OUTAGES: dict[str, str] = {"mm_store_unavailable": MM_MISSING_CODE, "ec_store_unavailable": EC_MISSING_CODE,
+                                 "kv_store_unavailable": KV_MISSING_CODE}
 
 
 class Pipeline:
@@ -87,18 +99,43 @@ class Pipeline:
         await self._run(ctx, 0)
 
     async def _run(self, ctx: RequestContext, index: int) -> None:
+        outage_since: float | None = None   # when this request first met a store that did not answer
         while index < len(self.steps):
             step = self.steps[index]
             activity.mark(f"coordinator.{step.name}.start")
             try:
                 await step.execute(ctx)
             except EpdError as exc:
+                if exc.code in STORE_OUTAGES and outage_since is None:
+                    outage_since = time.monotonic()
+                if outage_since is not None and self._waits_out(ctx, exc, outage_since):
+                    await asyncio.sleep(STORE_PAUSE_S)
+                    index = self._after_outage(step, ctx, exc)
+                    continue
                 index = self._recover(step, ctx, exc)
                 continue
             activity.mark(f"coordinator.{step.name}.end")
             if step.name in ctx.timings:
                 self.cluster.metrics.stage_seconds.labels(step.name).observe(ctx.timings[step.name])
             index += 1
+
+    @staticmethod
+    def _waits_out(ctx: RequestContext, exc: EpdError, since: float) -> bool:
+        """Whether to pause and try again: the store (or, meanwhile, every instance of a role) is away, and the
+        outage and the request's first-token bound leave room."""
+        away = exc.code in STORE_OUTAGES or exc.code.endswith("_unavailable")
+        now = time.monotonic()
+        return away and now - since < STORE_OUTAGE_S and ctx.deadline - now > STORE_PAUSE_S
+
+    def _after_outage(self, step: Step, ctx: RequestContext, exc: EpdError) -> int:
+        """The step to run again: the store's recovery (what it held may be lost), or the step that found no ready
+        instance."""
+        missing = STORE_OUTAGES.get(exc.code)
+        if missing is None:
+            return self._index(step.name)
+        self.cluster.metrics.retries.labels(step.name, exc.code).inc()
+        RECOVERIES[missing].forget(self, ctx)
+        return self._index(RECOVERIES[missing].rerun_from)
 
     def _recover(self, step: Step, ctx: RequestContext, exc: EpdError) -> int:
         """The index to run from after `exc`, or `exc` raised again when it is not (or no longer) recoverable."""

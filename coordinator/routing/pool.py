@@ -7,8 +7,12 @@ channel.  A failed call marks the instance down at once (passive health);
 a background probe (gRPC health protocol, every PROBE_INTERVAL_S) marks a
 healthy instance down when its port refuses, or after PROBE_MISSES_TO_DOWN
 slow answers, and brings a down one back when it answers SERVING (active
-health).  Routing policies pick among healthy instances by live in-flight
-calls (`begin`/`end`, or `track`).
+health).  An instance on another host (any address but loopback) is probed
+with a shorter deadline, and one unanswered probe takes it out while another
+instance of its role is healthy: a host cut off the network answers nothing
+(no reset comes back), and must be seen within a second, not after misses.
+Routing policies pick among healthy instances by live in-flight calls
+(`begin`/`end`, or `track`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.config import is_loopback
 from services.protocol.errors import Unavailable
 from services.rpc.fastlane_client import close_stub, with_fast_lane
 from services.runtime.server import GRPC_OPTIONS
@@ -31,8 +36,9 @@ from services.runtime.server import GRPC_OPTIONS
 from .policies import Policy, create_policy
 
 log = logging.getLogger(__name__)
-PROBE_INTERVAL_S = 0.5
+PROBE_INTERVAL_S = 0.2
 PROBE_TIMEOUT_S = 1.0
+REMOTE_PROBE_TIMEOUT_S = 0.4   # another host: unanswered this long is taken out at once (while another serves)
 PROBE_MISSES_TO_DOWN = 3   # slow (not refused) probes in a row before a healthy instance is taken out
 # Keepalive finds a peer that vanished without closing its sockets (node loss); a killed process is seen
 # at once anyway (its kernel resets the connections).  Short reconnect backoff: a restarted instance on the
@@ -46,6 +52,17 @@ CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
+# Another host: pings every second (grpc's floor for a client) also while idle, half a second to answer, so a calls'
+# transport to a host that vanished fails within about 1.5 s and the calls fail over (a decode stream resumes).
+REMOTE_KEEPALIVE = [("grpc.keepalive_time_ms", 1000), ("grpc.keepalive_timeout_ms", 500),
+                    ("grpc.keepalive_permit_without_calls", 1)]
+
+
+def is_remote(address: str) -> bool:
+    """Whether host:port names another host (not loopback, not a Unix socket)."""
+    if address.startswith("unix:"):
+        return False
+    return not is_loopback(address.rsplit(":", 1)[0].strip("[]"))
 
 
 @dataclass
@@ -61,6 +78,7 @@ class Instance:
     registered: bool = False        # announced through POST /v1/instances (not from flags)
     down_since: float | None = None
     probe_misses: int = 0
+    remote: bool = False            # on another host (is_remote): probed with REMOTE_PROBE_TIMEOUT_S
     extra: dict[str, Any] = field(default_factory=dict)
 
     def describe(self) -> dict[str, Any]:
@@ -88,6 +106,8 @@ class InstancePool:
             self.add(address, urls[index] if index < len(urls) else "", registered=False)
         self._probe_task: asyncio.Task | None = None
         self._closing: set[asyncio.Task] = set()   # removed instances' channels, closing after their grace
+        # The integral of this pool's calls in flight over time (coordinator/capacity.py: the role's load).
+        self._calls, self._call_seconds, self._since = 0, 0.0, time.monotonic()
 
     # ---- membership ---------------------------------------------------------------------------
 
@@ -100,11 +120,14 @@ class InstancePool:
         if known is not None:
             known.http_url = http_url or known.http_url
             return known
-        channel = (grpc.aio.secure_channel(address, self._credentials, options=self._options)
-                   if self._credentials is not None else grpc.aio.insecure_channel(address, options=self._options))
+        remote = is_remote(address)
+        overrides = dict(REMOTE_KEEPALIVE if remote else [])
+        options = [(k, v) for k, v in self._options if k not in overrides] + list(overrides.items())
+        channel = (grpc.aio.secure_channel(address, self._credentials, options=options)
+                   if self._credentials is not None else grpc.aio.insecure_channel(address, options=options))
         stub = with_fast_lane(self._stub_factory(channel), address, self._credentials is not None, self.fast_lane)
         instance = Instance(self.role, address, channel, stub, healthy=not registered, http_url=http_url,
-                            registered=registered)
+                            registered=registered, remote=remote)
         if registered:
             instance.down_since = time.monotonic()
         self.instances.append(instance)
@@ -148,10 +171,22 @@ class InstancePool:
                 f"{tried} tried for this request)")
 
     def begin(self, instance: Instance) -> None:
+        self._accrue(+1)
         instance.inflight += 1
 
     def end(self, instance: Instance) -> None:
+        self._accrue(-1)
         instance.inflight -= 1
+
+    def _accrue(self, change: int) -> None:
+        now = time.monotonic()
+        self._call_seconds += self._calls * (now - self._since)
+        self._calls, self._since = self._calls + change, now
+
+    def call_seconds(self) -> float:
+        """Seconds of calls to this role so far, summed over the calls (two at once for 1 s: 2)."""
+        self._accrue(0)
+        return self._call_seconds
 
     @contextlib.contextmanager
     def track(self, instance: Instance) -> Iterator[Instance]:
@@ -194,7 +229,7 @@ class InstancePool:
     async def _probe(self, instance: Instance) -> None:
         try:
             reply = await health_pb2_grpc.HealthStub(instance.channel).Check(
-                health_pb2.HealthCheckRequest(), timeout=PROBE_TIMEOUT_S)
+                health_pb2.HealthCheckRequest(), timeout=REMOTE_PROBE_TIMEOUT_S if instance.remote else PROBE_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             self._probe_failed(instance, exc.code())
             return
@@ -207,9 +242,12 @@ class InstancePool:
         if not instance.healthy:
             return
         instance.probe_misses += 1
-        # A refused or reset connection means the process is gone; a slow answer may be a busy one.
+        # A refused or reset connection means the process is gone; a slow answer may be a busy one, unless it is
+        # another host's: unreachable looks the same, and the role's other instances can take its work meanwhile.
         if code != grpc.StatusCode.DEADLINE_EXCEEDED or instance.probe_misses >= PROBE_MISSES_TO_DOWN:
             self.mark_down(instance, f"health probe: {code.name}")
+        elif instance.remote and any(i.healthy for i in self.instances if i is not instance):
+            self.mark_down(instance, f"health probe unanswered in {REMOTE_PROBE_TIMEOUT_S:g} s (host unreachable?)")
 
     def _forget_dead(self) -> None:
         now = time.monotonic()

@@ -77,7 +77,7 @@ class EpdConfig:
         """A config from flat setting names (`decode_slots=4`); the rest take their defaults, and the "auto" ones
         are resolved for the device given here."""
         grouped = _grouped(settings)
-        return cls(**{f.name: f.default_factory(**grouped.get(f.name, {}))  # type: ignore[misc]
+        return cls(**{f.name: f.default_factory(**grouped.get(f.name, {}))  # type: ignore[misc,operator]
                       for f in fields(cls)})
 
     def with_(self, **settings: Any) -> EpdConfig:

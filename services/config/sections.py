@@ -107,7 +107,8 @@ class StoresConfig:
 
     ec_connector: str = _f("shm", "where image embeddings travel from encode to prefill: shm | redis")
     kv_connector: str = _f("shm", "where KV caches travel from prefill to decode: shm | redis")
-    redis_url: str = _f("redis://127.0.0.1:6379/0", "Redis for the redis connectors")
+    redis_url: str = _f("redis://127.0.0.1:6379/0", "Redis for the redis connectors: redis://host:port/db, or "
+                        "redis+cluster://host:port,host:port for a Redis Cluster (entries spread over its nodes)")
     ec_capacity_mb: int = _f(256, "bytes (MiB) the EC store of one encode instance may hold")
     kv_capacity_mb: int = _f(256, "bytes (MiB) the KV store of one prefill instance may hold")
     ec_ttl_s: float = _f(600.0, "seconds an embedding stays in the EC store")

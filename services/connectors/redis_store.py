@@ -9,6 +9,9 @@ verifies prefix, nonce, header, length and crc32.  This producer remembers
 what it wrote (LRU) to stay under capacity_bytes and to delete it on close().
 Connection problems surface as BackendUnavailable within the socket timeouts
 (connect 2 s, operation 10 s); the pool re-dials after a server restart.
+On a Redis Cluster (redis+cluster://, redis_nodes) each key goes to its slot's
+node; a node that is down makes its entries typed misses and puts go to
+another node (the handle names the key written).
 
 Copies (StoreStats.bytes_copied counts user-space payload copies; socket I/O
 is not a copy here): put() sends straight from tensor or array memory (0);
@@ -27,12 +30,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
-from services.connectors.base import ConnectorError, StoreConfig, StoreStats, TensorSpec, TensorStore, check_key
+from services.connectors.base import (
+    ConnectorError,
+    EntryMissing,
+    StoreConfig,
+    StoreStats,
+    TensorSpec,
+    TensorStore,
+    check_key,
+)
 from services.connectors.codec import Data, byte_view, bytes_at, crc_of, is_array, plan, plan_specs, tensor_at
-from services.connectors.redis_errors import backend_errors
 from services.connectors.redis_format import (
     READ_CHUNK,
     RedisRef,
@@ -42,6 +50,7 @@ from services.connectors.redis_format import (
     make_handle,
     value_pieces,
 )
+from services.connectors.redis_nodes import NodeDown, open_nodes, retried
 from services.connectors.redis_resp import Arg, RespError, RespSession, borrowed
 
 if TYPE_CHECKING:
@@ -59,10 +68,7 @@ class RedisTensorStore(TensorStore):
         assert config.redis_url is not None  # StoreConfig checks it
         self.config = config
         self._verify = config.verify_checksum is not False
-        # One immediate retry re-dials a pooled connection that a server restart broke; no backoff sleeps.
-        self._client = redis.Redis.from_url(config.redis_url, socket_connect_timeout=2.0, socket_timeout=10.0,
-                                            retry=Retry(NoBackoff(), 1))
-        self._where = config.redis_url.rsplit("@", 1)[-1]  # never put a password in a message
+        self._nodes = open_nodes(config.redis_url)
         self._written: OrderedDict[str, tuple[int, float]] = OrderedDict()  # redis key -> (bytes, expiry)
         self._bytes = 0
         self._lock = threading.Lock()
@@ -115,14 +121,18 @@ class RedisTensorStore(TensorStore):
                                  f"capacity {self.config.capacity_bytes}; raise capacity_bytes")
         first, *rest = value_pieces(head, specs, views, length)
         ttl_ms = max(1, int(self.config.ttl_s * 1000))
-        commands: list[list[Arg]] = [["MULTI"], ["SET", rkey, first, "PX", ttl_ms]]
-        commands += [["APPEND", rkey, piece] for piece in rest]
-        commands.append(["EXEC"])
-        with backend_errors(self._where, f"put {key!r}"), borrowed(self._client) as resp:
-            resp.send(commands)
-            _transaction_result(resp, len(commands) - 2)
-        self._remember(rkey, len(head) + length)
-        return make_handle(key, rkey, nonce, len(head), length, crc, specs)
+
+        def write(_: int) -> str:
+            placed = self._nodes.place(rkey)   # on a cluster whose node for rkey is down: another key's node
+            commands: list[list[Arg]] = [["MULTI"], ["SET", placed, first, "PX", ttl_ms]]
+            commands += [["APPEND", placed, piece] for piece in rest]
+            commands.append(["EXEC"])
+            self._nodes.call(placed, f"put {key!r}", lambda client: _run(client, commands, len(commands) - 2))
+            return placed
+
+        placed = retried(range(2), write)
+        self._remember(placed, len(head) + length)
+        return make_handle(key, placed, nonce, len(head), length, crc, specs)
 
     def _remember(self, rkey: str, nbytes: int) -> None:
         with self._lock:
@@ -137,8 +147,7 @@ class RedisTensorStore(TensorStore):
                 self._forget(victims[-1])
             self._evictions += len(victims)
         if victims:
-            with backend_errors(self._where, "evict"):
-                self._client.delete(*victims)
+            self._nodes.delete(victims)
 
     def _forget(self, rkey: str) -> None:
         self._bytes -= self._written.pop(rkey, (0, 0.0))[0]
@@ -149,14 +158,23 @@ class RedisTensorStore(TensorStore):
             self._forget(rkey)
 
     def lookup(self, key: str) -> dict[str, Any] | None:
-        rkey = self.redis_key(key)
-        with backend_errors(self._where, f"lookup {key!r}"):
-            pipe = self._client.pipeline(transaction=True)
+        def read(client: redis.Redis, rkey: str) -> tuple[bytes, int]:
+            pipe = client.pipeline(transaction=True)
             pipe.getrange(rkey, 0, _LOOKUP_BYTES - 1)
             pipe.strlen(rkey)
             head, total = pipe.execute()
             if head_length_of(head) > len(head):  # many tensors: the header is longer than the first read
-                head = self._client.getrange(rkey, 0, head_length_of(head) - 1)
+                head = client.getrange(rkey, 0, head_length_of(head) - 1)
+            return head, total
+
+        def attempt(_: int) -> tuple[str, bytes, int]:
+            rkey = self._nodes.place(self.redis_key(key))   # where a put would have gone
+            return (rkey, *self._nodes.call(rkey, f"lookup {key!r}", lambda client: read(client, rkey)))
+
+        try:
+            rkey, head, total = retried(range(2), attempt)
+        except NodeDown:   # a cluster node that is down: its entries are misses
+            rkey, head, total = self.redis_key(key), b"", 0
         handle = handle_from_head(key, rkey, head, total)
         with self._lock:
             if handle is None:
@@ -174,27 +192,34 @@ class RedisTensorStore(TensorStore):
         commands: list[list[Arg]] = [["MULTI"]]
         commands += [["GETRANGE", ref.rkey, a, b - 1] for a, b in ranges]
         commands += [["STRLEN", ref.rkey], ["EXEC"]]
-        with backend_errors(self._where, f"get {ref.key!r}"), borrowed(self._client) as resp:
-            resp.send(commands)
-            *lengths, stored = _transaction_result(resp, len(ranges) + 1,
-                                                   [buf.data[a:b] for a, b in ranges])
+        targets = [buf.data[a:b] for a, b in ranges]
+        try:
+            *lengths, stored = retried(range(2), lambda _: self._nodes.call(
+                ref.rkey, f"get {ref.key!r}", lambda client: _run(client, commands, len(ranges) + 1, targets)))
+        except NodeDown as exc:
+            raise EntryMissing(f"entry {ref.key!r} is on a Redis Cluster node that is down ({exc})") from None
         if sum(lengths) != min(stored, ref.total):
             raise ConnectorError(f"redis returned a short read for {ref.key!r}")
         ref.verify(buf, stored, self._verify)
         return {s.name: tensor_at(buf, s, ref.head_length) for s in ref.specs}
 
     def delete(self, key: str) -> bool:
-        rkey = self.redis_key(key)
+        rkey = self._nodes.place(self.redis_key(key))
         with self._lock:
             self._forget(rkey)
-        with backend_errors(self._where, f"delete {key!r}"):
-            return bool(self._client.delete(rkey))
+        try:
+            return bool(self._nodes.call(rkey, f"delete {key!r}", lambda client: client.delete(rkey)))
+        except NodeDown:
+            return False
 
     def release(self, handle: dict[str, Any]) -> None:
         """Delete the entry if it is still the write the handle names (one-shot KV)."""
         ref = RedisRef.from_handle(handle)
-        with backend_errors(self._where, f"release {ref.key!r}"):
-            deleted = self._client.eval(_RELEASE_LUA, 1, ref.rkey, ref.nonce)
+        try:
+            deleted = self._nodes.call(ref.rkey, f"release {ref.key!r}",
+                                       lambda client: client.eval(_RELEASE_LUA, 1, ref.rkey, ref.nonce))
+        except NodeDown:
+            return   # gone with its node
         if deleted:
             with self._lock:
                 self._forget(ref.rkey)
@@ -212,12 +237,19 @@ class RedisTensorStore(TensorStore):
             self._closed = True
             keys, self._written, self._bytes = list(self._written), OrderedDict(), 0
         try:
-            for i in range(0, len(keys), 512):
-                self._client.delete(*keys[i:i + 512])
-        except (redis.RedisError, OSError):
+            self._nodes.delete(keys)
+        except ConnectorError:
             pass  # best effort: Redis is down; the TTL removes the keys
         finally:
-            self._client.close()
+            self._nodes.close()
+
+
+def _run(client: redis.Redis, commands: list[list[Arg]], queued: int,
+         targets: list[memoryview] | None = None) -> list[Any]:
+    """MULTI, the commands, EXEC on one pooled connection of `client`, raw (redis_resp): EXEC's replies."""
+    with borrowed(client) as resp:
+        resp.send(commands)
+        return _transaction_result(resp, queued, targets)
 
 
 def _transaction_result(resp: RespSession, queued: int, targets: list[memoryview] | None = None) -> list[Any]:

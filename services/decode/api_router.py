@@ -1,7 +1,8 @@
-"""Decode's HTTP routes (PROTOCOL.md): POST /inference/v1/generate, /v1/chat/completions, /abort_requests.
+"""Decode's HTTP routes (PROTOCOL.md): POST /inference/v1/generate, /v1/chat/completions, /v1/completions,
+/abort_requests.
 
-POST /v1/chat/completions takes llm-d's OpenAI-format decode call (services.edge.openai_calls) and answers
-the client's chat completion.
+POST /v1/chat/completions and /v1/completions take llm-d's (and vLLM's E/P/D proxy's) OpenAI-format decode calls
+(services.edge.openai_calls) and answer the client's chat completion or completion.
 
 Generate on decode means: kv_transfer_params from a prefill answer (+ sampling)
 -> every output token, the first one (sampled by prefill) included, as one
@@ -20,6 +21,7 @@ request_id); /abort_requests takes that id, with or without the
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Literal
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -98,7 +100,15 @@ class DecodeApi:
     async def chat(self, request: Request) -> Response:
         """llm-d's OpenAI-format decode call: the client's chat + the prefill's kv_transfer_params; the
         answer (JSON or SSE) is OpenAI's, built as the coordinator builds its own."""
-        call = await openai_call(request, self.render, lambda _: "none")  # decode needs the token ids only
+        return await self._openai(request, "chat")
+
+    @endpoint
+    async def completion(self, request: Request) -> Response:
+        """llm-d's completions-path decode call: the client's completion (prompt: token ids) + kv_transfer_params."""
+        return await self._openai(request, "completion")
+
+    async def _openai(self, request: Request, kind: Literal["chat", "completion"]) -> Response:
+        call = await openai_call(request, self.render, lambda _: "none", kind)  # decode needs the token ids only
         body = call.generate
         check_model(body.model, self.model_id)
         kv = body.kv_transfer_params
@@ -107,13 +117,13 @@ class DecodeApi:
                                  code="missing_kv_transfer_params")
         if kv.get("num_prompt_tokens") != len(body.token_ids):
             raise InvalidRequest(f"kv_transfer_params hold the KV of {kv.get('num_prompt_tokens')} prompt tokens "
-                                 f"but this chat renders to {len(body.token_ids)}: send the chat the prefill "
+                                 f"but this {kind} renders to {len(body.token_ids)}: send the {kind} the prefill "
                                  "had", code="kv_prompt_mismatch")
         sampling = body.sampling_params.model_dump(exclude={"extra_args"})
         events = self.service.decode(header_request_id(request) or body.request_id, kv, sampling,
                                      list(body.token_ids))
         first = await anext(events)
-        built = OpenAIAnswer("chat", body.request_id, body.model or self.model_id, None, len(body.token_ids),
+        built = OpenAIAnswer(kind, body.request_id, body.model or self.model_id, None, len(body.token_ids),
                              call.include_usage, list(body.token_ids) if call.body.get("return_token_ids") is True
                              else None)
         deltas = output_deltas(first, events)
@@ -132,4 +142,5 @@ def routes(service: DecodeService, model_id: str, render: RenderClient | None = 
     api = DecodeApi(service, model_id, render or RenderClient([]))
     return [Route("/inference/v1/generate", api.generate, methods=["POST"]),
             Route("/v1/chat/completions", api.chat, methods=["POST"]),
+            Route("/v1/completions", api.completion, methods=["POST"]),
             Route("/abort_requests", api.abort, methods=["POST"])]

@@ -1,4 +1,5 @@
-"""llm-d's OpenAI-format calls on the roles: POST /v1/chat/completions on encode, prefill and decode.
+"""llm-d's OpenAI-format calls on the roles: POST /v1/chat/completions on encode, prefill and decode, and
+POST /v1/completions on prefill and decode (llm-d's completions path; vLLM's E/P/D proxy makes the chat calls).
 
 llm-d's coordinator (`use_openai_format`, its default) calls each stage with a chat body, not a
 GenerateRequest (docs/llm-d.md lists the exact bodies):
@@ -10,7 +11,10 @@ GenerateRequest (docs/llm-d.md lists the exact bodies):
   {mm_hash: handle}; it reads `kv_transfer_params`;
 - decode: the client's chat body, each image part with `uuid` = its mm_hash, and the prefill's
   `kv_transfer_params` (plus do_remote_decode false, do_remote_prefill true); its answer goes to the
-  client unchanged.
+  client unchanged;
+- completions: prefill gets `{"model", "prompt": <render's token ids>, "max_tokens": 1, ..., "request_id",
+  "kv_transfer_params"}` (plus `features` and `ec_transfer_params` with images), decode the client's completion
+  body with `prompt` = those ids and the prefill's `kv_transfer_params`.
 
 A role holds no tokenizer, chat template or image processor, so it asks a render instance
 (--openai-render-urls, in order, the next one on a connection failure) to render the body into the
@@ -35,10 +39,17 @@ from services.edge.http_api import header_request_id, read_body
 from services.protocol.common import Usage
 from services.protocol.errors import EpdError, InvalidRequest, Unavailable
 from services.protocol.generate import GenerateRequest, GenerateResponse
-from services.protocol.openai_responses import ChatCompletionChoice, ChatCompletionResponse, ChatResponseMessage
+from services.protocol.openai_responses import (
+    ChatCompletionChoice,
+    ChatCompletionResponse,
+    ChatResponseMessage,
+    CompletionChoice,
+    CompletionResponse,
+)
 from services.protocol.parsing import parse_json, validate_model
 
 RENDER_PATH = "/v1/chat/completions/render"
+RENDER_PATHS = {"chat": RENDER_PATH, "completion": "/v1/completions/render"}
 RENDER_TIMEOUT_S = 60.0
 
 
@@ -47,6 +58,13 @@ class TransferChatResponse(ChatCompletionResponse):
 
     kv_transfer_params: dict[str, Any] | None = Field(default=None, description="KV handle (prefill answers).")
     ec_transfer_params: dict[str, Any] | None = Field(default=None, description="{mm_hash: handle} (encode).")
+
+
+class TransferCompletionResponse(CompletionResponse):
+    """A completion of a prefill call: OpenAI's shape plus the transfer parameters."""
+
+    kv_transfer_params: dict[str, Any] | None = Field(default=None, description="KV handle (prefill answers).")
+    ec_transfer_params: dict[str, Any] | None = Field(default=None, description="{mm_hash: handle}.")
 
 
 class _RenderError(EpdError):
@@ -69,10 +87,12 @@ class RenderClient:
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
 
-    async def render(self, raw: bytes, request_id: str | None, payload: str = "tensors") -> GenerateRequest:
+    async def render(self, raw: bytes, request_id: str | None, payload: str = "tensors",
+                     kind: str = "chat") -> GenerateRequest:
         """`raw` (a JSON object) rendered with mm_payload `payload` ("none": ids and hashes only; "metadata":
-        no pixels, mm_metadata and the body's ec_transfer_params), appended so a large body is not re-encoded."""
-        if payload != "tensors":
+        no pixels, mm_metadata and the body's ec_transfer_params), appended so a large body is not re-encoded.
+        A completion (`kind`, text or token ids: no media) must hold one prompt."""
+        if payload != "tensors" and kind == "chat":
             raw = raw.rstrip()[:-1] + b', "mm_payload": ' + json.dumps(payload).encode() + b"}"
         if not self.urls:
             raise Unavailable("this role has no render instance to render OpenAI bodies with (set "
@@ -84,14 +104,14 @@ class RenderClient:
         async with aiohttp.ClientSession(timeout=self.timeout) as session:  # per call: nothing to close later
             for url in self.urls:
                 try:
-                    async with session.post(url + RENDER_PATH, data=raw, headers=headers) as reply:
+                    async with session.post(url + RENDER_PATHS[kind], data=raw, headers=headers) as reply:
                         answer, status = await reply.read(), reply.status
                 except (aiohttp.ClientError, TimeoutError) as exc:
                     failures.append(f"{url}: {type(exc).__name__}")
                     continue
                 if status != 200:
                     raise _RenderError(status, _json_or_none(answer))
-                return validate_model(GenerateRequest, parse_json(answer))
+                return validate_model(GenerateRequest, _one_prompt(parse_json(answer)))
         raise Unavailable(f"no render instance answered ({'; '.join(failures)})", code="render_unavailable")
 
 
@@ -100,6 +120,16 @@ def render_client(config: EpdConfig) -> RenderClient:
     keys = parse_keys(config.security.role_api_key or config.security.api_key)
     return RenderClient(config.cluster.openai_render_urls.split(","), keys[0] if keys else None,
                         config.limits.ttft_timeout_s)
+
+
+def _one_prompt(answer: Any) -> Any:
+    """A chat render is one GenerateRequest; a completion render a list of them, of which a role takes one."""
+    if not isinstance(answer, list):
+        return answer
+    if len(answer) != 1:
+        raise InvalidRequest(f"a role takes one prompt per call, this completion has {len(answer)}",
+                             code="one_prompt_per_call")
+    return answer[0]
 
 
 def _json_or_none(payload: bytes) -> Any:
@@ -115,6 +145,7 @@ class OpenAICall:
 
     body: dict[str, Any]
     generate: GenerateRequest
+    kind: str = "chat"   # or "completion"
 
     @property
     def include_usage(self) -> bool:
@@ -143,9 +174,19 @@ class OpenAICall:
                                  f"({len(given)} ids given, {len(ours)} rendered): render and this role must "
                                  "serve the same model and template", code="tokens_mismatch")
 
-    def answer(self, generated: GenerateResponse, content: str | None = None) -> TransferChatResponse:
-        """An encode or prefill answer in the chat shape (its text is not detokenized: content null)."""
+    def answer(self, generated: GenerateResponse,
+               content: str | None = None) -> TransferChatResponse | TransferCompletionResponse:
+        """An encode or prefill answer in the call's shape (its text is not detokenized: content null / "")."""
         choice = generated.choices[0]
+        if self.kind == "completion":
+            return TransferCompletionResponse(
+                id=self.generate.request_id, created=generated.created,
+                model=generated.model or self.generate.model or "",
+                choices=[CompletionChoice(text=content or "", finish_reason=choice.finish_reason,
+                                          stop_reason=choice.stop_reason)],
+                usage=Usage(prompt_tokens=generated.usage.prompt_tokens,
+                            completion_tokens=generated.usage.completion_tokens),
+                kv_transfer_params=generated.kv_transfer_params, ec_transfer_params=generated.ec_transfer_params)
         return TransferChatResponse(
             id=self.generate.request_id, created=generated.created,
             model=generated.model or self.generate.model or "",
@@ -161,18 +202,21 @@ def _tensors(_: dict[str, Any]) -> str:
 
 
 async def openai_call(request: Request, render: RenderClient,
-                      payload: Callable[[dict[str, Any]], str] = _tensors) -> OpenAICall:
-    """Read a chat-format call and have it rendered; transfer parameters are taken from the raw body.
-    `payload(body)`: the mm_payload the role needs (decode "none": ids only; prefill "metadata")."""
+                      payload: Callable[[dict[str, Any]], str] = _tensors, kind: str = "chat") -> OpenAICall:
+    """Read a chat- (or completion-) format call and have it rendered; transfer parameters are taken from the raw
+    body.  `payload(body)`: the mm_payload the role needs (decode "none": ids only; prefill "metadata").  A
+    completion's `features` (llm-d sends its render's with images) are validated against the rendered ids."""
     raw = await read_body(request)
     body = parse_json(raw)
     if not isinstance(body, dict) or not body:
-        raise InvalidRequest("the body must be a non-empty JSON object (an OpenAI chat request)",
+        raise InvalidRequest(f"the body must be a non-empty JSON object (an OpenAI {kind} request)",
                              code="invalid_type")
-    generate = await render.render(raw, header_request_id(request), payload(body))
-    call = OpenAICall(body, generate)
-    call = OpenAICall(body, generate.model_copy(update={
-        "kv_transfer_params": call.transfer_params("kv_transfer_params"),
-        "ec_transfer_params": call.transfer_params("ec_transfer_params")}))
+    generate = await render.render(raw, header_request_id(request), payload(body), kind)
+    call = OpenAICall(body, generate, kind)
+    update = {"kv_transfer_params": call.transfer_params("kv_transfer_params"),
+              "ec_transfer_params": call.transfer_params("ec_transfer_params")}
+    if kind == "completion" and body.get("features") is not None:
+        generate = validate_model(GenerateRequest, {**generate.model_dump(), "features": body["features"]})
+    call = OpenAICall(body, generate.model_copy(update=update), kind)
     call.check_tokens()
     return call

@@ -45,6 +45,9 @@ GAUGES = {
     "epd_ec_store_bytes": ("Bytes held by this instance's EC store", lambda s: s.store.stats().bytes_used),
     "epd_ec_store_entries": ("Entries held by this instance's EC store", lambda s: s.store.stats().entries),
     "epd_encode_forwards": ("Vision-tower forwards run so far", lambda s: s.engine.num_forwards),
+    "epd_encode_queued_items": ("Items (embeddings to compute) waiting for the vision tower: with "
+                                "epd_role_busy_fraction, what an autoscaler scales encode on",
+                                lambda s: s.engine.num_pending),
     "epd_ec_store_bytes_copied_total": ("Payload bytes the EC store copied (puts in, gets out; views none)",
                                         lambda s: s.store.stats().bytes_copied),
     "epd_mm_store_bytes_copied_total": ("Payload bytes copied reading processed images by handle (views: none)",

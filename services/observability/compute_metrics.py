@@ -5,7 +5,8 @@ the decoder stack: the prompts and chunks the prefill scheduler batched, LM head
 "decode_step" (one batched decode forward plus sampling).  Subtracting these from a request's TTFT gives what the
 pipeline around the models costs (benchmarks/overhead.py); the sums per forward feed the
 capacity model (docs/capacity.md).  The engines observe it, so it is what the model really
-took, not what a caller waited for.
+took, not what a caller waited for.  Each interval also feeds the role's busy fraction
+(services/observability/busy.py), what an autoscaler scales the role on.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from contextlib import contextmanager
 from prometheus_client import Histogram
 
 from services.hostcpu import compute_lease
+from services.observability import busy
 from services.observability.activity import span
 
 _BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -37,4 +39,6 @@ def compute_timer(stage: str) -> Iterator[None]:
             with span(stage):
                 yield
         finally:
-            STAGE_COMPUTE_SECONDS.labels(stage).observe(time.perf_counter() - started)
+            ended = time.perf_counter()
+            STAGE_COMPUTE_SECONDS.labels(stage).observe(ended - started)
+            busy.record(stage, started, ended)

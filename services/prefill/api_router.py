@@ -1,17 +1,21 @@
-"""Prefill's HTTP routes (PROTOCOL.md): POST /inference/v1/generate, /v1/chat/completions, /abort_requests.
+"""Prefill's HTTP routes (PROTOCOL.md): POST /inference/v1/generate, /v1/chat/completions, /v1/completions,
+/abort_requests.
 
-POST /v1/chat/completions takes llm-d's OpenAI-format prefill call (services.edge.openai_calls).
+POST /v1/chat/completions and /v1/completions take llm-d's (and vLLM's E/P/D proxy's) OpenAI-format prefill calls
+(services.edge.openai_calls).
 
 Generate on prefill means: token ids + each item's mm_metadata + the
 ec_transfer_params encode answered -> the first token (choices[0].token_ids)
 and the kv_transfer_params decode must carry.  Same PrefillService as gRPC.
 
-This instance holds no vision tower, so it never encodes inline: an item that
-has kwargs_data but no EC handle is refused ("this prefill instance has no
-vision encoder; send kwargs_data to encode").  An item that has both keeps
-working: the handle is used and the pixels are ignored (mm_metadata wins; if
-it is absent the light keys are taken from kwargs_data).  The answer is never
-streamed: stream chunks carry no kv_transfer_params.
+An item without an EC handle is found as vLLM's EC consumers find it: by its
+mm_hash in the EC store, where any encoder put it (vLLM's E/P/D proxy and
+llm-d's generate path send no handles).  Only when it is not there are its
+kwargs_data encoded here (--prefill-inline-encode); with that off, or without
+kwargs_data, the answer is 400 no_vision_encoder / 404 ec_entry_missing.  An
+item with a handle ignores its pixels (mm_metadata wins; if it is absent the
+light keys are taken from kwargs_data).  The answer is never streamed: stream
+chunks carry no kv_transfer_params.
 """
 
 from __future__ import annotations
@@ -62,22 +66,24 @@ def _decode(b64: str, where: str) -> Item:
         raise InvalidRequest(f"{where}: {exc.message}", code=exc.code) from None
 
 
-def prefill_item(item: FeatureItem, ec_params: dict[str, Any], metadata_keys: Sequence[str]) -> PrefillItem:
-    """The item as PrefillService takes it; refuses items this instance would have to encode."""
+def prefill_item(item: FeatureItem, ec_params: dict[str, Any], metadata_keys: Sequence[str],
+                 encodes: bool = False) -> PrefillItem:
+    """The item as PrefillService takes it.  Without a handle its pixels are kept for an inline encode when this
+    instance `encodes` (used only if the EC store has no entry under its mm_hash); refused when it does not."""
     where = f"features.{{}}.{item.modality}[{item.index}]"
+    kwargs = None
     if item.mm_hash not in ec_params and item.kwargs_b64 is not None:
-        raise InvalidRequest(f"{NO_VISION_ENCODER} (item {item.modality}[{item.index}] has kwargs_data but "
-                             f"ec_transfer_params has no entry for mm_hash {item.mm_hash})",
-                             code="no_vision_encoder")
+        kwargs = _decode(item.kwargs_b64, where.format("kwargs_data"))
     if item.metadata_b64 is not None:
         metadata = _decode(item.metadata_b64, where.format("mm_metadata"))
     elif item.kwargs_b64 is not None:
-        metadata = metadata_only(_decode(item.kwargs_b64, where.format("kwargs_data")), metadata_keys)
+        metadata = metadata_only(kwargs or _decode(item.kwargs_b64, where.format("kwargs_data")), metadata_keys)
     else:
         raise InvalidRequest(f"{where.format('mm_metadata')}: prefill needs mm_metadata (or kwargs_data) "
                              "for every item", code="missing_mm_metadata")
     place = item.placeholder
-    return PrefillItem(item.modality, item.mm_hash, place.offset, place.length, metadata)
+    return PrefillItem(item.modality, item.mm_hash, place.offset, place.length, metadata,
+                       kwargs if encodes else None)
 
 
 def check_prompt(token_ids: Sequence[int], max_model_len: int) -> None:
@@ -95,8 +101,8 @@ def first_token_finish(first: int, sampling: dict[str, Any],
 
 
 def _payload(body: dict[str, Any]) -> str:
-    """With EC handles prefill needs no pixels from render (mm_metadata only); without, render's full
-    answer (so an image without a handle is refused as no_vision_encoder, as on /inference/v1/generate)."""
+    """With EC handles prefill needs no pixels from render (mm_metadata only); without (vLLM's E/P/D proxy), render's
+    full answer: each image is looked up by mm_hash and its pixels are encoded here only if it is not stored."""
     return "metadata" if isinstance(body.get("ec_transfer_params"), dict) and body["ec_transfer_params"] \
         else "tensors"
 
@@ -126,11 +132,19 @@ class PrefillApi:
         answer, cached = await self._prefill(call.generate, request)
         return model_response(call.answer(answer), headers={"X-Cached-Tokens": str(cached)})
 
+    @endpoint
+    async def completion(self, request: Request) -> Response:
+        """llm-d's completions-path prefill call: the prompt's token ids capped to one token + transfer params."""
+        call = await openai_call(request, self.render, kind="completion")
+        answer, cached = await self._prefill(call.generate, request)
+        return model_response(call.answer(answer), headers={"X-Cached-Tokens": str(cached)})
+
     async def _prefill(self, body: GenerateRequest, request: Request) -> tuple[GenerateResponse, int]:
         check_model(body.model, self.model_id)
         self._check_shape(body)
         ec_params = body.ec_transfer_params or {}
-        items = [prefill_item(item, ec_params, self.metadata_keys) for item in body.items()]
+        encodes = self.service.inline is not None
+        items = [prefill_item(item, ec_params, self.metadata_keys, encodes) for item in body.items()]
         lm = self.service.lm
         check_prompt(body.token_ids, lm.layout.max_model_len)
         rid = header_request_id(request) or body.request_id
@@ -167,4 +181,5 @@ def routes(service: PrefillService, model_id: str, metadata_keys: Sequence[str],
     api = PrefillApi(service, model_id, metadata_keys, render or RenderClient([]))
     return [Route("/inference/v1/generate", api.generate, methods=["POST"]),
             Route("/v1/chat/completions", api.chat, methods=["POST"]),
+            Route("/v1/completions", api.completion, methods=["POST"]),
             Route("/abort_requests", api.abort, methods=["POST"])]

@@ -59,7 +59,7 @@ async def build(config: EpdConfig) -> RoleServer:
         if engines.prefill_inline_encode else None
     mm_store = open_store(config, "mm", producer=False) if inline is not None else None  # inline items by handle
     service = PrefillService(engine, lm, ec_store, kv_store, config.server.instance_id, engines.prefill_max_queue,
-                             inline, mm_store)
+                             inline, mm_store, model_id=config.checkpoint.served_model_id())
     servicer = PrefillServicer(service)
 
     def register(server: grpc.aio.Server) -> None:

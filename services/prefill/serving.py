@@ -21,7 +21,8 @@ from typing import Any
 
 from prometheus_client import Counter
 
-from services.connectors.base import ConnectorError, TensorStore
+from services.connectors.base import ConnectorError, EntryMissing, TensorStore
+from services.connectors.ec import ec_key
 from services.connectors.kv import kv_key
 from services.connectors.mm import MmRef, open_item
 from services.connectors.wiring import as_epd_error
@@ -43,6 +44,8 @@ from .jobs import HeldPrefill, release_when_done
 
 PROMPT_TOKENS = Counter("epd_prefill_prompt_tokens", "Prompt tokens prefilled")
 CACHED_TOKENS = Counter("epd_prefill_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache")
+EC_BY_HASH = Counter("epd_prefill_ec_lookups", "Items that came without an EC handle, looked up in the EC store by "
+                     "mm_hash (as vLLM's EC consumers find them), by result", ["result"])
 MM_BYTES = Counter("epd_prefill_mm_bytes_received", "Multimodal bytes (kwargs_data + mm_metadata) received")
 GAUGES = {
     "epd_kv_store_bytes": ("Bytes held by this instance's KV store", lambda s: s.kv_store.stats().bytes_used),
@@ -84,8 +87,9 @@ class PrefillOutcome:
 class PrefillService:
     def __init__(self, engine: PrefillEngine, lm: LanguageModel, ec_store: TensorStore, kv_store: TensorStore,
                  instance_id: str, max_queue: int = 32, inline: InlineEncoder | None = None,
-                 mm_store: TensorStore | None = None) -> None:
+                 mm_store: TensorStore | None = None, model_id: str = "") -> None:
         self.engine, self.lm, self.instance_id = engine, lm, instance_id
+        self.model_id = model_id  # scopes the lookup of an item by mm_hash as encode keys its entries (ec_key)
         self.ec_store, self.kv_store, self.mm_store = ec_store, kv_store, mm_store
         self.inline = inline
         self._puts: set[asyncio.Future] = set()   # remote KV puts running in threads
@@ -248,14 +252,16 @@ class PrefillService:
             raise as_epd_error(exc, "mm") from None
 
     def _entry(self, item: PrefillItem, ec_params: dict[str, Any], views: contextlib.ExitStack) -> dict[str, Any]:
-        """The item's EC entry: a view of the EC store by handle (open until `views` closes), or encoded here
-        when no encoder could."""
+        """The item's EC entry: a view of the EC store by handle (open until `views` closes); without a handle,
+        the entry encode stored under the item's mm_hash; encoded here only when it is in neither."""
         handle = ec_params.get(item.mm_hash)
+        if not isinstance(handle, dict):
+            handle = self._by_hash(item.mm_hash)
         if not isinstance(handle, dict) and item.kwargs is not None and self.inline is not None:
             return self._inline(item.kwargs, item.kwargs_ref)
         if not isinstance(handle, dict):
-            raise InvalidRequest(f"ec_transfer_params has no handle for mm_hash {item.mm_hash}",
-                                 code="missing_ec_handle")
+            raise as_epd_error(EntryMissing(f"ec_transfer_params has no handle for mm_hash {item.mm_hash} and the "
+                                            "EC store has no entry under it: encode it first"), "ec")
         try:
             extras = dict(views.enter_context(self.ec_store.view(handle)))
             if "embedding" not in extras:
@@ -265,6 +271,19 @@ class PrefillService:
             raise as_epd_error(exc, "ec") from None
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidRequest(f"bad EC handle for {item.mm_hash}: {exc}", code="invalid_ec_handle") from None
+
+
+    def _by_hash(self, mm_hash: str) -> dict[str, Any] | None:
+        """The handle of the entry encode stored for `mm_hash` under this model (a Redis store: any encoder's; a
+        shm consumer sees none), or None."""
+        if not self.model_id:
+            return None
+        try:
+            handle = self.ec_store.lookup(ec_key(self.model_id, mm_hash))
+        except ConnectorError as exc:
+            raise as_epd_error(exc, "ec") from None
+        EC_BY_HASH.labels("found" if handle is not None else "absent").inc()
+        return handle
 
 
 def _metadata(item: PrefillItem) -> dict[str, Any]:

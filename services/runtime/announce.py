@@ -4,7 +4,9 @@ With --coordinator-url set (the coordinator's admin API: --admin-host /
 --admin-port, never its public port), a role process posts {role,
 grpc_address, http_url}, with `Authorization: Bearer <first --admin-token>`
 when a token is configured, at start and every ANNOUNCE_EVERY_S (so a coordinator that
-restarted, or forgot the instance while it was down, learns it again), and
+restarted, or forgot the instance while it was down, learns it again; every
+RETRY_EVERY_S while the coordinator cannot be reached, so an instance whose host
+was cut off joins again within seconds of the network's return), and
 sends DELETE /v1/instances when it stops, so no new work is routed to it.
 The coordinator admits an announced instance only once its health probe
 answers.  --advertise-host is the host the coordinator can reach (a pod IP);
@@ -17,6 +19,7 @@ import asyncio
 import json
 import logging
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from services.config import EpdConfig
@@ -24,6 +27,7 @@ from services.edge.auth import parse_keys
 
 log = logging.getLogger(__name__)
 ANNOUNCE_EVERY_S = 10.0
+RETRY_EVERY_S = 1.0
 TIMEOUT_S = 2.0
 
 
@@ -45,6 +49,9 @@ class Announcer:
     def __init__(self, coordinator_url: str, body: dict[str, Any], token: str | None = None) -> None:
         self.url, self.body, self._token = coordinator_url, body, token
         self._task: asyncio.Task | None = None
+        # Its own thread: a POST hanging on an unreachable coordinator never waits behind the role's work in the
+        # loop's default executor, nor holds one of its threads.
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="announce")
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop())
@@ -53,7 +60,7 @@ class Announcer:
         failing = False
         while True:
             try:
-                await asyncio.to_thread(_send, self.url, "POST", self.body, self._token)
+                await self._run(_send, self.url, "POST", self.body, self._token)
                 if failing:
                     log.info("announced to %s again", self.url)
                 failing = False
@@ -61,16 +68,21 @@ class Announcer:
                 if not failing:  # one line per outage, not one per attempt
                     log.warning("cannot announce to coordinator %s: %s", self.url, exc)
                 failing = True
-            await asyncio.sleep(ANNOUNCE_EVERY_S)
+            await asyncio.sleep(RETRY_EVERY_S if failing else ANNOUNCE_EVERY_S)
 
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
         try:
             ref = {"role": self.body["role"], "grpc_address": self.body["grpc_address"]}
-            await asyncio.to_thread(_send, self.url, "DELETE", ref, self._token)
+            await self._run(_send, self.url, "DELETE", ref, self._token)
         except OSError:
             pass  # the coordinator forgets us once our probes fail
+        finally:
+            self._thread.shutdown(wait=False)
+
+    async def _run(self, *call: Any) -> int:
+        return await asyncio.get_running_loop().run_in_executor(self._thread, *call)
 
 
 def start_announcing(config: EpdConfig, role: str, grpc_port: int, http_port: int) -> Announcer | None:

@@ -127,19 +127,16 @@ def redis_binary_hint() -> str:
 def check_redis(config: EpdConfig) -> None:
     if "redis" not in (config.stores.ec_connector, config.stores.kv_connector):
         return
-    import redis
+    from services.connectors.redis_nodes import ping_problem
 
     where = redis_where(config.stores.redis_url)
     try:
-        client = redis.Redis.from_url(config.stores.redis_url, socket_connect_timeout=REDIS_TIMEOUT_S,
-                                      socket_timeout=REDIS_TIMEOUT_S)
-        try:
-            client.ping()
-        finally:
-            client.close()
-    except (redis.RedisError, OSError, ValueError) as exc:
-        raise StartupError(f"Redis at {where} is not reachable ({str(exc).splitlines()[0][:120]}): start one, "
-                           f"e.g. {redis_binary_hint()}, or point --redis-url at yours") from None
+        problem = ping_problem(config.stores.redis_url, REDIS_TIMEOUT_S)
+    except ValueError as exc:
+        problem = str(exc)
+    if problem is not None:
+        raise StartupError(f"Redis at {where} is not reachable ({problem[:120]}): start one, "
+                           f"e.g. {redis_binary_hint()}, or point --redis-url at yours")
 
 
 def check_serve(config: EpdConfig) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 CHECK_INTERVAL_S = 0.5
 CHECK_TIMEOUT_S = 2.0
+REDIS_PING_S = 0.5   # a Redis that does not answer a PING in this long (no retry) is not reachable
 NOT_READY_AFTER_S = 2.0
 SHM_DIR = "/dev/shm"
 
@@ -44,24 +45,37 @@ class StoreCheck:
     def label(self) -> str:
         return f"{self.config.purpose} store ({self.config.backend})"
 
-    def problem(self) -> str | None:
+    def problem(self, seen: dict[str, str | None] | None = None) -> str | None:
+        """What is wrong with the store, or None; `seen` holds this round's answers per Redis URL (a role's stores
+        share one Redis: it is asked once)."""
         if self.config.backend == "redis":
-            return self._redis_problem()
+            seen = {} if seen is None else seen
+            if self.config.redis_url not in seen:
+                seen[self.config.redis_url] = self._redis_problem()
+            reason = seen[self.config.redis_url]
+            return None if reason is None else f"{self.label}: {reason}"
         if self.config.backend == "shm":
             return self._shm_problem()
         return None
 
     def _redis_problem(self) -> str | None:
         import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
 
-        where = redis_where(self.config.stores.redis_url)
+        from services.connectors.redis_nodes import is_cluster, ping_problem
+
+        where = redis_where(self.config.redis_url)
+        if is_cluster(self.config.redis_url):   # usable while any node answers: a lost node's entries are misses
+            problem = ping_problem(self.config.redis_url, REDIS_PING_S)
+            return None if problem is None else f"no node of the Redis Cluster at {where} is reachable ({problem})"
         try:
             if self._client is None:
-                self._client = redis.Redis.from_url(self.config.stores.redis_url, socket_connect_timeout=1.0,
-                                                    socket_timeout=1.0)
+                self._client = redis.Redis.from_url(self.config.redis_url, socket_connect_timeout=REDIS_PING_S,
+                                                    socket_timeout=REDIS_PING_S, retry=Retry(NoBackoff(), 0))
             self._client.ping()
         except (redis.RedisError, OSError) as exc:
-            return f"{self.label}: Redis at {where} is not reachable ({str(exc).splitlines()[0][:100]})"
+            return f"Redis at {where} is not reachable ({str(exc).splitlines()[0][:100]})"
         return None
 
     def _shm_problem(self) -> str | None:
@@ -84,6 +98,7 @@ class Readiness:
         self.problems: list[str] = ["not checked yet"]
         self.draining = False
         self._failing_since: float | None = None
+        self._running: asyncio.Future | None = None   # the check in its thread, when one outlived its deadline
 
     @property
     def ready(self) -> bool:
@@ -94,12 +109,17 @@ class Readiness:
 
     def _check(self) -> list[str]:
         problems = [] if self._core_ready() else [f"{self.role_name} is still starting"]
-        return problems + [p for c in self.checks if (p := c.problem()) is not None]
+        seen: dict[str, str | None] = {}
+        return problems + [p for c in self.checks if (p := c.problem(seen)) is not None]
 
     async def refresh(self) -> bool:
         """Check now (in a thread: a Redis PING must not stall the event loop); True when ready."""
+        # One check at a time: a check stuck on an unreachable host is waited for, not joined by one more
+        # thread every interval (they would fill the loop's default executor, which the role's work needs).
+        if self._running is None or self._running.done():
+            self._running = asyncio.ensure_future(asyncio.to_thread(self._check))
         try:
-            problems = await asyncio.wait_for(asyncio.to_thread(self._check), CHECK_TIMEOUT_S)
+            problems = await asyncio.wait_for(asyncio.shield(self._running), CHECK_TIMEOUT_S)
         except TimeoutError:
             problems = [f"the readiness checks took over {CHECK_TIMEOUT_S:g} s"]
         now = time.monotonic()

@@ -61,7 +61,7 @@ SERVER_OPTIONS = [
     ("grpc.so_reuseport", 0),
 ]
 SHUTDOWN_GRACE_S = 3.0
-DEREGISTER_S = 1.0   # two coordinator probe intervals (coordinator/routing/pool.py PROBE_INTERVAL_S = 0.5)
+DEREGISTER_S = 1.0   # five coordinator probe intervals (coordinator/routing/pool.py PROBE_INTERVAL_S = 0.2)
 # Probe routes (liveness, readiness, metrics): never behind authentication, whatever middleware is added.
 PROBE_PATHS = ("/health", "/ready", "/metrics")
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 
-from coordinator.pipeline import RECOVERIES, STEPS, Pipeline
+from coordinator import pipeline as pipeline_module
+from coordinator.pipeline import RECOVERIES, STEPS, STORE_PAUSE_S, Pipeline
 from coordinator.steps.decode import DecodeStep
 from coordinator.steps.encode import EncodeStep
 from coordinator.steps.generate_input import GenerateInputStep
@@ -110,6 +112,38 @@ def test_ec_entry_missing_encodes_again_then_prefills():
     assert json.loads(bench.prefill.requests[1].ec_transfer_params_json) == {"h0": {"n": 2}}
     assert bench.cluster.ec_handles.get("h0") == b'{"n": 2}'
     assert retries(bench) == {("prefill", "ec_entry_missing"): 1.0}
+
+
+def test_a_store_away_is_waited_out_and_what_it_held_is_made_again():
+    """Redis restarting: prefill's EC read fails twice, then decode's KV read once; the request pauses, encodes and
+    prefills again (the entries may be gone), and answers; nothing is counted as a once-only recovery."""
+    async def scenario(bench, pipeline):
+        bench.prefill.script = ["ec_store_down", "ec_store_down"]
+        bench.decode.script = ["kv_store_down"]
+        ctx = chat_context()
+        started = time.monotonic()
+        body = await answer(pipeline, ctx)
+        return bench, ctx, body, time.monotonic() - started
+
+    bench, ctx, body, took = run(scenario)
+    assert body["choices"][0]["message"]["content"] == "abc"
+    assert len(bench.encode.requests) == 3 and len(bench.prefill.requests) == 4 and len(bench.decode.requests) == 2
+    assert ctx.recovered == set() and took >= 3 * STORE_PAUSE_S
+    assert retries(bench) == {("prefill", "ec_store_unavailable"): 2.0, ("decode", "kv_store_unavailable"): 1.0}
+
+
+def test_a_store_away_longer_than_the_outage_bound_is_answered_503(monkeypatch):
+    monkeypatch.setattr(pipeline_module, "STORE_OUTAGE_S", 0.6)
+
+    async def scenario(bench, pipeline):
+        bench.prefill.script = ["ec_store_down"] * 20
+        with pytest.raises(Unavailable) as caught:
+            await pipeline.prepare(chat_context())
+        return bench, caught.value
+
+    bench, err = run(scenario)
+    assert (err.status, err.code) == (503, "ec_store_unavailable")
+    assert 3 <= len(bench.prefill.requests) <= 4   # tried every STORE_PAUSE_S for 0.6 s, then given up
 
 
 def test_mm_entry_missing_renders_again_then_encodes():

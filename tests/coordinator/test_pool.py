@@ -142,3 +142,51 @@ def test_announcing_again_refreshes_instead_of_duplicating():
         assert len(pool.instances) == 1 and again.http_url == "http://h:2" and not again.registered
         await pool.close()
     asyncio.run(run())
+
+
+def test_call_seconds_integrate_the_calls_in_flight(monkeypatch):
+    """Two calls at once for 2 s, then one for 1 s: 5 call-seconds (what coordinator/capacity.py reads)."""
+    clock = [100.0]
+    monkeypatch.setattr("coordinator.routing.pool.time.monotonic", lambda: clock[0])
+
+    async def run():
+        pool = InstancePool("encode", ["127.0.0.1:1", "127.0.0.1:2"], rpc.EncodeServiceStub)
+        a, b = pool.instances
+        pool.begin(a)
+        pool.begin(b)
+        clock[0] += 2.0
+        pool.end(a)
+        clock[0] += 1.0
+        seconds = pool.call_seconds()
+        pool.end(b)
+        clock[0] += 5.0   # nothing in flight: nothing accrues
+        await pool.close()
+        return seconds, pool.call_seconds()
+
+    assert asyncio.run(run()) == (5.0, 5.0)
+
+
+def test_another_hosts_instance_is_remote_and_pings_every_second():
+    from coordinator.routing.pool import REMOTE_KEEPALIVE, is_remote
+
+    assert is_remote("10.0.0.7:50051") and is_remote("[fd00::7]:50051") and is_remote("epd-decode-0:50054")
+    assert not is_remote("127.0.0.1:50051") and not is_remote("[::1]:50051") and not is_remote("localhost:1")
+    assert dict(REMOTE_KEEPALIVE)["grpc.keepalive_time_ms"] == 1000
+
+
+def test_an_unanswered_probe_takes_another_hosts_instance_out_while_its_role_has_another():
+    """A cut-off host answers nothing: one probe past REMOTE_PROBE_TIMEOUT_S takes it out, unless it is the role's
+    last healthy instance (then misses count, as for a busy local one)."""
+    async def run():
+        pool = InstancePool("decode", ["10.213.250.2:1", "10.213.250.3:1", "127.0.0.1:1"], rpc.DecodeServiceStub)
+        first, second, local = pool.instances
+        pool._probe_failed(first, grpc.StatusCode.DEADLINE_EXCEEDED)
+        pool._probe_failed(local, grpc.StatusCode.DEADLINE_EXCEEDED)
+        after_one = (first.healthy, second.healthy, local.healthy)
+        pool.mark_down(local, "test")
+        pool._probe_failed(second, grpc.StatusCode.DEADLINE_EXCEEDED)   # the last healthy one: stays
+        last = second.healthy
+        await pool.close()
+        return after_one, last
+
+    assert asyncio.run(run()) == ((False, True, True), True)

@@ -202,6 +202,38 @@ def budgets_and_autoscalers(docs: list[Doc], autoscaled: bool = True) -> list[st
     return problems
 
 
+def exported_metrics() -> dict[str, str]:
+    """The scaling signals each role exports (read from the code, so a renamed metric breaks the manifests' test):
+    role -> the queue metric an HPA may scale it on; "*" -> the busy fraction every model role exports."""
+    from services.decode.metrics import ENGINE_GAUGES
+    from services.encode.serving import GAUGES as ENCODE_GAUGES
+    from services.observability.busy import BUSY
+    from services.runtime.admission import QUEUE_DEPTH
+
+    decode_queue, encode_queue = "epd_decode_queued", "epd_encode_queued_items"
+    assert decode_queue in ENGINE_GAUGES and encode_queue in ENCODE_GAUGES
+    return {"*": BUSY._name, "encode": encode_queue, "prefill": QUEUE_DEPTH._name, "decode": decode_queue}
+
+
+def autoscaler_signals(docs: list[Doc]) -> list[str]:
+    """The HPAs of encode, prefill and decode scale on that role's busy fraction and queue, names it exports."""
+    problems, exported = [], exported_metrics()
+    for hpa in of_kind(docs, "HorizontalPodAutoscaler"):
+        target = next((d for d in of_kind(docs, "Deployment")
+                       if d["metadata"]["name"] == hpa["spec"]["scaleTargetRef"]["name"]), None)
+        role = target and target["spec"]["template"]["metadata"]["labels"].get("app.kubernetes.io/component")
+        if role not in ("encode", "prefill", "decode"):
+            continue
+        pods = [m["pods"] for m in hpa["spec"].get("metrics", []) if m["type"] == "Pods"]
+        names = {(p["metric"]["name"], (p["metric"].get("selector") or {}).get("matchLabels", {}).get("role"))
+                 for p in pods}
+        want = {(exported["*"], role), (exported[role], "prefill" if role == "prefill" else None)}
+        if names != want:
+            problems.append(f"{name_of(hpa)}: scales on {sorted(names, key=str)}, not the role's signals "
+                            f"{sorted(want, key=str)}")
+    return problems
+
+
 def connector_wiring(docs: list[Doc]) -> list[str]:
     """shm: the producing and consuming roles share one pod and a memory-backed /dev/shm.
     redis: every role can reach Redis (a Service in the render, or a URL from a Secret)."""
@@ -347,5 +379,6 @@ def network_policies(docs: list[Doc]) -> list[str]:
 
 
 def run_all(docs: list[Doc], autoscaled: bool = True) -> list[str]:
-    problems = [p for check in (*ALL, probes_and_drain, secrets_wiring, network_policies) for p in check(docs)]
+    problems = [p for check in (*ALL, probes_and_drain, secrets_wiring, network_policies, autoscaler_signals)
+                for p in check(docs)]
     return problems + budgets_and_autoscalers(docs, autoscaled)

@@ -97,6 +97,15 @@ def test_shm_without_a_shared_memory_volume_is_caught():
     assert any("not in one pod" in p for p in checks.connector_wiring(broken("multi-node", shm_across_pods)))
 
 
+def test_an_autoscaler_on_a_metric_the_role_does_not_export_is_caught():
+    def rename(docs):
+        hpa = next(d for d in docs if d["kind"] == "HorizontalPodAutoscaler" and d["metadata"]["name"] == "epd-decode")
+        hpa["spec"]["metrics"][1]["pods"]["metric"]["name"] = "epd_decode_waiting"
+
+    problems = checks.autoscaler_signals(broken("multi-node", rename))
+    assert len(problems) == 1 and problems[0].startswith("HorizontalPodAutoscaler/epd-decode: scales on")
+
+
 def test_a_workload_without_budget_or_autoscaler_is_caught():
     def drop(docs):
         docs[:] = [d for d in docs if not (d["kind"] in ("PodDisruptionBudget", "HorizontalPodAutoscaler")

@@ -96,6 +96,16 @@ def test_gpu_values_put_model_roles_on_gpus():
             assert container["image"] == "epd:0.1.0-cu128"
 
 
+def test_role_autoscalers_follow_the_values_signals():
+    docs = render_helm({"roles": {"decode": {"autoscaling": {"targetBusyFraction": "500m", "targetQueuePerPod": 6}}},
+                        "coordinator": {"autoscaling": {"enabled": True}}})
+    decode = find(docs, "HorizontalPodAutoscaler", "epd-decode")["spec"]["metrics"]
+    assert [(m["type"], m.get("pods", {}).get("target", {}).get("averageValue")) for m in decode] == [
+        ("Pods", "500m"), ("Pods", "6"), ("Resource", None)]
+    coordinator = find(docs, "HorizontalPodAutoscaler", "epd-coordinator")["spec"]["metrics"]
+    assert [m["type"] for m in coordinator] == ["Resource"]   # no model: CPU only
+
+
 def test_release_name_prefixes_every_object_and_address():
     docs = render_helm({}, release="prod")
     assert {d["metadata"]["name"] for d in of_kind(docs, "Deployment")} == {
@@ -109,6 +119,8 @@ def test_release_name_prefixes_every_object_and_address():
     ({"redis": {"internal": False}}, "set redis.url or redis.existingSecret"),
     ({"layout": "one-box"}, "layout"),
     ({"roles": {"encode": {"replica": 2}}}, "replica"),
+    ({"roles": {"render": {"autoscaling": {"targetQueuePerPod": 3}}}}, "targetQueuePerPod applies to encode"),
+    ({"roles": {"decode": {"autoscaling": {"targetBusyFraction": "lots"}}}}, "targetBusyFraction"),
 ])
 def test_combinations_that_cannot_work_are_refused(values, message):
     with pytest.raises(helm.HelmError, match=message):

@@ -1,4 +1,5 @@
-"""Redis restarts under load: clear 503s for the requests it hits, full recovery without restarting anything.
+"""Redis restarts under load: the requests it hits wait it out (and encode or prefill again), full recovery without
+restarting anything.
 
 While Redis is down the roles that use it (all four: render writes processed images to the mm store, encode
 reads them) are not ready (GET /ready 503 naming Redis, gRPC health
@@ -19,8 +20,8 @@ import httpx
 import pytest
 import redis
 
-from tests.support.cluster import start_cluster
-from tests.support.faults import LoadRun, role_pid
+from tests.support.cluster import metric_value, start_cluster
+from tests.support.faults import LoadRun, coordinator_metrics, role_pid
 from tests.support.images import chat, noise_image
 from tests.support.redis_server import RedisServer
 
@@ -48,7 +49,7 @@ def _restart(server: RedisServer, down_s: float):
     return hook
 
 
-def test_a_redis_restart_mid_load_gives_503s_then_full_recovery(redis_faults):
+def test_a_redis_restart_mid_load_fails_no_request_then_full_recovery(redis_faults):
     server, cluster = redis_faults
     pids = {role: role_pid(cluster, role, index) for role, index in ROLES}
     # Ten images, reused: after the restart the coordinator still remembers handles whose entries are gone.
@@ -56,19 +57,11 @@ def test_a_redis_restart_mid_load_gives_503s_then_full_recovery(redis_faults):
     run = LoadRun(cluster.url, bodies, concurrency=4, pace_s=0.05, hooks={40: _restart(server, 0.7)})
     results = asyncio.run(run.run())
     statuses = [r.status for r in results]
-    assert set(statuses) <= {200, 503}, [(r.status, r.body) for r in results if r.status not in (200, 503)][:3]
-    failed = [r for r in results if r.status == 503]
-    assert failed, "the outage hit no request"
-    for r in failed:  # a call that met the outage names Redis; once a role's readiness saw it, it takes no work
-        error = r.body["error"]
-        if error["code"] in ("ec_store_unavailable", "kv_store_unavailable", "mm_store_unavailable"):
-            assert "redis" in error["message"], error
-        else:
-            assert error["code"] in ("render_unavailable", "encode_unavailable", "prefill_unavailable",
-                                     "decode_unavailable"), error
-            assert error["message"].startswith(f"no healthy {error['code'].split('_')[0]} instance"), error
-    assert max(r.seconds for r in results) < 15.0                   # failing is fast, nothing hangs
-    assert statuses[-40:] == [200] * 40, statuses[-40:]              # recovered, under the same load
+    assert statuses == [200] * len(results), [(r.status, r.body) for r in results if r.status != 200][:3]
+    waited = sum(metric_value(coordinator_metrics(cluster), "epd_coordinator_retries_total", f'reason="{code}"')
+                 for code in ("ec_store_unavailable", "kv_store_unavailable", "mm_store_unavailable"))
+    assert waited >= 1, "the outage met no request"                 # the ones it met waited it out
+    assert max(r.seconds for r in results) < 15.0                   # nothing hangs
     with cluster.client() as client:
         for seed in range(600, 610):                                  # remembered images: re-encoded
             reply = client.post("/v1/chat/completions", json=chat("Again?", [noise_image(56, 56, seed)],

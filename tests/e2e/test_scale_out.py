@@ -67,13 +67,18 @@ def test_prefill_refuses_metadata_only_items_without_ec_transfer_params(orch):
     assert reply.json()["error"]["message"] == "metadata-only multimodal items require ec_transfer_params"
 
 
-def test_prefill_has_no_vision_encoder(orch):
-    generate = orch.render(chat("What is it?", [noise_image(56, 56, 4)], max_tokens=4))
-    reply = orch.post("prefill", "/inference/v1/generate", generate)  # kwargs_data, no EC handle
-    assert reply.status_code == 400
-    error = reply.json()["error"]
-    assert error["code"] == "no_vision_encoder"
-    assert error["message"].startswith("this prefill instance has no vision encoder; send kwargs_data to encode")
+def test_pixels_without_a_handle_are_encoded_by_prefill_only_when_stored_nowhere(orch):
+    """An image sent to prefill with its pixels and no EC handle is looked up by mm_hash (a shm prefill sees no
+    encoder's entries), then encoded by prefill itself: its first token is the coordinator's."""
+    body = chat("What is it?", [noise_image(56, 56, 4)], max_tokens=4, temperature=0)
+    generate = orch.render(body)
+    inline = orch.metric("prefill", "epd_prefill_inline_encoded_items_total")
+    reply = orch.post("prefill", "/inference/v1/generate", {**generate, "sampling_params": {
+        **generate["sampling_params"], "max_tokens": 1}, "kv_transfer_params": {"do_remote_decode": True}})
+    assert reply.status_code == 200, reply.text
+    assert orch.metric("prefill", "epd_prefill_inline_encoded_items_total") == inline + 1
+    expected = orch.ok("coordinator", "/v1/chat/completions", {**body, "return_token_ids": True})
+    assert reply.json()["choices"][0]["token_ids"] == expected["choices"][0]["token_ids"][:1]
 
 
 def test_three_input_paths_give_identical_tokens(orch):

@@ -119,6 +119,40 @@ def test_encode_to_prefill_the_first_token_from_the_embedding_by_handle_is_hfs(r
     assert outcome.first_token_id == greedy[0]
 
 
+def test_encode_to_prefill_without_a_handle_the_item_is_found_by_its_mm_hash(demo_model_path, stores, rendered,
+                                                                            encoded, reference):
+    """vLLM's E/P/D proxy sends prefill no ec_transfer_params: prefill finds the embedding encode stored under the
+    item's mm_hash (scoped by model, as encode keys it), encodes nothing, and its first token is HF's.  Under another
+    model, or another item's hash (a tenant's uuid under another salt names another item), nothing is found."""
+    from services.models.registry import adapter_for
+    from services.prefill.engine import PrefillEngine
+    from services.prefill.serving import EC_BY_HASH, PrefillItem, PrefillService
+    from services.protocol.errors import NotFound
+    from services.protocol.serialization import decode_item
+
+    _, greedy = reference
+    prompt, [item] = rendered
+    lm = adapter_for(demo_model_path).load_language(demo_model_path)
+
+    def first_token(model_id: str, mm_hash: str) -> int:
+        engine = PrefillEngine(lm, prefix_cache_mb=0)
+        service = PrefillService(engine, lm, stores["ec"], stores["kv"], "p0", model_id=model_id)
+        items = [PrefillItem(item.modality, mm_hash, item.offset, item.length, decode_item(item.mm_metadata))]
+        try:
+            return asyncio.run(service.prefill("flow-2", prompt.token_ids, items, {}, {"temperature": 0.0},
+                                               None)).first_token_id
+        finally:
+            engine.close()
+
+    found = EC_BY_HASH.labels("found")._value.get()
+    assert first_token("m", item.mm_hash) == greedy[0]
+    assert EC_BY_HASH.labels("found")._value.get() == found + 1
+    for model_id, mm_hash in (("another-model", item.mm_hash), ("m", "f" * 64)):
+        with pytest.raises(NotFound) as info:
+            first_token(model_id, mm_hash)
+        assert info.value.code == "ec_entry_missing" and "encode it first" in info.value.message
+
+
 def test_prefill_to_decode_the_tokens_from_the_kv_entry_are_hfs(demo_model_path, stores, reference, prefilled):
     from services.decode.engine import DecodeEngine
     from services.decode.serving import DecodeService

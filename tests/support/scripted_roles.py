@@ -18,13 +18,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
+from grpc_health.v1 import health, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from coordinator.cluster import Cluster
 from coordinator.context import RequestContext
 from coordinator.metrics import CoordinatorMetrics
 from services.config import EpdConfig
-from services.protocol.errors import NotFound
+from services.protocol.errors import NotFound, Unavailable
 from services.rpc.handlers import rpc_method, rpc_stream
 from services.rpc.v1 import epd_pb2 as pb
 from services.rpc.v1 import epd_pb2_grpc as rpc
@@ -72,7 +73,7 @@ class Encode(rpc.EncodeServiceServicer):
 
 
 class Prefill(rpc.PrefillServiceServicer):
-    """`script`: what each call does in turn ("ok" or "ec_missing"); "ok" once it runs out."""
+    """`script`: what each call does in turn ("ok", "ec_missing" or "ec_store_down"); "ok" once it runs out."""
 
     def __init__(self) -> None:
         self.script: list[str] = []
@@ -81,8 +82,11 @@ class Prefill(rpc.PrefillServiceServicer):
     @rpc_method
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext):
         self.requests.append(request)
-        if (self.script.pop(0) if self.script else "ok") == "ec_missing":
+        behaviour = self.script.pop(0) if self.script else "ok"
+        if behaviour == "ec_missing":
             raise NotFound("EC entry h0 is gone", code="ec_entry_missing")
+        if behaviour == "ec_store_down":
+            raise Unavailable("ec store unavailable: redis down", code="ec_store_unavailable")
         kv = json.dumps({"handle": len(self.requests)}).encode()
         return pb.PrefillResponse(request_id=request.request_id, first_token_id=5, kv_transfer_params_json=kv,
                                   prompt_tokens=len(request.token_ids))
@@ -92,7 +96,8 @@ OUTPUT = [(5, "a", ""), (6, "b", ""), (7, "c", "length")]   # every decode call'
 
 
 class Decode(rpc.DecodeServiceServicer):
-    """`script`: "ok", "kv_missing" or "die_mid_stream" (after two chunks) per call; "ok" once it runs out.  A
+    """`script`: "ok", "kv_missing", "kv_store_down" or "die_mid_stream" (after two chunks) per call; "ok" once it
+    runs out.  A
     resumed call (resumed_token_ids) goes on after the tokens it names, as a real decode does."""
 
     def __init__(self) -> None:
@@ -106,6 +111,8 @@ class Decode(rpc.DecodeServiceServicer):
         behaviour = self.script.pop(0) if self.script else "ok"
         if behaviour == "kv_missing":
             raise NotFound("KV entry is gone", code="kv_entry_missing")
+        if behaviour == "kv_store_down":
+            raise Unavailable("kv store unavailable: redis down", code="kv_store_unavailable")
         for sent, (token, text, finish) in enumerate(OUTPUT[len(request.resumed_token_ids):]):
             if behaviour == "die_mid_stream" and sent == 2:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "connection reset")  # no epd code: transport
@@ -133,6 +140,7 @@ class Bench:
             for _ in range(count):   # several instances of a role answer from the one script
                 server = grpc.aio.server()
                 add(servicer, server)
+                health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)  # SERVING
                 port = free_port()
                 server.add_insecure_port(f"127.0.0.1:{port}")
                 await server.start()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from services.prefill.api_router import NO_VISION_ENCODER, first_token_finish, prefill_item
+from services.prefill.api_router import first_token_finish, prefill_item
 from services.protocol.errors import InvalidRequest
 from services.protocol.generate import GenerateRequest
 from services.protocol.items import FieldElem, FieldSpec
@@ -26,10 +26,15 @@ def _item(kwargs=None, metadata=None, ec=None):
     return request.items()[0]
 
 
-def test_kwargs_without_a_handle_needs_an_encoder():
-    with pytest.raises(InvalidRequest) as info:
-        prefill_item(_item(kwargs=item_to_b64({"pixel_values": PIXELS, "image_grid_thw": GRID})), {}, KEYS)
-    assert info.value.code == "no_vision_encoder" and info.value.message.startswith(NO_VISION_ENCODER)
+def test_kwargs_without_a_handle_are_kept_only_for_an_inline_encode():
+    """Without a handle prefill looks the item up by mm_hash (serving); the pixels are kept for an inline encode
+    when this instance encodes, dropped when it does not (a miss is then ec_entry_missing)."""
+    kwargs = item_to_b64({"pixel_values": PIXELS, "image_grid_thw": GRID})
+    kept = prefill_item(_item(kwargs=kwargs), {}, KEYS, encodes=True)
+    assert kept.kwargs is not None and kept.kwargs["pixel_values"].data.shape == (16, 1176)
+    assert list(kept.metadata) == ["image_grid_thw"]
+    assert prefill_item(_item(kwargs=kwargs), {}, KEYS, encodes=False).kwargs is None
+    assert prefill_item(_item(kwargs=kwargs), {"h": {}}, KEYS, encodes=True).kwargs is None  # a handle: no pixels
 
 
 def test_with_a_handle_the_light_keys_come_from_metadata_else_from_kwargs():

@@ -336,6 +336,37 @@ spec:
   minReplicas: {{ .cfg.autoscaling.minReplicas }}
   maxReplicas: {{ .cfg.autoscaling.maxReplicas }}
   metrics:
+    {{- /* the role's own signals (docs/deployment.md: a custom metrics adapter serves them); CPU as a floor */}}
+    {{- with .cfg.autoscaling.targetBusyFraction }}
+    - type: Pods
+      pods:
+        metric:
+          name: epd_role_busy_fraction
+          selector:
+            matchLabels:
+              role: {{ $.component }}
+        target:
+          type: AverageValue
+          averageValue: {{ . | quote }}
+    {{- end }}
+    {{- with .cfg.autoscaling.targetQueuePerPod }}
+    {{- $queue := get (dict "encode" "epd_encode_queued_items" "prefill" "epd_role_queue_depth" "decode" "epd_decode_queued") $.component }}
+    {{- if not $queue }}
+    {{- fail (printf "autoscaling.targetQueuePerPod applies to encode, prefill and decode, not %s" $.component) }}
+    {{- end }}
+    - type: Pods
+      pods:
+        metric:
+          name: {{ $queue }}
+          {{- if eq $.component "prefill" }}
+          selector:
+            matchLabels:
+              role: prefill
+          {{- end }}
+        target:
+          type: AverageValue
+          averageValue: {{ . | quote }}
+    {{- end }}
     - type: Resource
       resource:
         name: cpu
