@@ -18,6 +18,8 @@ from typing import Any
 
 from .auth import KeySet, parse_keys
 from .grpc_tls import check_files
+from .kernels.spec import FAMILIES as KERNEL_FAMILIES
+from .kernels.spec import KERNELS as _KERNELS
 
 CONNECTORS = ("shm", "redis")
 DEVICES_PREFIXES = ("cpu", "cuda")
@@ -38,6 +40,13 @@ def _int_list_ok(raw: str, low: int, high: int) -> bool:
         return all(low <= int(part) <= high for part in raw.split(",") if part.strip())
     except ValueError:
         return False
+
+
+KERNEL_NAMES = tuple(sorted(_KERNELS))
+
+
+def _names(raw: str) -> list[str]:
+    return [part.strip() for part in raw.split(",") if part.strip()]
 
 
 def int_list(raw: str) -> tuple[int, ...]:
@@ -94,6 +103,12 @@ class EpdConfig:
     linear_kernel: str = _f("auto", "matmuls of model roles: auto (time F.linear, the panel C kernel and oneDNN "
                             "prepacked weights at start-up on the role's batch sizes, the LM head apart, keep the "
                             "fastest) | panel | prepacked | default (also transformers' own RoPE ops)")
+    kernels_off: str = _f("", "native kernels to leave off, comma-separated (services/kernels/spec.py names them: "
+                          "resize, rope, panel, fused_step, ...); torch's path runs instead: to rule a kernel out "
+                          "when chasing a wrong answer or a crash, or to measure what it gains")
+    cpu_features_off: str = _f("", "CPU features the native kernels must not use, comma-separated as /proc/cpuinfo "
+                               "names them (avx512f, avx2, ...; all: the portable variants only): to run one variant "
+                               "across a fleet of mixed CPUs, or to exercise a fallback")
     max_model_len: int = _f(8192, "context length (prompt + output tokens)")
     decode_slots: int = _f(16, "concurrent sequences one decode instance runs (continuous batching)")
     decode_serial_rows: int = _f(-1, "decode steps of at most this many rows run on one thread; -1 (auto): none for "
@@ -223,6 +238,8 @@ class EpdConfig:
                               ("decode_step", DECODE_STEPS), ("event_loop", EVENT_LOOPS),
                               ("decode_fused", ("auto", "on", "off")), ("lm_head_screen", ("auto", "on", "off"))):
             _check(getattr(self, name) in allowed, f"{name} must be one of {', '.join(allowed)}")
+        unknown = set(_names(self.kernels_off)) - {*KERNEL_NAMES, *KERNEL_FAMILIES}
+        _check(not unknown, f"kernels_off names unknown kernels {sorted(unknown)}; known: {', '.join(KERNEL_NAMES)}")
         _check(self.decode_compile_budget_s >= 0, "decode_compile_budget_s must be >= 0")
         _check(self.decode_serial_rows >= -1, "decode_serial_rows must be -1 (auto), 0 or more")
         _check(_int_list_ok(self.decode_step_buckets, 1, self.decode_slots),

@@ -35,6 +35,9 @@ NO_TORCH_MESSAGE = "PyTorch was not found"
 
 def run(role: str, config: EpdConfig) -> int:
     setup_logging(role, config.instance_id, config.log_level)
+    from .kernels.loader import configure
+
+    configure(config.kernels_off, config.cpu_features_off)   # before any kernel loads (services/kernels/)
     if role in ("encode", "prefill", "decode"):
         from .role_cpu import apply
 
@@ -57,6 +60,9 @@ def run(role: str, config: EpdConfig) -> int:
     grpc_port = config.grpc_port or free_port(config.host)
     http_port = config.http_port or free_port(config.host)
     module = importlib.import_module(ROLE_MODULES[role])
+    from .kernels.loader import report
+
+    report(role)   # which variant of each of the role's kernels runs: the start-up log and epd_kernel_info
     from .grpc_tls import server_credentials
     from .server import serve
 

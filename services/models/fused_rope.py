@@ -4,7 +4,7 @@ Why: transformers applies rotate-half RoPE as `(q * cos) + (rotate_half(q) * sin
 cat, a neg, two muls and an add each, ten tensor ops per attention layer, every one a pass over the
 queries or keys and (on two threads) an OpenMP fork/join.  On the medium demo model's vision tower
 (256 patches, 8 heads of 64) those ops were ~4 ms of a ~44 ms encode; on a 200-token prefill ~2 ms.
-services/models/rope_kernel.c does the same arithmetic in one pass per tensor, compiled without
+services/kernels/rope.c does the same arithmetic in one pass per tensor, compiled without
 fused multiply-adds, so every output float is bit-identical to transformers' (checked by
 tests/services/models/test_fused_rope.py).
 
@@ -28,18 +28,15 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from services.native import BASE_FLAGS, build_library
+from services import kernels
 
 logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import torch
 
-_SOURCE = Path(__file__).with_name("rope_kernel.c")
-_FLAGS = (*BASE_FLAGS, "-fopenmp", "-ffp-contract=off")
 # the modeling modules whose attention forwards call these two functions by global name
 TEXT_MODULES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llama", "qwen2")
 VISION_MODULES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
@@ -50,9 +47,9 @@ _LOCK = threading.Lock()
 
 
 def library() -> Any:
-    """The compiled kernel; raises OSError where gcc cannot build it."""
+    """The loaded kernel; raises OSError (KernelUnavailable) where none runs here."""
     if not _LIB:
-        lib = build_library(_SOURCE, "rope", _FLAGS)
+        lib = kernels.library("rope")
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         lib.epd_rope.argtypes = [p, i64, i64, p, p, i64, p, i64, i64, i64, ctypes.c_int]
         lib.epd_rope.restype = None

@@ -34,7 +34,6 @@ import ctypes
 import logging
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -134,13 +133,13 @@ def _resample(array: np.ndarray, axis: int, out_size: int) -> np.ndarray:
 
 
 def resample_kernel() -> Any:
-    """The compiled pass (`epd_resample_uint8`), or None where gcc cannot build it (numpy then)."""
+    """The compiled pass (`epd_resample_uint8`, services/kernels/resize.c), or None where it does not run
+    (numpy then)."""
     if not _KERNEL:
-        from services.native import BASE_FLAGS, build_library
+        from services import kernels
 
         try:
-            fn = build_library(Path(__file__).with_name("resize_kernel.c"), "resize_uint8", BASE_FLAGS)
-            fn = fn.epd_resample_uint8
+            fn = kernels.library("resize").epd_resample_uint8
             ptr, i64 = ctypes.c_void_p, ctypes.c_int64
             fn.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, ctypes.c_int32, ptr]
             fn.restype = None
