@@ -8,8 +8,8 @@ variant is an instruction set: the compiler flags that let the compiler use it a
 (as Linux names them in /proc/cpuinfo) a machine must have to run that library.  The loader
 (services/kernels/loader.py) picks, at run time, the first variant of `Kernel.variants` (best first) the
 CPU has; a kernel whose every variant needs features the CPU lacks is "unsupported" and its caller takes
-torch's path.  A variant's flags never name the build machine's CPU (-march=native is what made a shared
-cache hand AVX-512 code to an AVX2 host): a wheel built on any x86-64 machine runs on every other one.
+torch's path.  A variant's flags never name the build machine's own CPU (compiling for it is what made a
+shared cache hand AVX-512 code to an AVX2 host): a wheel built on any x86-64 machine runs on every other one.
 
 x86 variants are built only where the compiler targets x86-64; "portable" everywhere (aarch64 included),
 with the architecture's baseline (SSE2 on x86-64, NEON on aarch64).
@@ -42,8 +42,8 @@ VARIANTS = {
     "avx512_bf16": Variant("avx512_bf16", (*_AVX512, "avx512_bf16"),
                            ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16")),
 }
-# The baseline every build of a machine starts from, so a CFLAGS=-march=native in the environment (an earlier
-# flag; the last -march wins) cannot leak the build machine's CPU into a "portable" library.
+# The baseline every build of a machine starts from, so a CFLAGS naming the build machine's own CPU in the environment
+# (an earlier flag; the last -march wins) cannot leak the build machine's CPU into a "portable" library.
 BASELINE = {"x86_64": ("-march=x86-64", "-mtune=generic"), "amd64": ("-march=x86-64", "-mtune=generic"),
             "aarch64": ("-march=armv8-a",), "arm64": ("-march=armv8-a",)}
 # -fno-wrapv undoes Python's own CFLAGS (-fwrapv), which keeps loops with int counters from vectorizing.
