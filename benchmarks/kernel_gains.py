@@ -3,11 +3,12 @@
 For every kernel (services/kernels/) and decode step path: A = `epd serve --model demo-medium` with it on,
 B = the same with it off (`EPD_KERNELS_OFF=<kernel>`, or the flag that turns the path off), both started
 at once and the requests alternating between them in rounds (A B, B A, ...), so the load of other jobs on
-this shared machine falls on both sides.  Workload: 64 words + one image (224x224; 1024x768 for the resize,
-which a 224x224 image never reaches), 48 output tokens, greedy, ignore_eos, at c=1 (8 requests a side) and
-c=16 (32 a side).  Each kernel is judged on the figure it targets: TTFT p50 for the prompt stages' kernels,
-TPOT p50 at c=1 and output tok/s at c=16 for decode's.  Gain = how much worse B is than A (TTFT, TPOT:
-B / A - 1; tok/s: A / B - 1); a kernel is kept when its gain reaches 10% at c=1 or at c=16.
+this shared machine falls on both sides.  Workload: 64 words + one image (224x224; 1024x768 for the
+resize, which a 224x224 image never reaches), 32 output tokens (4 for the TTFT cases), greedy, ignore_eos,
+at c=1 (6 requests a side) and c=16 (32 a side), every role at nice 0 (`COMMON`).  Each kernel is judged
+on the figure it targets: TTFT p50 for the prompt stages' kernels, TPOT p50 at c=1 and output tok/s at
+c=16 for decode's.  Gain = how much worse B is than A (TTFT, TPOT: B / A - 1; tok/s: A / B - 1); a kernel
+is kept when its gain reaches 10% at c=1 or at c=16.
 
 Kernels that only run when another path is off are measured there: the panel linears and the paged
 attention kernel serve the eager decode step, so both sides of theirs run `--decode-fused off`; the compiled
@@ -34,7 +35,12 @@ from benchmarks.common import ROOT, machine, ratio, replace_block, results_dir, 
 from benchmarks.procs import exit_on_sigterm, running, start_epd
 from benchmarks.side_by_side import parse_levels, side_figures
 
-LEVELS = ((1, 8), (16, 32))   # (concurrency, requests per side)
+LEVELS = ((1, 6), (16, 32))   # (concurrency, requests per side)
+OUTPUT_LEN = 32
+TTFT_OUTPUT_LEN = 4   # the prompt stages' cases: TTFT is their figure, a long answer would only add time
+# Every role at nice 0 on both sides: `epd serve` nices decode to 15 by default (services/role_cpu.py), which on a
+# box shared with other jobs' processes starves decode and turns a run into hours of waiting.
+COMMON = "--role-nice decode=0"
 QUICK_LEVELS = ((1, 2), (2, 2))
 KEEP_GAIN = 0.10
 SETTLE_S = 2.0
@@ -90,8 +96,8 @@ def run_case(case: Case, quick: bool, levels: tuple[tuple[int, int], ...]) -> di
     from services.bench.report import to_json
 
     model = "demo" if quick else "demo-medium"
-    input_len, output_len = (16, 8) if quick else (64, 48)
-    base = shlex.split(case.base)
+    input_len, output_len = (16, 8) if quick else (64, OUTPUT_LEN if case.figure == "decode" else TTFT_OUTPUT_LEN)
+    base = shlex.split(f"{COMMON} {case.base}")
     # B's off flags come after the base ones (a later flag wins), so "--decode-step compiled" overrides "eager".
     a_server = start_epd(model, *base, timeout_s=900)
     with running(a_server):
@@ -192,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
                         ", ".join(case.name for case in CASES))
     parser.add_argument("--quick", action="store_true", help="the tiny demo, a few requests (tests)")
     parser.add_argument("--no-docs", action="store_true")
-    parser.add_argument("--levels", help="concurrency:requests,... (default 1:8,16:32)")
+    parser.add_argument("--levels", help="concurrency:requests,... (default 1:6,16:32)")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     wanted = [name.strip() for name in (args.kernels or "").split(",") if name.strip()]

@@ -136,3 +136,17 @@ def test_openmp_kernels_share_torchs_runtime():
 
 def sample(name: str, variant: str) -> float | None:
     return REGISTRY.get_sample_value("epd_kernel_info", {"kernel": name, "variant": variant})
+
+
+def test_kernels_off_is_a_checked_setting_that_roles_export_to_the_loader(monkeypatch):
+    from services.config import ConfigError, EpdConfig
+
+    with pytest.raises(ConfigError, match=r"kernels_off names unknown kernels \['nope'\]; known: fused_step"):
+        EpdConfig(kernels_off="panel,nope")
+    config = EpdConfig(kernels_off="fused_step", cpu_features_off="avx512f")
+    monkeypatch.setenv(loader.ENV_OFF, "")
+    monkeypatch.setenv(cpu.ENV, "")
+    loader.configure(config.kernels_off, config.cpu_features_off)   # what services/role_main.py does first
+    assert loader.load("fused_step").variant == "off"
+    assert loader.load("panel").variant == (loader.expected("panel") or "unsupported")
+    assert "avx512" not in loader.load("panel").variant
