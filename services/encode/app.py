@@ -10,7 +10,6 @@ from services.server import RoleServer
 
 async def build(config: EpdConfig) -> RoleServer:
     from services.connectors.wiring import open_store
-    from services.models import fused_rope
     from services.models.prepack import export, prepack_vision
     from services.models.registry import adapter_for, resolve_model
     from services.rpc.v1 import epd_pb2_grpc as rpc
@@ -22,8 +21,6 @@ async def build(config: EpdConfig) -> RoleServer:
     path = resolve_model(config.model)
     vision = adapter_for(path).load_vision(path, config.device, config.dtype)
     export(prepack_vision(vision, config.linear_kernel), "vision")
-    if config.linear_kernel != "default":   # RoPE in one C pass, transformers' floats (fused_rope.py)
-        fused_rope.install()
     engine = EncodeEngine(vision, config.encode_max_batch_tokens)
     store = open_store(config, "ec")
     mm_store = open_store(config, "mm", producer=False)  # render's processed images, read by handle

@@ -42,8 +42,8 @@ INFO = Gauge("epd_kernel_info", "The variant of each native kernel this process 
 # What each role runs (its start-up report); the shm fence only where the CPU needs one (shm_fence.py).
 ROLE_KERNELS = {
     "render": ("resize",),
-    "encode": ("rope", "panel"),
-    "prefill": ("prefill_attention", "rope", "panel", "panel_bf16", "head_int8"),   # + its LM head screen
+    "encode": ("panel",),
+    "prefill": ("prefill_attention", "panel", "panel_bf16", "head_int8"),   # + its LM head screen
     "decode": ("panel", "panel_bf16", "fused_step", "fused_step_bf16", "paged_attention", "head_int8"),
 }
 RELEVANT = frozenset(feature for variant in VARIANTS.values() for feature in variant.features)

@@ -80,7 +80,6 @@ KERNELS = {k.name: k for k in (
     Kernel("fused_step_bf16", "fused_step.c", ("avx512", "avx2"), ("-fopenmp",), ("EPD_PANEL_BF16",),
            includes=("paged_attention.c", "panel.c"), openmp=True),
     Kernel("prefill_attention", "prefill_attention.c", ("avx512",), ("-fopenmp",), openmp=True),
-    Kernel("rope", "rope.c", ("avx512", "avx2", "portable"), ("-fopenmp", "-ffp-contract=off"), openmp=True),
     Kernel("head_int8", "head_int8.c", ("avx512_vnni",), ("-fopenmp",), openmp=True),
 )}
 # Names EPD_KERNELS_OFF (and --kernels-off) accept for a pair built from one source.

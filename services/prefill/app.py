@@ -14,7 +14,6 @@ logger = logging.getLogger(__name__)
 
 async def build(config: EpdConfig) -> RoleServer:
     from services.connectors.wiring import open_store
-    from services.models import fused_rope
     from services.models.head_screen import screen_head_mode
     from services.models.prepack import export, prepack_language
     from services.models.registry import adapter_for, resolve_model
@@ -31,8 +30,6 @@ async def build(config: EpdConfig) -> RoleServer:
     # prompts, not single rows, go through prefill's layers (its LM head sees one row per prompt)
     export(prepack_language(lm, config.linear_kernel, rows=(256, 1024), head_rows=(1, 16), fuse=True,
                             head_mode=screen_head_mode(config.linear_kernel, config.lm_head_screen)), "language")
-    if config.linear_kernel != "default":   # RoPE in one C pass, transformers' floats (fused_rope.py)
-        fused_rope.install()
     engine = PrefillEngine(lm, max_num_batched_tokens=config.max_num_batched_tokens,
                            prefix_cache_mb=config.prefix_cache_mb, lm_head_screen=config.lm_head_screen)
     logger.info("prefill engine: %s", engine.screen_report.line())
