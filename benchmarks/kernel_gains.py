@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -73,7 +74,6 @@ CASES = (
          image=(1024, 768)),
     Case("prefill_attention", "ttft", "prefill's causal attention, spans up to 1,024 keys",
          off_kernels="prefill_attention"),
-    Case("rope", "ttft", "RoPE in one pass (prefill and encode)", off_kernels="rope"),
     Case("fused_step", "decode", "the fused decode step (the decoder stack in one C call) vs the eager step",
          off_kernels="fused_step"),
     Case("panel", "decode", "panel linears (decode's small-batch GEMMs) vs oneDNN / F.linear, eager step",
@@ -163,8 +163,10 @@ def _minus_one(value: float | None) -> float | None:
 
 
 def _commit() -> str:
+    """The commit measured: git's HEAD, or EPD_BENCH_COMMIT for a tree exported without its .git (a snapshot
+    run while the checkout changes)."""
     done = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return done.stdout.strip()
+    return done.stdout.strip() or os.environ.get("EPD_BENCH_COMMIT", "unknown")
 
 
 def table(doc: dict[str, Any]) -> str:

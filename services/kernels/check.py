@@ -14,7 +14,9 @@ import json
 import sys
 
 from services.kernels import cpu, loader
-from services.kernels.spec import KERNELS
+from services.kernels.spec import KERNELS, VARIANTS
+
+DOC_BLOCK = "kernel-variants"   # docs/deployment.md's generated table (`--markdown` prints it)
 
 
 def table() -> dict[str, dict[str, str]]:
@@ -28,10 +30,26 @@ def table() -> dict[str, dict[str, str]]:
     return out
 
 
+def markdown() -> str:
+    """What runs where, from spec.py: per kernel, the variants built on x86-64 and elsewhere, best first."""
+    lines = ["| kernel | roles | x86-64, best first | aarch64, other CPUs | where none runs |", "|---|---|---|---|---|"]
+    for name, kernel in sorted(KERNELS.items()):
+        roles = ", ".join(role for role, names in loader.ROLE_KERNELS.items() if name in names) or "shm connector"
+        other = "portable" if "portable" in kernel.variants else "-"
+        lines.append(f"| {name} | {roles} | {' > '.join(kernel.variants)} | {other} | {kernel.fallback} |")
+    lines += ["", "Variants and the CPU features (/proc/cpuinfo) each needs: " + "; ".join(
+        f"{v.name}: {'+'.join(v.features) or 'any CPU'}" for v in VARIANTS.values()) + "."]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    parser.add_argument("--markdown", action="store_true", help="the what-runs-where table of docs/deployment.md")
     args = parser.parse_args(argv)
+    if args.markdown:
+        print(markdown())
+        return 0
     rows = table()
     bad = {name: row for name, row in rows.items() if row["variant"] != row["expected"]}
     if args.json:

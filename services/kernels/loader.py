@@ -103,7 +103,7 @@ def expected(name: str) -> str:
 
 
 def report(role: str) -> str:
-    """Decide each of `role`'s kernels now; one log line and the text of it ("panel avx512, rope off, ...")."""
+    """Decide each of `role`'s kernels now; one log line and the text of it ("panel avx512, resize off, ...")."""
     text = ", ".join(f"{name} {load(name).variant}" for name in ROLE_KERNELS.get(role, ()))
     cpu_text = ",".join(sorted(cpu.features() & RELEVANT)) or "none of the kernels' features"
     logger.info("native kernels: %s (cpu: %s)", text or "none", cpu_text)

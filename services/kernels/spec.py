@@ -60,6 +60,7 @@ class Kernel:
     includes: tuple[str, ...] = ()  # other files of this folder the source #includes (rebuild when they change)
     openmp: bool = False           # linked with libgomp: the loader imports torch first, so torch's copy is the one
     libs: tuple[str, ...] = ("m",)
+    fallback: str = "torch's path"  # what runs where no variant does (docs/deployment.md's table)
 
     def library(self, variant: str) -> str:
         """The module name of one variant's library inside services.kernels."""
@@ -68,19 +69,20 @@ class Kernel:
 
 _FAST_MATH = ("-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math")
 KERNELS = {k.name: k for k in (
-    Kernel("shm_fence", "shm_fence.c", ("portable",), libs=()),
-    Kernel("resize", "resize.c", ("avx2", "portable"), libs=()),
+    Kernel("shm_fence", "shm_fence.c", ("portable",), libs=(), fallback="none: the shm connector refuses to start"),
+    Kernel("resize", "resize.c", ("avx2", "portable"), libs=(), fallback="numpy"),
     Kernel("paged_attention", "paged_attention.c", ("avx512", "avx2", "portable"), ("-fopenmp", *_FAST_MATH),
-           openmp=True),
-    Kernel("panel", "panel.c", ("avx512", "avx2"), ("-fopenmp",), openmp=True),
+           openmp=True, fallback="grouped SDPA"),
+    Kernel("panel", "panel.c", ("avx512", "avx2"), ("-fopenmp",), openmp=True, fallback="oneDNN or F.linear"),
     Kernel("panel_bf16", "panel.c", ("avx512_bf16", "avx512", "avx2"), ("-fopenmp",), ("EPD_PANEL_BF16",),
-           openmp=True),
+           openmp=True, fallback="oneDNN or F.linear"),
     Kernel("fused_step", "fused_step.c", ("avx512", "avx2"), ("-fopenmp",), includes=("paged_attention.c", "panel.c"),
-           openmp=True),
+           openmp=True, fallback="the eager step"),
     Kernel("fused_step_bf16", "fused_step.c", ("avx512", "avx2"), ("-fopenmp",), ("EPD_PANEL_BF16",),
-           includes=("paged_attention.c", "panel.c"), openmp=True),
-    Kernel("prefill_attention", "prefill_attention.c", ("avx512",), ("-fopenmp",), openmp=True),
-    Kernel("head_int8", "head_int8.c", ("avx512_vnni",), ("-fopenmp",), openmp=True),
+           includes=("paged_attention.c", "panel.c"), openmp=True, fallback="the eager step"),
+    Kernel("prefill_attention", "prefill_attention.c", ("avx512",), ("-fopenmp",), openmp=True, fallback="SDPA"),
+    Kernel("head_int8", "head_int8.c", ("avx512_vnni",), ("-fopenmp",), openmp=True,
+           fallback="the bfloat16 screen"),
 )}
 # Names EPD_KERNELS_OFF (and --kernels-off) accept for a pair built from one source.
 FAMILIES = {"panel": ("panel", "panel_bf16"), "fused_step": ("fused_step", "fused_step_bf16")}

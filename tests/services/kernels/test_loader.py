@@ -55,8 +55,8 @@ def test_masking_every_feature_leaves_the_portable_variants_or_torchs_path(monke
 
 
 def test_kernels_off_names_kernels_and_families(monkeypatch):
-    monkeypatch.setenv(loader.ENV_OFF, "panel,rope")
-    assert {loader.load(n).variant for n in ("panel", "panel_bf16", "rope")} == {"off"}
+    monkeypatch.setenv(loader.ENV_OFF, "panel,resize")
+    assert {loader.load(n).variant for n in ("panel", "panel_bf16", "resize")} == {"off"}
     assert loader.load("shm_fence").variant == "portable"
     with pytest.raises(OSError, match="kernel panel: off"):
         loader.library("panel")
@@ -150,3 +150,22 @@ def test_kernels_off_is_a_checked_setting_that_roles_export_to_the_loader(monkey
     assert loader.load("fused_step").variant == "off"
     assert loader.load("panel").variant == (loader.expected("panel") or "unsupported")
     assert "avx512" not in loader.load("panel").variant
+
+
+def test_deployment_docs_carry_the_generated_what_runs_where_table():
+    from services.kernels import check
+
+    text = (ROOT / "docs" / "deployment.md").read_text()
+    block = text.split(f"<!-- {check.DOC_BLOCK}:begin -->\n")[1].split(f"\n<!-- {check.DOC_BLOCK}:end -->")[0]
+    assert block == check.markdown(), "rerun: python -m services.kernels.check --markdown"
+
+
+def test_check_says_what_runs_and_fails_where_a_kernel_is_missing(tmp_path, monkeypatch, capsys):
+    from services.kernels import check
+
+    assert check.main(["--json"]) == 0
+    assert '"ok": true' in capsys.readouterr().out
+    monkeypatch.setattr(loader, "FOLDER", tmp_path)
+    loader.reset()
+    assert check.main([]) == 1
+    assert "not_built   <- expected portable" in capsys.readouterr().out
