@@ -40,8 +40,10 @@ LEVELS = ((1, 6), (16, 32))   # (concurrency, requests per side)
 OUTPUT_LEN = 32
 TTFT_OUTPUT_LEN = 4   # the prompt stages' cases: TTFT is their figure, a long answer would only add time
 # Every role at nice 0 on both sides: `epd serve` nices decode to 15 by default (services/role_cpu.py), which on a
-# box shared with other jobs' processes starves decode and turns a run into hours of waiting.
-COMMON = "--role-nice decode=0"
+# box shared with other jobs' processes starves decode and turns a run into hours of waiting.  Smaller shm stores
+# and one render worker: two medium clusters at once beside other jobs ran this 24 GiB box out of memory.
+COMMON = ("--role-nice decode=0 --kv-capacity-mb 64 --ec-capacity-mb 64 --mm-capacity-mb 160 "
+          "--render-workers 1")
 QUICK_LEVELS = ((1, 2), (2, 2))
 KEEP_GAIN = 0.10
 SETTLE_S = 2.0
@@ -158,6 +160,10 @@ def judge(case: Case, levels: list[dict[str, Any]], output_len: int, kernels: di
             "commit": _commit(), "machine": machine(), "kernels": kernels}
 
 
+def _failed(entry: dict[str, Any]) -> bool:
+    return any(sum(row["failed"]) for row in entry["rows"])
+
+
 def _minus_one(value: float | None) -> float | None:
     return None if value is None else value - 1.0
 
@@ -214,9 +220,12 @@ def main(argv: list[str] | None = None) -> int:
         if wanted and case.name not in wanted:
             continue
         entry = run_case(case, args.quick, levels)
-        if any(sum(row["failed"]) for row in entry["rows"]):   # a role died (the shared box ran out of memory)
+        if _failed(entry):   # a role died (the shared box ran out of memory)
             print(f"{case.name}: requests failed, measuring it again", flush=True)
             entry = run_case(case, args.quick, levels)
+        if _failed(entry):
+            print(f"{case.name}: requests failed twice, not recorded", flush=True)
+            continue
         print(json.dumps({k: entry[k] for k in ("name", "best_gain", "keep")}), flush=True)
         if not args.levels:
             doc["cases"][case.name] = entry
