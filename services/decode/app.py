@@ -32,7 +32,7 @@ def bf16_weights(config: EpdConfig) -> bool:
     """--dtype bfloat16 on CPU: decode keeps float32 activations and KV over bfloat16 weights.
 
     A decode step reads every weight once for a few rows, so it is bound by the weights' bytes: bfloat16
-    panels (widened exactly in registers, services/models/panel_kernel.c) halve them, while bfloat16
+    panels (widened exactly in registers, services/kernels/panel.c) halve them, while bfloat16
     activations would only add rounding (and oneDNN's bf16 GEMMs lose to the panels at a few rows).  The
     prefilled bfloat16 KV is widened in its one copy into decode's blocks.  Needs the panel kernel."""
     import torch
