@@ -11,8 +11,9 @@ c=16 for decode's.  Gain = how much worse B is than A (TTFT, TPOT: B / A - 1; to
 is kept when its gain reaches 10% at c=1 or at c=16.
 
 Kernels that only run when another path is off are measured there: the panel linears and the paged
-attention kernel serve the eager decode step, so both sides of theirs run `--decode-fused off`; the compiled
-decode step is compared with the eager one likewise.
+attention kernel serve the eager decode step, so both sides of theirs run `--decode-fused off`.  The compiled
+decode step (`--decode-step compiled`, torch.compile) was compared with the eager one likewise, and deleted;
+its row keeps the commit it was measured at.
 
     python -m benchmarks.kernel_gains [--kernels a,b] [--quick] [--no-docs] [--levels 1:8,16:32]
 
@@ -86,9 +87,6 @@ CASES = (
          off_kernels="head_int8"),
     Case("lm_head_screen", "decode", "the LM head screen (bfloat16 / int8 copy of the head) vs the full head",
          off_flags="--lm-head-screen off"),
-    Case("compiled_step", "decode", "--decode-step compiled (torch.compile) vs the eager step",
-         base="--decode-fused off --decode-step eager",
-         off_flags="--decode-step compiled --decode-step-buckets 1,16"),
 )
 
 
@@ -100,7 +98,7 @@ def run_case(case: Case, quick: bool, levels: tuple[tuple[int, int], ...]) -> di
     model = "demo" if quick else "demo-medium"
     input_len, output_len = (16, 8) if quick else (64, OUTPUT_LEN if case.figure == "decode" else TTFT_OUTPUT_LEN)
     base = shlex.split(f"{COMMON} {case.base}")
-    # B's off flags come after the base ones (a later flag wins), so "--decode-step compiled" overrides "eager".
+    # B's off flags come after the base ones (a later flag wins).
     a_server = start_epd(model, *base, timeout_s=900)
     with running(a_server):
         b_server = start_epd(model, *base, *shlex.split(case.off_flags), env=case.b_env(), timeout_s=1200)

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import ROOT, Figure, machine, median, print_figures, results_dir, write_doc_block, write_json
-from benchmarks.decode_step import make_runner
+from benchmarks.decode_runner import make_runner
 
 _SOURCES = ("services/kernels/panel.c", "services/kernels/fused_step.c", "services/kernels/paged_attention.c")
 

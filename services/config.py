@@ -28,18 +28,10 @@ DEMO_ALIASES = {"demo": "epd-demo-qwen2-vl", "epd-demo-qwen2-vl": "epd-demo-qwen
                 "demo-medium": "epd-demo-qwen2-vl-medium"}
 LINEAR_KERNELS = ("auto", "panel", "prepacked", "default")   # services.models.prepack.MODES (checked by a test)
 ATTENTION_KERNELS = ("auto", "c", "torch")          # services.decode.attention.KERNELS (checked by a test)
-DECODE_STEPS = ("auto", "eager", "compiled")        # services.decode.compiled.STEP_MODES (checked by a test)
 ROLES = ("coordinator", "render", "encode", "prefill", "decode")
 EVENT_LOOPS = ("uvloop", "asyncio")   # services.event_loop.LOOPS (checked by a test)
 # The names of coordinator.routing.policies.POLICIES (checked by a test): config cannot import the coordinator.
 ROUTING_POLICIES = ("affinity", "least_loaded", "round_robin")
-
-
-def _int_list_ok(raw: str, low: int, high: int) -> bool:
-    try:
-        return all(low <= int(part) <= high for part in raw.split(",") if part.strip())
-    except ValueError:
-        return False
 
 
 KERNEL_NAMES = tuple(sorted(_KERNELS))
@@ -47,11 +39,6 @@ KERNEL_NAMES = tuple(sorted(_KERNELS))
 
 def _names(raw: str) -> list[str]:
     return [part.strip() for part in raw.split(",") if part.strip()]
-
-
-def int_list(raw: str) -> tuple[int, ...]:
-    """"1, 4,16" -> (1, 4, 16); "" -> ()."""
-    return tuple(int(part) for part in raw.split(",") if part.strip())
 
 
 def _f(default: Any, help: str, roles: str = "all", **kw: Any) -> Any:
@@ -134,23 +121,13 @@ class EpdConfig:
                         "decode=15,decode-long=5,prefill-long=19, none alone", roles="roles")
     decode_attention: str = _f("auto", "decode attention kernel: auto (the compiled C kernel where it applies) "
                                "| c | torch")
-    decode_step: str = _f("eager", "decode step: eager (the default: no start-up cost) | compiled (torch.compile, "
-                          "one graph per batch bucket 1, 2, 4, ... rows; a cold compile takes tens of seconds on "
-                          "2 cores) | auto (compile and time both per bucket at start-up within "
-                          "--decode-compile-budget-s, keep compiled where faster)", roles="decode")
     decode_fused: str = _f("auto", "decode step as one C call over the whole decoder stack (float32 CPU, panel "
-                           "linears, Llama/Qwen-shaped layers): auto (wherever it applies, unless --decode-step "
-                           "compiled; with --linear-kernel auto the decoder stack then uses the panel kernel) | on "
-                           "(refuse to start where it does not apply) | off", roles="decode")
+                           "linears, Llama/Qwen-shaped layers): auto (wherever it applies; with --linear-kernel auto "
+                           "the decoder stack then uses the panel kernel) | on (refuse to start where it does not "
+                           "apply) | off (the eager step)", roles="decode")
     lm_head_screen: str = _f("auto", "greedy tokens from an int8 or bfloat16 copy of a float32 panel LM head, "
                              "decided exactly in float32 on the candidates a proven bound leaves: auto | on | off",
                              roles="prefill, decode")
-    decode_step_buckets: str = _f("", "batch sizes the compiled decode step has graphs for, comma-separated (a "
-                                  "step pads its rows up to the next one; larger counts run eager); default 1, "
-                                  "2, 4, ... and --decode-slots", roles="decode")
-    decode_compile_budget_s: float = _f(120.0, "seconds --decode-step auto may spend compiling and timing at "
-                                        "start-up (a warm cache in ~/.cache/epd/inductor makes it quick); buckets "
-                                        "left over run eager", roles="decode")
     encode_max_batch_tokens: int = _f(16384, "patches one vision-tower forward may take")
     max_images_per_request: int = _f(8, "images one request may carry")
     max_image_pixels: int = _f(16_777_216, "largest accepted image, width x height")
@@ -235,15 +212,12 @@ class EpdConfig:
     def __post_init__(self) -> None:
         for name, allowed in (("ec_connector", CONNECTORS), ("kv_connector", CONNECTORS), ("dtype", DTYPES),
                               ("linear_kernel", LINEAR_KERNELS), ("decode_attention", ATTENTION_KERNELS),
-                              ("decode_step", DECODE_STEPS), ("event_loop", EVENT_LOOPS),
+                              ("event_loop", EVENT_LOOPS),
                               ("decode_fused", ("auto", "on", "off")), ("lm_head_screen", ("auto", "on", "off"))):
             _check(getattr(self, name) in allowed, f"{name} must be one of {', '.join(allowed)}")
         unknown = set(_names(self.kernels_off)) - {*KERNEL_NAMES, *KERNEL_FAMILIES}
         _check(not unknown, f"kernels_off names unknown kernels {sorted(unknown)}; known: {', '.join(KERNEL_NAMES)}")
-        _check(self.decode_compile_budget_s >= 0, "decode_compile_budget_s must be >= 0")
         _check(self.decode_serial_rows >= -1, "decode_serial_rows must be -1 (auto), 0 or more")
-        _check(_int_list_ok(self.decode_step_buckets, 1, self.decode_slots),
-               f"decode_step_buckets must be comma-separated integers in 1..decode_slots ({self.decode_slots})")
         _check(1 <= self.kv_block_size <= 256, "kv_block_size must be in 1..256")
         _check(self.single_omp_team in ("on", "off"), "single_omp_team must be on or off")
         _check(self.compute_lease in ("auto", "off"), "compute_lease must be auto or off")

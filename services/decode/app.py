@@ -52,7 +52,7 @@ def wants_fused(config: EpdConfig) -> bool:
     """The fused step may run (services/decode/fused.py decides at start-up whether the model fits it)."""
     from services.models import panel_linear
 
-    return (config.decode_fused != "off" and config.decode_step != "compiled" and config.device == "cpu"
+    return (config.decode_fused != "off" and config.device == "cpu"
             and load_dtype(config) == "float32" and panel_linear.available())
 
 
@@ -67,7 +67,6 @@ def stack_kernel(config: EpdConfig) -> str:
 async def build(config: EpdConfig) -> RoleServer:
     import torch
 
-    from services.config import int_list
     from services.connectors.wiring import open_store
     from services.models.head_screen import screen_head_mode
     from services.models.prepack import export, prepack_language
@@ -92,10 +91,8 @@ async def build(config: EpdConfig) -> RoleServer:
     engine = DecodeEngine(lm, load_tokenizer(path), config.decode_slots, config.max_model_len,
                           max_queued=config.decode_queue, stream_timeout=config.request_timeout_s,
                           kv_cache_bytes=config.kv_cache_mb << 20, block_size=config.kv_block_size,
-                          attention=config.decode_attention, step=config.decode_step,
-                          compile_budget_s=config.decode_compile_budget_s,
-                          step_buckets=int_list(config.decode_step_buckets) or None,
-                          serial_rows=serial, fused=config.decode_fused, fused_serial_rows=fused_serial,
+                          attention=config.decode_attention, serial_rows=serial, fused=config.decode_fused,
+                          fused_serial_rows=fused_serial,
                           lm_head_screen=config.lm_head_screen)
     logger.info("decode engine: %s", engine.describe())
     kv_store = open_store(config, "kv", producer=False)

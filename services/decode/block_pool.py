@@ -12,10 +12,6 @@ was admitted never runs dry mid-decode: the pool cannot be over-promised.  Runni
 requests waiting for a batch row, and requests whose KV is being copied in all count in the
 same budget; a request that does not fit waits at admission (bounded) or is refused (429).
 
-One more block than the budget holds sits past the last one (`scratch_block`): it is never
-handed out.  The padded rows of a compiled step (services/decode/compiled.py) write their K/V
-there and attend to it, so they touch no request's blocks.
-
 Thread-safe: the serving threads reserve and load, the engine thread grows and frees.
 """
 
@@ -72,8 +68,7 @@ class BlockPool:
         self.num_blocks = capacity_bytes // self.block_bytes
         if self.num_blocks < 1:
             raise ValueError(f"a KV pool of {capacity_bytes} bytes holds no block of {self.block_bytes} bytes")
-        self.scratch_block = self.num_blocks      # never handed out (module docstring)
-        shape = (layout.num_layers, 2, self.num_blocks + 1, layout.num_kv_heads, block_size, layout.head_dim)
+        shape = (layout.num_layers, 2, self.num_blocks, layout.num_kv_heads, block_size, layout.head_dim)
         # empty, not zeros: zeros would touch (make resident) every page now; a block is zeroed when taken.
         self.kv = torch.empty(shape, dtype=layout.dtype, device=device)
         self._free = list(range(self.num_blocks - 1, -1, -1))   # a stack: pop() gives low ids first

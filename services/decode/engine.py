@@ -40,7 +40,6 @@ import torch
 
 from services import compute_threads, role_cpu
 from services.decode.block_pool import BlockPool
-from services.decode.compiled import StepReport
 from services.decode.detokenizer import IncrementalDetokenizer, decode_function
 from services.decode.errors import ContextTooLong, EngineClosed, EngineFull
 from services.decode.judge import token_budget
@@ -48,7 +47,7 @@ from services.decode.metrics import EngineStats
 from services.decode.params import DecodeParams
 from services.decode.request import DecodeRequest
 from services.decode.request_blocks import RequestBlocks
-from services.decode.runner import DecodeRunner
+from services.decode.runner import DecodeRunner, StepReport
 from services.decode.sampler import Sampler
 from services.decode.stop import FINISH_ABORT, FINISH_ERROR
 from services.decode.stream import DecodeEvent, DecodeStream
@@ -64,8 +63,7 @@ class DecodeEngine:
     def __init__(self, lm: LanguageModel, tokenizer: Any, num_slots: int, max_model_len: int,
                  max_queued: int | None = None, stream_timeout: float | None = 60.0,
                  seed: int | None = None, kv_cache_bytes: int | None = None, block_size: int = 16,
-                 attention: str = "auto", step: str = "eager", compile_budget_s: float = 120.0,
-                 step_buckets: Sequence[int] | None = None, serial_rows: int = 0, fused: str = "auto",
+                 attention: str = "auto", serial_rows: int = 0, fused: str = "auto",
                  fused_serial_rows: int | None = None, lm_head_screen: str = "auto") -> None:
         if num_slots < 1 or max_model_len < 2:
             raise ValueError(f"need num_slots >= 1 and max_model_len >= 2, got {num_slots}, {max_model_len}")
@@ -78,9 +76,8 @@ class DecodeEngine:
         if kv_cache_bytes is None:  # room for every slot at full length, as a preallocated engine had
             kv_cache_bytes = num_slots * -(-max_model_len // block_size) * _block_bytes(lm, block_size)
         self.pool = BlockPool(lm.layout, kv_cache_bytes, block_size, device=lm.device or "cpu")
-        self._runner = DecodeRunner(lm, self.pool, num_slots, max_model_len, Sampler(seed), attention, step,
-                                    compile_budget_s, step_buckets, serial_rows, fused, fused_serial_rows,
-                                    lm_head_screen)
+        self._runner = DecodeRunner(lm, self.pool, num_slots, max_model_len, Sampler(seed), attention,
+                                    serial_rows, fused, fused_serial_rows, lm_head_screen)
         self._bytes_copied = 0
         self._decoders = {skip: decode_function(tokenizer, skip) for skip in (True, False)}
         self._cond = threading.Condition()
@@ -200,13 +197,13 @@ class DecodeEngine:
             active = len(self._rows)
             return EngineStats(self.num_slots, active, len(self._requests) - active, self._steps,
                                self._tokens, self._finished, self.pool.stats(), self._bytes_copied,
-                               self._runner.attention_kernel, self._runner.step_mode, self._runner.compiled_steps,
+                               self._runner.attention_kernel, self._runner.step_mode,
                                self._runner.serial_steps, *self._runner.screen_counts,
                                self._runner.screen.kernel if self._runner.screen is not None else "")
 
     @property
     def step_report(self) -> StepReport:
-        """How the step runs per batch bucket, the start-up timings and why (services/decode/compiled.py)."""
+        """How the step runs, fused or eager, and why (services/decode/runner.py)."""
         return self._runner.step_report
 
     def describe(self) -> str:

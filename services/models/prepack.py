@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from services.models import panel_linear
-from services.models.swapped import SwappedLinear, number_packed, packed_scope
+from services.models.swapped import SwappedLinear
 from services.models.timing_lock import timing_lock
 
 if TYPE_CHECKING:
@@ -136,8 +136,8 @@ def make_swap(kernel: str, weight_dtype: torch.dtype | None = None) -> Callable[
 
 
 SWAP: dict[str, Callable[[nn.Linear], SwappedLinear]] = {"prepacked": PackedLinear, "panel": panel_linear.PanelLinear}
-__all__ = ["MODES", "KERNELS", "PackedLinear", "SwappedLinear", "LinearReport", "number_packed", "packed_scope",
-           "prepack_language", "prepack_vision", "export"]
+__all__ = ["MODES", "KERNELS", "PackedLinear", "SwappedLinear", "LinearReport", "prepack_language", "prepack_vision",
+           "export"]
 
 
 @dataclass
@@ -207,8 +207,8 @@ def prepack_language(lm: LanguageModel, mode: str = "auto", rows: tuple[int, ...
     Batch sizes up to `serial_rows` are timed on one thread, as decode runs them (--decode-serial-rows):
     on a busy box two threads' barriers make every kernel but single-threaded F.linear look slow.
     `stack_mode`, when given, decides the stack instead of `mode` (decode's fused step needs panels there).
-    `fuse`: a prepacked stack's MLPs run as fused_mlp.FusedGatedMLP (prefill; not decode, whose compiled
-    step calls swapped layers through a custom op).  `weight_dtype` bfloat16 keeps a float32 model's swapped
+    `fuse`: a prepacked stack's MLPs run as fused_mlp.FusedGatedMLP (prefill; decode's small batches run
+    them on panels or inside the fused step).  `weight_dtype` bfloat16 keeps a float32 model's swapped
     weights in bfloat16 (decode's --dtype bfloat16: half the bytes a step reads, float32 arithmetic); then
     every swap is timed against F.linear at the bfloat16 tolerance, "default" refused.  `head_mode` decides the head."""
     if weight_dtype is not None and (stack_mode or mode) == "default":
