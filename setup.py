@@ -36,7 +36,7 @@ class BuildLibraries(build_ext):
     def finalize_options(self) -> None:
         super().finalize_options()
         if not self.parallel:
-            self.parallel = os.cpu_count() or 1
+            self.parallel: int = os.cpu_count() or 1
 
     def get_export_symbols(self, ext: Extension) -> list[str]:
         return ext.export_symbols

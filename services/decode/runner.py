@@ -58,8 +58,11 @@ class StepReport:
         return f"decode step {self.mode}{' (' + self.reason + ')' if self.reason else ''}"
 
 
+StepInputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
 def step_inputs(step64: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, rows: int, device: torch.device
-                ) -> tuple[torch.Tensor, ...]:
+                ) -> StepInputs:
     """The forward's inputs for the first `rows` rows of the step buffers (views on CPU): token ids, positions,
     write blocks, write offsets, block tables, lengths."""
     step = step64[:, :rows].to(device)
@@ -182,5 +185,5 @@ class DecodeRunner:
         s = self.screen
         return (s.rows_screened, s.rows_full, s.candidates) if s is not None else (0, 0, 0)
 
-    def _inputs(self, rows: int) -> tuple[torch.Tensor, ...]:
+    def _inputs(self, rows: int) -> StepInputs:
         return step_inputs(self._step64, self.tables, self._lens, rows, self.device)
