@@ -135,6 +135,9 @@ def test_the_images_install_steps_give_every_role_the_kernels_of_this_checkout(t
     cluster = start_cluster("--model", "demo", "--ec-capacity-mb", "32", "--kv-capacity-mb", "32", python=str(python),
                             cwd=str(home), whole_env=env, timeout=600)
     try:
+        logged = [line for line in cluster.output if '"native kernels: ' in line]
+        assert {role for role in loader.ROLE_KERNELS if any(f'"role": "{role}"' in line for line in logged)} == set(
+            loader.ROLE_KERNELS), "every role says in its start-up log which variant of each kernel it runs"
         for role, names in loader.ROLE_KERNELS.items():
             text = httpx.get(cluster.http_urls(role)[0] + "/metrics", timeout=10).text
             got = dict(re.findall(r'^epd_kernel_info\{kernel="(\w+)",variant="(\w+)"\} 1\.0$', text, re.M))
