@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from benchmarks.common import ROOT, machine, ratio, replace_block, results_dir, write_json
-from benchmarks.procs import exit_on_sigterm, running, start_epd
+from benchmarks.procs import ServerError, exit_on_sigterm, running, start_epd
 from benchmarks.side_by_side import parse_levels, side_figures
 
 LEVELS = ((1, 6), (16, 32))   # (concurrency, requests per side)
@@ -158,8 +158,17 @@ def judge(case: Case, levels: list[dict[str, Any]], output_len: int, kernels: di
             "commit": _commit(), "machine": machine(), "kernels": kernels}
 
 
-def _failed(entry: dict[str, Any]) -> bool:
-    return any(sum(row["failed"]) for row in entry["rows"])
+def _failed(entry: dict[str, Any] | None) -> bool:
+    return entry is None or any(sum(row["failed"]) for row in entry["rows"])
+
+
+def _try_case(case: Case, quick: bool, levels: tuple[tuple[int, int], ...]) -> dict[str, Any] | None:
+    """run_case, or None where a cluster did not start (a role killed for memory on the shared box)."""
+    try:
+        return run_case(case, quick, levels)
+    except ServerError as exc:
+        print(f"{case.name}: a cluster did not start ({str(exc).splitlines()[-1]})", flush=True)
+        return None
 
 
 def _minus_one(value: float | None) -> float | None:
@@ -226,11 +235,11 @@ def main(argv: list[str] | None = None) -> int:
     for case in [] if args.docs_only else CASES:
         if wanted and case.name not in wanted:
             continue
-        entry = run_case(case, args.quick, levels)
+        entry = _try_case(case, args.quick, levels)
         if _failed(entry):   # a role died (the shared box ran out of memory)
             print(f"{case.name}: requests failed, measuring it again", flush=True)
-            entry = run_case(case, args.quick, levels)
-        if _failed(entry):
+            entry = _try_case(case, args.quick, levels)
+        if entry is None or _failed(entry):
             print(f"{case.name}: requests failed twice, not recorded", flush=True)
             continue
         print(json.dumps({k: entry[k] for k in ("name", "best_gain", "keep")}), flush=True)
