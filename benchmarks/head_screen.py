@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from benchmarks.common import Figure, machine, median, print_figures, results_dir, write_doc_block, write_json
-from benchmarks.decode_step import make_runner
+from benchmarks.decode_runner import make_runner
 
 
 def measure(model: str, batches: list[int], rounds: int, context: int, kernels: list[str]) -> dict[str, Any]:

@@ -64,7 +64,7 @@ class Int8Head:
 def measure(model: str, batches: list[int], rounds: int) -> dict[str, Any]:
     import torch
 
-    from benchmarks.decode_step import MODELS
+    from benchmarks.decode_runner import MODELS
     from services.models.head_screen import HeadScreen
     from services.models.registry import adapter_for, resolve_model
 

@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 from benchmarks.common import Figure, machine, median, print_figures, results_dir, write_doc_block, write_json
-from benchmarks.decode_step import MODELS, make_runner
+from benchmarks.decode_runner import MODELS, make_runner
 
 KINDS = ("default", "prepacked", "panel")
 

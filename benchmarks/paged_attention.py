@@ -3,7 +3,7 @@
 One decode step's attention for one layer (medium model shapes: 16 query heads, 4 kv heads,
 head_dim 64), 16 rows of mixed lengths, KV in a block pool of 16-token blocks:
 
-- "c": the compiled C kernel over the blocks (services/decode/paged_kernel.c);
+- "c": the compiled C kernel over the blocks (services/kernels/paged_attention.c);
 - "torch": rows grouped by block count, blocks gathered, one SDPA per group;
 - "padded": the pre-paging way — every row padded to the longest, one SDPA with a mask over
   rows x longest (the KV already contiguous: the cost the old slot cache paid);

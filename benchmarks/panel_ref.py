@@ -2,8 +2,9 @@
 
 The medium demo's decode model (panel linears, the fused step, KV of `context` tokens per row in the
 block pool, greedy sampling) is loaded once.  Both builds of the C kernels are loaded side by side:
-this tree's (services/models/panel_kernel.c, services/decode/fused_kernel.c, paged_kernel.c) and the
-same files at REF (`git show`).  Every round runs one step of each batch size, and the LM head alone
+this tree's (services/kernels/panel.c, fused_step.c, paged_attention.c) and the same files at REF
+(`git show`), both compiled here with gcc and the flags of the variant this CPU runs (services/kernels/spec.py;
+a benchmark may need a compiler, epd never does).  Every round runs one step of each batch size, and the LM head alone
 on the same rows, through each build in turn.  The figure is this tree / REF of the best times (below
 1: this tree is faster), with the median of per-round ratios in the note.  Both builds sum each output
 in the same order over k, so the script also checks that their logits are equal bit for bit.
@@ -22,28 +23,42 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import ROOT, Figure, machine, median, print_figures, results_dir, write_doc_block, write_json
-from benchmarks.decode_step import make_runner
+from benchmarks.decode_runner import make_runner
 
-_SOURCES = ("services/models/panel_kernel.c", "services/decode/fused_kernel.c", "services/decode/paged_kernel.c")
+_SOURCES = ("services/kernels/panel.c", "services/kernels/fused_step.c", "services/kernels/paged_attention.c")
+
+
+def _compile(source: Path, kernel_name: str, out: Path) -> Any:
+    """`source` built as this CPU's variant of `kernel_name` would be at install (services/kernels/spec.py)."""
+    import ctypes
+    import platform
+
+    from services.kernels import loader, spec
+
+    kernel = spec.KERNELS[kernel_name]
+    variant = spec.VARIANTS[loader.expected(kernel_name)]
+    flags = spec.compile_flags(kernel, variant, platform.machine())
+    subprocess.run(["gcc", *flags, "-fPIC", "-shared", "-o", str(out), str(source), "-lm", "-fopenmp"], check=True)
+    return ctypes.CDLL(str(out))
 
 
 def _libraries(ref: str) -> dict[str, tuple[Any, Any]]:
     """{"tree": (panel lib, fused lib), "ref": (...)}: the kernels built from this tree and from `ref`."""
     from services.decode import fused
     from services.models import panel_linear
-    from services.native import build_library
+
+    work = Path(tempfile.mkdtemp(prefix="epd-panel-ref-"))
 
     def build(root: Path, tag: str) -> tuple[Any, Any]:
-        panel = build_library(root / _SOURCES[0], f"panel_{tag}", panel_linear._FLAGS)
-        step = build_library(root / _SOURCES[1], f"fused_step_{tag}", fused._FLAGS,
-                             includes=(root / _SOURCES[2], root / _SOURCES[0]))
+        panel = _compile(root / _SOURCES[0], "panel", work / f"panel_{tag}.so")
+        step = _compile(root / _SOURCES[1], "fused_step", work / f"fused_step_{tag}.so")
         for lib, name, template in ((panel, "epd_panel_linear", panel_linear._kernel().epd_panel_linear),
                                     (step, "epd_fused_step", fused._kernel().epd_fused_step)):
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = template.argtypes, template.restype
         return panel, step
 
-    old = Path(tempfile.mkdtemp(prefix="epd-panel-ref-"))
+    old = work / "ref"
     for rel in _SOURCES:
         text = subprocess.run(["git", "show", f"{ref}:{rel}"], cwd=ROOT, capture_output=True, check=True).stdout
         (old / rel).parent.mkdir(parents=True, exist_ok=True)

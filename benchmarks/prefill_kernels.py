@@ -10,11 +10,10 @@ threads this process has (2 on this project's box):
   `scaled_dot_product_attention(is_causal=True, enable_gqa=True)`, at the medium demo model's shape (16 query
   heads over 4 kv heads of 64) for 117 (the vs_vllm prompt), 200, 512, 1,024 and 4,096 keys (past MAX_KEYS
   the role runs SDPA);
-- RoPE in one C pass (services/models/fused_rope.py) / transformers' `apply_rotary_pos_emb` (text, 200 tokens,
-  16 + 4 heads of 64) and `apply_rotary_pos_emb_vision` (256 patches, 8 heads of 64);
 - the patch embedding on oneDNN's prepacked weight / on `F.linear` (256 patches, 1,176 -> 512);
 - a whole prefill of a 117-token prompt through the medium model's PrefillEngine (prepacked as the role
-  does, greedy first token) with both kernels / with neither.
+  does, greedy first token) with the attention kernel / without it.
+(The RoPE kernel these figures once included is gone: it gained nothing end to end, benchmarks.kernel_gains.)
 """
 
 from __future__ import annotations
@@ -82,38 +81,6 @@ def _attention_figure(keys: int, rounds: int, gen: Any, limit: int) -> Figure:
                    "per layer" + (" (past MAX_KEYS: the role runs SDPA)" if keys > limit else ""))
 
 
-def rope_figures(rounds: int, tokens: int, patches: int) -> list[Figure]:
-    import torch
-    import transformers.models.qwen2_vl.modeling_qwen2_vl as qwen2_vl
-
-    from services.models import fused_rope
-
-    if fused_rope.install():
-        return []
-    text_hf, vision_hf = fused_rope._INSTALLED["qwen2_vl"]
-    gen = torch.Generator().manual_seed(1)
-    q = torch.randn(1, tokens, 16 * 64, generator=gen).view(1, tokens, 16, 64).transpose(1, 2)
-    k = torch.randn(1, tokens, 4 * 64, generator=gen).view(1, tokens, 4, 64).transpose(1, 2)
-    cos, sin = torch.randn(1, tokens, 64, generator=gen), torch.randn(1, tokens, 64, generator=gen)
-    qkv = torch.randn(patches, 3 * 8 * 64, generator=gen)
-    vq, vk, _ = qkv.reshape(patches, 3, 8, 64).permute(1, 0, 2, 3).unbind(0)
-    vcos, vsin = torch.randn(patches, 64, generator=gen), torch.randn(patches, 64, generator=gen)
-
-    def fused_text() -> None:
-        with fused_rope.active():
-            qwen2_vl.apply_rotary_pos_emb(q, k, cos, sin)
-
-    def fused_vision() -> None:
-        with fused_rope.active():
-            qwen2_vl.apply_rotary_pos_emb_vision(vq, vk, vcos, vsin)
-
-    text = _alternate(fused_text, lambda: text_hf(q, k, cos, sin), rounds, 50)
-    vision = _alternate(fused_vision, lambda: vision_hf(vq, vk, vcos, vsin), rounds, 50)
-    return [_figure(f"RoPE, text, {tokens} tokens, 16 + 4 heads of 64: one C pass / transformers", *text, "per layer"),
-            _figure(f"RoPE, vision, {patches} patches, 8 heads of 64: one C pass / transformers", *vision,
-                    "per layer")]
-
-
 def patch_embed_figure(rounds: int, patches: int) -> list[Figure]:
     import torch
     from transformers.models.qwen2_vl.modeling_qwen2_vl import PatchEmbed
@@ -136,7 +103,7 @@ def patch_embed_figure(rounds: int, patches: int) -> list[Figure]:
 def prefill_figure(rounds: int, model: str, prompt: int) -> list[Figure]:
     import torch
 
-    from services.models import attention_kernel, fused_rope
+    from services.models import attention_kernel
     from services.models.demo import demo_model_path
     from services.models.prepack import prepack_language
     from services.models.registry import adapter_for
@@ -145,10 +112,9 @@ def prefill_figure(rounds: int, model: str, prompt: int) -> list[Figure]:
     path = demo_model_path(model)
     lm = adapter_for(path).load_language(path, "cpu", "float32", 4096)
     prepack_language(lm, "auto", rows=(256, 1024), head_rows=(1, 16), fuse=True)
-    fused_rope.install()
     engine = PrefillEngine(lm, prefix_cache_mb=0)
     ids = torch.randint(0, 150000, (prompt,), generator=torch.Generator().manual_seed(3)).tolist()
-    kernels, active = list(attention_kernel._LIB), fused_rope.active
+    kernels = list(attention_kernel._LIB)
     firsts: dict[str, list[int]] = {"with": [], "without": []}
 
     def one(which: str) -> None:
@@ -158,19 +124,17 @@ def prefill_figure(rounds: int, model: str, prompt: int) -> list[Figure]:
 
     def without() -> None:
         attention_kernel._LIB.clear()
-        fused_rope.active = lambda on=True: active(False)   # type: ignore[assignment]
         try:
             one("without")
         finally:
             attention_kernel._LIB[:] = kernels
-            fused_rope.active = active   # type: ignore[assignment]
 
     try:
         a, b = _alternate(lambda: one("with"), without, rounds, 3)
     finally:
         engine.close()
     same = len(set(firsts["with"]) | set(firsts["without"])) == 1
-    figure = _figure(f"prefill of a {prompt}-token prompt, {model} model: both kernels / neither", a, b,
+    figure = _figure(f"prefill of a {prompt}-token prompt, {model} model: with the attention kernel / without", a, b,
                      f"per prompt; same first token: {same}")
     figure.detail["same_first_token"] = same
     return [figure]
@@ -185,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     rounds = args.rounds or (3 if args.quick else 9)
     where = machine()
     figures = [*attention_figures(rounds, [117, 200] if args.quick else [117, 200, 512, 1024, 4096]),
-               *rope_figures(rounds, 200, 256), *patch_embed_figure(rounds, 256),
+               *patch_embed_figure(rounds, 256),
                *prefill_figure(rounds, "tiny" if args.quick else "medium", 117)]
     print_figures(figures, "prompt-stage kernels, each against what it replaces")
     write_json({"figures": figures, "machine": where}, results_dir(args.quick) / "prefill_kernels.json")

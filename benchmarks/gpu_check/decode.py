@@ -117,7 +117,7 @@ def run(run: Run) -> dict[str, Any]:
     dtype = "bfloat16" if run.cuda else "float32"
     lm = adapter_for(path).load_language(path, run.device, dtype, max_len)
     started = time.monotonic()
-    engine = DecodeEngine(lm, load_tokenizer(path), max(streams), max_len, kv_cache_bytes=pool, step_buckets=streams,
+    engine = DecodeEngine(lm, load_tokenizer(path), max(streams), max_len, kv_cache_bytes=pool, graph_buckets=streams,
                           attention="auto" if run.cuda else "flex", stream_timeout=300)
     out: dict[str, Any] = {"model": path.name, "dtype": dtype, "tokens": tokens, "prompt_len": prompt_len,
                            "engine_start_s": time.monotonic() - started, "step": engine.step_report.line()}

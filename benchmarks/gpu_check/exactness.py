@@ -94,7 +94,7 @@ def check_family(run: Run, family: str, dtype: str) -> list[dict[str, Any]]:
     hf: Any = AutoModelForImageTextToText.from_pretrained(str(path), dtype=getattr(torch, dtype))
     hf = hf.to(run.device).eval()
     lm = adapter_for(path).load_language(path, run.device, dtype, MAX_MODEL_LEN)   # decode's own copy
-    engine = DecodeEngine(lm, load_tokenizer(path), 4, MAX_MODEL_LEN, kv_cache_bytes=64 << 20, step_buckets=(4,),
+    engine = DecodeEngine(lm, load_tokenizer(path), 4, MAX_MODEL_LEN, kv_cache_bytes=64 << 20, graph_buckets=(4,),
                           attention="auto" if run.cuda else "flex", stream_timeout=120)
     rows = []
     try:

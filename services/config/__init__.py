@@ -17,12 +17,11 @@ import os
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields, replace
 from typing import Any
 
-from .checks import ConfigError, _int_list_ok, cpu_only_on_cuda, flag_name, int_list, is_loopback
+from .checks import ConfigError, cpu_only_on_cuda, flag_name, is_loopback
 from .sections import (
     ATTENTION_KERNELS,
     CPU_DECODE_SLOTS,
     CUDA_DECODE_SLOTS,
-    DECODE_STEPS,
     DEMO_ALIASES,
     EVENT_LOOPS,
     LINEAR_KERNELS,
@@ -39,9 +38,9 @@ from .sections import (
     StoresConfig,
 )
 
-__all__ = ["ATTENTION_KERNELS", "DECODE_STEPS", "DEMO_ALIASES", "EVENT_LOOPS", "LINEAR_KERNELS", "ROLES",
+__all__ = ["ATTENTION_KERNELS", "DEMO_ALIASES", "EVENT_LOOPS", "LINEAR_KERNELS", "ROLES",
            "ROUTING_POLICIES", "SWITCHES", "ConfigError", "EpdConfig", "add_flags", "env_name", "flag_name",
-           "from_args", "int_list", "is_loopback", "schema", "setting_fields"]
+           "from_args", "is_loopback", "schema", "setting_fields"]
 
 
 @dataclass(frozen=True)
@@ -57,8 +56,8 @@ class EpdConfig:
 
     def __post_init__(self) -> None:
         """What spans sections: the "auto" settings the device decides (dtype; decode_slots, which the coordinator's
-        admission counts too: resolved here, every process of a cluster sees the same values), CPU-only kernels
-        refused on CUDA, and the compiled step's buckets within the slots."""
+        admission counts too: resolved here, every process of a cluster sees the same values), and CPU-only kernels
+        refused on CUDA."""
         cuda = self.checkpoint.device.split(":")[0] == "cuda"
         if self.checkpoint.dtype == "auto":
             object.__setattr__(self, "checkpoint", replace(self.checkpoint, dtype="bfloat16" if cuda else "float32"))
@@ -68,9 +67,6 @@ class EpdConfig:
         refused = cpu_only_on_cuda(self.checkpoint.device, self.engines)
         if refused:
             raise ConfigError(refused)
-        if not _int_list_ok(self.engines.decode_step_buckets, 1, self.engines.decode_slots):
-            raise ConfigError(f"decode_step_buckets must be comma-separated integers in 1..decode_slots "
-                              f"({self.engines.decode_slots})")
 
     @classmethod
     def of(cls, **settings: Any) -> EpdConfig:

@@ -26,18 +26,6 @@ def _at_least(section: Any, names: tuple[str, ...], low: float, strict: bool = F
         _check(value > low if strict else value >= low, f"{name} must be {'>' if strict else '>='} {low:g}")
 
 
-def _int_list_ok(raw: str, low: int, high: int) -> bool:
-    try:
-        return all(low <= int(part) <= high for part in raw.split(",") if part.strip())
-    except ValueError:
-        return False
-
-
-def int_list(raw: str) -> tuple[int, ...]:
-    """"1, 4,16" -> (1, 4, 16); "" -> ()."""
-    return tuple(int(part) for part in raw.split(",") if part.strip())
-
-
 def _role_map_ok(raw: str, keys: tuple[str, ...]) -> bool:
     parts = [p.strip() for p in raw.split(",") if p.strip()]
     if len(parts) == 1 and "=" not in parts[0]:

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.edge.auth import KeySet, parse_keys
+from services.kernels.spec import FAMILIES as KERNEL_FAMILIES
+from services.kernels.spec import KERNELS as _KERNELS
 from services.rpc.tls import check_files
 
 from .checks import ConfigError, _at_least, _check, _one_of, _role_map_ok, flag_name, is_loopback
@@ -27,12 +29,16 @@ DEMO_ALIASES = {"demo": ("tiny", "epd-demo-qwen2-vl"), "epd-demo-qwen2-vl": ("ti
                 "demo-medium": ("medium", "epd-demo-qwen2-vl-medium")}
 LINEAR_KERNELS = ("auto", "panel", "prepacked", "default")   # services.models.prepack.MODES (checked by a test)
 ATTENTION_KERNELS = ("auto", "c", "torch")          # services.decode.attention.KERNELS (checked by a test)
-DECODE_STEPS = ("auto", "eager", "compiled")        # services.decode.compiled.STEP_MODES (checked by a test)
 ROLES = ("coordinator", "render", "encode", "prefill", "decode")
 EVENT_LOOPS = ("uvloop", "asyncio")   # services.runtime.event_loop.LOOPS (checked by a test)
 # The names of coordinator.routing.policies.POLICIES (checked by a test): config cannot import the coordinator.
 ROUTING_POLICIES = ("affinity", "least_loaded", "round_robin")
 SWITCHES = ("auto", "on", "off")
+KERNEL_NAMES = tuple(sorted(_KERNELS))
+
+
+def _names(raw: str) -> list[str]:
+    return [part.strip() for part in raw.split(",") if part.strip()]
 
 
 def _f(default: Any, help: str, roles: str = "all", **kw: Any) -> Any:
@@ -209,23 +215,19 @@ class EnginesConfig:
                             "fastest) | panel | prepacked | default (also transformers' own RoPE ops)")
     decode_attention: str = _f("auto", "decode attention kernel: auto (the compiled C kernel where it applies) "
                                "| c | torch")
-    decode_step: str = _f("eager", "decode step: eager (the default: no start-up cost) | compiled (torch.compile, "
-                          "one graph per batch bucket 1, 2, 4, ... rows; a cold compile takes tens of seconds on "
-                          "2 cores) | auto (compile and time both per bucket at start-up within "
-                          "--decode-compile-budget-s, keep compiled where faster)", roles="decode")
     decode_fused: str = _f("auto", "decode step as one C call over the whole decoder stack (float32 CPU, panel "
-                           "linears, Llama/Qwen-shaped layers): auto (wherever it applies, unless --decode-step "
-                           "compiled; with --linear-kernel auto the decoder stack then uses the panel kernel) | on "
-                           "(refuse to start where it does not apply) | off", roles="decode")
+                           "linears, Llama/Qwen-shaped layers): auto (wherever it applies; with --linear-kernel auto "
+                           "the decoder stack then uses the panel kernel) | on (refuse to start where it does not "
+                           "apply) | off (the eager step)", roles="decode")
     lm_head_screen: str = _f("auto", "greedy tokens from an int8 or bfloat16 copy of a float32 panel LM head, "
                              "decided exactly in float32 on the candidates a proven bound leaves: auto | on | off",
                              roles="prefill, decode")
-    decode_step_buckets: str = _f("", "batch sizes the compiled decode step has graphs for, comma-separated (a "
-                                  "step pads its rows up to the next one; larger counts run eager); default 1, "
-                                  "2, 4, ... and --decode-slots", roles="decode")
-    decode_compile_budget_s: float = _f(120.0, "seconds --decode-step auto may spend compiling and timing at "
-                                        "start-up (a warm cache in ~/.cache/epd/inductor makes it quick); buckets "
-                                        "left over run eager", roles="decode")
+    kernels_off: str = _f("", "native kernels to leave off, comma-separated (services/kernels/spec.py names them: "
+                          "resize, panel, fused_step, ...); torch's path runs instead: to rule a kernel out "
+                          "when chasing a wrong answer or a crash, or to measure what it gains")
+    cpu_features_off: str = _f("", "CPU features the native kernels must not use, comma-separated as /proc/cpuinfo "
+                               "names them (avx512f, avx2, ...; all: the portable variants only): to run one variant "
+                               "across a fleet of mixed CPUs, or to exercise a fallback")
     decode_serial_rows: int = _f(-1, "decode steps of at most this many rows run on one thread; -1 (auto): none for "
                                   "the fused step (its one OpenMP region wins at every batch size on 2 cores); "
                                   "unfused, 4 rows where decode may use at most 2 cores, else 1; 0: never")
@@ -233,16 +235,16 @@ class EnginesConfig:
     def __post_init__(self) -> None:
         _one_of(self, ("linear_kernel",), LINEAR_KERNELS)
         _one_of(self, ("decode_attention",), ATTENTION_KERNELS)
-        _one_of(self, ("decode_step",), DECODE_STEPS)
         _one_of(self, ("decode_fused", "lm_head_screen"), SWITCHES)
         _at_least(self, ("kv_cache_mb", "encode_max_batch_tokens", "prefill_max_queue", "encode_max_queue",
                          "max_num_batched_tokens"), 1)
         _at_least(self, ("decode_slots",), 0)   # 0: auto, resolved for the device (EpdConfig)
         _check(0 < self.gpu_memory_fraction <= 1, "gpu_memory_fraction must be in (0, 1]")
-        _at_least(self, ("prefix_cache_mb", "render_workers", "render_cache_mb", "decode_kv_wait_s",
-                         "decode_compile_budget_s"), 0)
+        _at_least(self, ("prefix_cache_mb", "render_workers", "render_cache_mb", "decode_kv_wait_s"), 0)
         _check(self.decode_serial_rows >= -1, "decode_serial_rows must be -1 (auto), 0 or more")
         _check(1 <= self.kv_block_size <= 256, "kv_block_size must be in 1..256")
+        unknown = set(_names(self.kernels_off)) - {*KERNEL_NAMES, *KERNEL_FAMILIES}
+        _check(not unknown, f"kernels_off names unknown kernels {sorted(unknown)}; known: {', '.join(KERNEL_NAMES)}")
 
 
 @dataclass(frozen=True)

@@ -11,33 +11,25 @@ payload, slot again).  Python gives no memory-ordering primitive, so:
   cannot reorder across, so no fence instruction is needed: `fence` is a no-op.
 - every other architecture (aarch64, e.g. GH200; ppc64le; riscv64) may reorder
   both.  There `fence` is `__atomic_thread_fence(__ATOMIC_SEQ_CST)` (a `dmb
-  ish` on aarch64) from a tiny C helper compiled on first use with the host's
-  C compiler (`cc`) and loaded with ctypes; the library is cached under
-  EPD_CACHE_DIR (default ~/.cache/epd), or built in a temporary folder when
-  that is not writable.  With no compiler the shm connector refuses to start
-  (ConnectorError naming the fix) instead of risking torn reads.
+  ish` on aarch64) from services/kernels/shm_fence.c, built with the other
+  kernels when epd is installed (its portable variant builds on every
+  architecture) and loaded with ctypes: no compiler is needed at run time.
+  Should the library be missing (a broken install) the shm connector refuses to
+  start (ConnectorError naming the fix) instead of risking torn reads.
 
-`install("compiled")` forces the compiled fence on any architecture (the
+`install("compiled")` forces the built fence on any architecture (the
 cross-process stress test runs both kinds); `install("auto")` is the default.
 Who calls what: shm_layout calls `fence()`; nobody else needs to.
 """
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
-import os
 import platform
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Callable
 
 from services.connectors.base import ConnectorError
 
 TSO_MACHINES = frozenset({"x86_64", "amd64", "i386", "i486", "i586", "i686"})
-_SOURCE = "void epd_shm_fence(void) { __atomic_thread_fence(__ATOMIC_SEQ_CST); }\n"
-_COMPILE_TIMEOUT_S = 60.0
 
 
 def _no_fence() -> None:
@@ -61,59 +53,27 @@ def ensure() -> str:
 
 
 def install(mode: str = "auto", machine: str | None = None) -> Callable[[], None]:
-    """Choose the fence for this process: `auto` (by architecture) or `compiled` (the C helper)."""
+    """Choose the fence for this process: `auto` (by architecture) or `compiled` (the built C fence)."""
     global _fence, kind
     machine = (machine or platform.machine()).lower()
     if mode == "auto" and machine in TSO_MACHINES:
         _fence, kind = _no_fence, "none (x86 total store order)"
     elif mode in ("auto", "compiled"):
-        _fence, kind = _compiled_fence(machine), "compiled"
+        _fence, kind = _built_fence(machine), "compiled"
     else:
         raise ValueError(f"unknown fence mode {mode!r}; supported: auto, compiled")
     return _fence
 
 
-def _compiled_fence(machine: str) -> Callable[[], None]:
-    library = _library_path(machine)
-    if not os.path.exists(library):
-        compiler = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-        if compiler is None:
-            raise ConnectorError(
-                f"the shm connector needs a memory fence on {machine} (its CPU may reorder the seqlock's "
-                "stores), built from C on first use, and no C compiler (cc) was found: install one (e.g. gcc) "
-                "or use the redis connectors (--ec-connector redis --kv-connector redis)")
-        try:
-            _compile(compiler, library)
-        except OSError:  # the cache is not writable: build aside, load, and let the file go
-            with tempfile.TemporaryDirectory(prefix="epd-fence-") as folder:
-                return _load(_compile(compiler, os.path.join(folder, os.path.basename(library))))
-    return _load(library)
+def _built_fence(machine: str) -> Callable[[], None]:
+    from services.kernels import KernelUnavailable, library
 
-
-def _load(library: str) -> Callable[[], None]:
-    function = ctypes.CDLL(library).epd_shm_fence
+    try:
+        function = library("shm_fence").epd_shm_fence
+    except KernelUnavailable as exc:
+        raise ConnectorError(
+            f"the shm connector needs a memory fence on {machine} (its CPU may reorder the seqlock's stores), "
+            f"built when epd is installed, and it is not loaded here ({exc}): reinstall epd (pip install .) "
+            "or use the redis connectors (--ec-connector redis --kv-connector redis)") from exc
     function.argtypes, function.restype = [], None
     return function  # type: ignore[no-any-return]
-
-
-def _library_path(machine: str) -> str:
-    root = os.environ.get("EPD_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "epd")
-    digest = hashlib.sha256(_SOURCE.encode()).hexdigest()[:12]
-    return os.path.join(root, f"shm_fence-{machine}-{digest}.so")
-
-
-def _compile(compiler: str, target: str) -> str:
-    """Build the helper next to `target`, then rename it there (atomic for concurrent starts)."""
-    folder = os.path.dirname(target)
-    os.makedirs(folder, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=folder) as work:
-        source = os.path.join(work, "fence.c")
-        with open(source, "w") as f:
-            f.write(_SOURCE)
-        built = os.path.join(work, os.path.basename(target))
-        done = subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", built, source],
-                              capture_output=True, text=True, timeout=_COMPILE_TIMEOUT_S)
-        if done.returncode != 0:
-            raise ConnectorError(f"building the shm memory fence with {compiler} failed: {done.stderr[-500:]}")
-        os.replace(built, target)
-    return target

@@ -62,7 +62,7 @@ def bf16_weights(config: EpdConfig) -> bool:
     """--dtype bfloat16 on CPU: decode keeps float32 activations and KV over bfloat16 weights.
 
     A decode step reads every weight once for a few rows, so it is bound by the weights' bytes: bfloat16
-    panels (widened exactly in registers, services/models/panel_kernel.c) halve them, while bfloat16
+    panels (widened exactly in registers, services/kernels/panel.c) halve them, while bfloat16
     activations would only add rounding (and oneDNN's bf16 GEMMs lose to the panels at a few rows).  The
     prefilled bfloat16 KV is widened in its one copy into decode's blocks.  Needs the panel kernel."""
     import torch
@@ -82,7 +82,7 @@ def wants_fused(config: EpdConfig) -> bool:
     """The fused step may run (services/decode/fused.py decides at start-up whether the model fits it)."""
     from services.models import panel_linear
 
-    return (config.engines.decode_fused != "off" and config.engines.decode_step != "compiled" and plan_for(config).cpu
+    return (config.engines.decode_fused != "off" and plan_for(config).cpu
             and load_dtype(config) == "float32" and panel_linear.available())
 
 
@@ -112,7 +112,6 @@ def prepare(lm: Any, config: EpdConfig, plan: DevicePlan) -> LinearReport:
 
 async def build(config: EpdConfig) -> RoleServer:
 
-    from services.config import int_list
     from services.connectors.wiring import open_store
     from services.models.prepack import export
     from services.models.processing import load_tokenizer
@@ -134,9 +133,6 @@ async def build(config: EpdConfig) -> RoleServer:
                           max_queued=config.engines.decode_queue, stream_timeout=config.limits.request_timeout_s,
                           kv_cache_bytes=config.engines.kv_cache_mb << 20 if plan.cpu else gpu_kv_bytes(config, lm),
                           block_size=config.engines.kv_block_size, attention=plan.decode_attention,
-                          step=plan.decode_step,
-                          compile_budget_s=config.engines.decode_compile_budget_s,
-                          step_buckets=int_list(config.engines.decode_step_buckets) or None,
                           serial_rows=serial, fused=plan.decode_fused, fused_serial_rows=fused_serial,
                           lm_head_screen=plan.lm_head_screen)
     logger.info("decode engine: %s", engine.describe())

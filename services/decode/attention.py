@@ -6,9 +6,9 @@ each row attends to, its new one included) returns [B, Hq, D].  Its cost is prop
 sum(lens), not B x max(lens).  Two implementations, chosen by measurement in
 benchmarks/paged_attention.py (docs/benchmarks.md):
 
-- "c": services/decode/paged_kernel.c, compiled at first use with the machine's gcc into the
-  cache folder (keyed by the source hash) and called through ctypes on the tensors' data
-  pointers; float32 on CPU only; rows x kv-heads split over the torch thread count, on torch's
+- "c": services/kernels/paged_attention.c, built at install (portable, AVX2 and AVX-512 variants,
+  chosen by the CPU at run time) and called through ctypes on the tensors' data pointers; float32
+  on CPU only; rows x kv-heads split over the torch thread count, on torch's
   OpenMP pool.
 - "torch": rows grouped by block count; per group the blocks are gathered and one SDPA runs with
   a mask hiding the tail of the last block.  Any dtype and device (the CUDA path).
@@ -20,32 +20,24 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from services.native import BASE_FLAGS, build_library
+from services import kernels
 
 logger = logging.getLogger(__name__)
 
 KERNELS = ("auto", "c", "torch")
-_SOURCE = Path(__file__).with_name("paged_kernel.c")
-_CFLAGS = (*BASE_FLAGS, "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math")
-_LIB: Any = None
 
 
 def build_kernel() -> Any:
-    """The compiled C kernel (ctypes CDLL), built once per source version; raises OSError if gcc fails."""
-    global _LIB
-    if _LIB is not None:
-        return _LIB
-    lib = build_library(_SOURCE, "paged_attention", _CFLAGS)
+    """The loaded C kernel (ctypes CDLL); raises OSError (KernelUnavailable) where none runs here."""
+    lib = kernels.library("paged_attention")
     fn = lib.epd_paged_attention
     ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i32, i32, i32, i32, i32, f32, ptr, i32]
     fn.restype = i32
-    _LIB = lib
     return lib
 
 

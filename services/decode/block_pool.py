@@ -16,10 +16,6 @@ was admitted never runs dry mid-decode: the pool cannot be over-promised.  Runni
 requests waiting for a batch row, and requests whose KV is being copied in all count in the
 same budget; a request that does not fit waits at admission (bounded) or is refused (429).
 
-One more block than the budget holds sits past the last one (`scratch_block`): it is never
-handed out.  The padded rows of a compiled step (services/decode/compiled.py) write their K/V
-there and attend to it, so they touch no request's blocks.
-
 Thread-safe: the serving threads reserve and load, the engine thread grows and frees.
 """
 

@@ -38,11 +38,11 @@ from typing import Any
 
 import torch
 
-from services.decode.compiled import StepReport
 from services.decode.errors import ContextTooLong, EngineClosed, EngineFull
 from services.decode.metrics import EngineStats
 from services.decode.request import DecodeRequest
 from services.decode.request_blocks import RequestBlocks
+from services.decode.runner import StepReport
 from services.decode.runners import make_pool, make_runner
 from services.decode.stream import DecodeEvent, DecodeStream
 from services.generation.detokenizer import IncrementalDetokenizer, decode_function
@@ -62,9 +62,9 @@ class DecodeEngine:
     def __init__(self, lm: LanguageModel, tokenizer: Any, num_slots: int, max_model_len: int,
                  max_queued: int | None = None, stream_timeout: float | None = 60.0,
                  seed: int | None = None, kv_cache_bytes: int | None = None, block_size: int = 16,
-                 attention: str = "auto", step: str = "eager", compile_budget_s: float = 120.0,
-                 step_buckets: Sequence[int] | None = None, serial_rows: int = 0, fused: str = "auto",
-                 fused_serial_rows: int | None = None, lm_head_screen: str = "auto") -> None:
+                 attention: str = "auto", serial_rows: int = 0, fused: str = "auto",
+                 fused_serial_rows: int | None = None, lm_head_screen: str = "auto",
+                 graph_buckets: Sequence[int] | None = None) -> None:
         if num_slots < 1 or max_model_len < 2:
             raise ValueError(f"need num_slots >= 1 and max_model_len >= 2, got {num_slots}, {max_model_len}")
         if max_model_len > lm.layout.max_model_len:
@@ -76,9 +76,8 @@ class DecodeEngine:
         if kv_cache_bytes is None:  # room for every slot at full length, as a preallocated engine had
             kv_cache_bytes = num_slots * -(-max_model_len // block_size) * _block_bytes(lm, block_size)
         self.pool = make_pool(lm, kv_cache_bytes, block_size, attention)   # CPU or CUDA: services/decode/runners.py
-        self._runner = make_runner(lm, self.pool, num_slots, max_model_len, Sampler(seed), attention, step,
-                                   compile_budget_s, step_buckets, serial_rows, fused, fused_serial_rows,
-                                   lm_head_screen)
+        self._runner = make_runner(lm, self.pool, num_slots, max_model_len, Sampler(seed), attention, serial_rows,
+                                   fused, fused_serial_rows, lm_head_screen, graph_buckets)
         self._bytes_copied = 0
         self._decoders = {skip: decode_function(tokenizer, skip) for skip in (True, False)}
         self._cond = threading.Condition()
@@ -198,13 +197,13 @@ class DecodeEngine:
             active = len(self._rows)
             return EngineStats(self.num_slots, active, len(self._requests) - active, self._steps,
                                self._tokens, self._finished, self.pool.stats(), self._bytes_copied,
-                               self._runner.attention_kernel, self._runner.step_mode, self._runner.compiled_steps,
+                               self._runner.attention_kernel, self._runner.step_mode,
                                self._runner.serial_steps, *self._runner.screen_counts,
                                self._runner.screen.kernel if self._runner.screen is not None else "")
 
     @property
     def step_report(self) -> StepReport:
-        """How the step runs per batch bucket, the start-up timings and why (services/decode/compiled.py)."""
+        """How the step runs, fused or eager, and why (services/decode/runner.py)."""
         return self._runner.step_report
 
     def describe(self) -> str:

@@ -1,15 +1,15 @@
-"""The fused decode step: the whole decoder stack of a step in one C call (services/decode/fused_kernel.c).
+"""The fused decode step: the whole decoder stack of a step in one C call (services/kernels/fused_step.c).
 
 Why: an eager step dispatches ~25 torch ops per layer from Python, and with two threads each one is
 an OpenMP fork/join; on SmolLM2 (30 layers) that is a third of a one-row step on this project's 2-core
 box.  The fused kernel runs norms, q/k/v, RoPE, the KV write, paged attention, o_proj, the SiLU MLP
 and the residual adds of every layer inside one OpenMP parallel region (five barriers per layer),
-over the panel kernel's weights (services/models/panel_kernel.c) and the paged attention's
-(services/decode/paged_kernel.c) per-row code.  The embedding lookup, RoPE's cos/sin, the final norm
+over the panel kernel's weights (services/kernels/panel.c) and the paged attention's
+(services/kernels/paged_attention.c) per-row code.  The embedding lookup, RoPE's cos/sin, the final norm
 and the LM head stay in torch.
 
 Where it applies (`unsupported_reason` says why not): float32 activations and KV on CPU, over float32
-panels or bfloat16 ones (decode's `--dtype bfloat16`: the kernel built with -DEPD_PANEL_BF16); Llama /
+panels or bfloat16 ones (decode's `--dtype bfloat16`: fused_step_bf16, built with -DEPD_PANEL_BF16); Llama /
 Qwen2 / Qwen2-VL / Qwen2.5-VL / Qwen3-VL shaped layers (the paged forward's set, services/decode/paged_forward.py) whose
 seven linears are all panel layers (`--linear-kernel panel`, or auto, which the decode role steers to
 panels for the stack when the fused step is on, services/decode/app.py), RMSNorms, a SiLU-gated MLP;
@@ -24,28 +24,22 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from services import kernels
 from services.decode.paged_forward import PagedDecoder
 from services.hostcpu import compute_threads
-from services.models.panel_linear import BF16_FLAG, PanelLinear
-from services.native import BASE_FLAGS, build_library
+from services.models.panel_linear import PanelLinear
 
 logger = logging.getLogger(__name__)
 
 MODES = ("auto", "on", "off")
-_HERE = Path(__file__).parent
-_SOURCE = _HERE / "fused_kernel.c"
-_INCLUDES = (_HERE / "paged_kernel.c", _HERE.parent / "models" / "panel_kernel.c")
-_FLAGS = (*BASE_FLAGS, "-fopenmp")
+LIBRARIES = {torch.float32: "fused_step", torch.bfloat16: "fused_step_bf16"}   # services/kernels/spec.py
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_LIBS: dict[torch.dtype, Any] = {}
-_ERROR: str | None = None
-_MAX_GROUP, _MAX_DIM, _MAX_BLOCK = 32, 256, 256   # fused_kernel.c's (paged_kernel.c's) fixed limits
+_MAX_GROUP, _MAX_DIM, _MAX_BLOCK = 32, 256, 256   # fused_step.c's (paged_attention.c's) fixed limits
 
 _P = ctypes.c_void_p
 
@@ -61,24 +55,17 @@ class _Scratch(ctypes.Structure):
 
 
 def _kernel(weight_dtype: torch.dtype = torch.float32) -> Any:
-    """The fused step's library for float32 or bfloat16 panels (panel_kernel.c's two builds)."""
-    global _ERROR
-    if weight_dtype not in _LIBS and _ERROR is None:
-        bf16 = weight_dtype == torch.bfloat16
-        try:
-            lib = build_library(_SOURCE, "fused_step_bf16" if bf16 else "fused_step",
-                                (*_FLAGS, BF16_FLAG) if bf16 else _FLAGS, includes=_INCLUDES)
-        except OSError as exc:
-            _ERROR = str(exc)
-            logger.info("fused decode kernel unavailable: %s", exc)
-        else:
-            fn = lib.epd_fused_step
-            i32, i64, f32 = ctypes.c_int, ctypes.c_int64, ctypes.c_float
-            fn.argtypes = [_P, i32, _P, i32, i32, i32, i32, i32, i32, f32, f32, _P, _P, _P, _P, _P, i64, _P,
-                           i32, f32, _P, i32]
-            fn.restype = i32
-            _LIBS[weight_dtype] = lib
-    return _LIBS.get(weight_dtype)
+    """The fused step's library for float32 or bfloat16 panels (fused_step.c's two builds), or None."""
+    try:
+        lib = kernels.library(LIBRARIES[weight_dtype])
+    except OSError:
+        return None
+    fn = lib.epd_fused_step
+    i32, i64, f32 = ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    fn.argtypes = [_P, i32, _P, i32, i32, i32, i32, i32, i32, f32, f32, _P, _P, _P, _P, _P, i64, _P, i32, f32, _P,
+                   i32]
+    fn.restype = i32
+    return lib
 
 
 def _is_rms_norm(module: Any) -> bool:
@@ -125,7 +112,8 @@ def unsupported_reason(decoder: PagedDecoder) -> str:
     if len(eps) != 1:
         return f"the norms' epsilons differ: {sorted(eps)}"
     if _kernel(panel_dtype(decoder)) is None:
-        return f"the kernel does not build here: {_ERROR}"
+        loaded = kernels.load(LIBRARIES[panel_dtype(decoder)])
+        return f"the kernel does not run here: {loaded.variant} ({loaded.reason})"
     return ""
 
 

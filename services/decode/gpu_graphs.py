@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from services.decode.compiled import BucketResult, StepReport
 from services.decode.gpu_forward import GpuDecoder
+from services.decode.runner import StepReport
 
 logger = logging.getLogger(__name__)
 MODE = "cuda-graphs"
@@ -35,8 +35,8 @@ class StepGraphs:
         self.decoder, self.buckets = decoder, tuple(sorted(buckets))
         self._graphs: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}
         self.replays = 0
-        self.report = StepReport(asked=MODE, mode="eager", reason="not captured",
-                                 buckets={b: BucketResult() for b in self.buckets})
+        self.report = StepReport("eager", "not captured")
+        self.capture_s: dict[int, float] = {}   # seconds each bucket's capture took
 
     @property
     def captured(self) -> bool:
@@ -60,18 +60,17 @@ class StepGraphs:
             for bucket in reversed(self.buckets):
                 started = time.monotonic()
                 self._graphs[bucket] = self._capture_one(bucket, pad_all, pool, side)
-                result = self.report.buckets[bucket]
-                result.compile_s, result.mode = time.monotonic() - started, MODE
+                self.capture_s[bucket] = time.monotonic() - started
             torch.cuda.synchronize()
         except Exception as exc:  # noqa: BLE001 - any capture failure leaves the step eager, said once
             self._graphs.clear()
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             self.report.reason = f"capture failed ({type(exc).__name__}: {first[:200]}); eager"
             logger.error("decode CUDA graphs: %s", self.report.reason)
-            for result in self.report.buckets.values():
-                result.mode = "eager"
+            self.capture_s.clear()
             return self.report
-        self.report.mode, self.report.reason = MODE, "captured"
+        timings = ", ".join(f"{b}: {t:.1f} s" for b, t in sorted(self.capture_s.items()))
+        self.report = StepReport(MODE, f"captured buckets {timings}")
         return self.report
 
     def _capture_one(self, bucket: int, pad_all: Callable[[int], None], pool: Any, side: Any
@@ -97,3 +96,17 @@ class StepGraphs:
         graph.replay()
         self.replays += 1
         return logits, tokens
+
+
+def step_buckets(max_rows: int, asked: Sequence[int] | None = None) -> tuple[int, ...]:
+    """`asked` (sorted, each in 1..max_rows), or by default 1, 2, 4, ... below max_rows, then max_rows."""
+    if asked:
+        chosen = tuple(sorted(set(asked)))
+        if chosen[0] < 1 or chosen[-1] > max_rows:
+            raise ValueError(f"step buckets must be in 1..{max_rows} (the engine's rows), got {chosen}")
+        return chosen
+    found, size = [], 1
+    while size < max_rows:
+        found.append(size)
+        size *= 2
+    return (*found, max_rows)

@@ -21,11 +21,10 @@ from collections.abc import Sequence
 import torch
 
 from services.decode.block_pool import BlockPool
-from services.decode.compiled import StepReport, step_buckets
 from services.decode.gpu_forward import IDS, POS, SLOT, GpuDecoder, StepBuffers
-from services.decode.gpu_graphs import StepGraphs
+from services.decode.gpu_graphs import StepGraphs, step_buckets
 from services.decode.request_blocks import RequestBlocks
-from services.decode.runner import check_prefill
+from services.decode.runner import StepReport, check_prefill
 from services.models.base import LanguageModel
 from services.models.head_screen import ScreenReport
 from services.observability.compute_metrics import compute_timer

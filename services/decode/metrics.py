@@ -17,7 +17,7 @@ from prometheus_client import Gauge
 
 if TYPE_CHECKING:
     from .block_pool import PoolStats
-    from .compiled import StepReport
+    from .runner import StepReport
 
 
 @dataclass(frozen=True)
@@ -31,8 +31,7 @@ class EngineStats:
     kv: PoolStats     # the block pool: blocks total/used/reserved, tokens and bytes held
     kv_bytes_copied: int = 0      # prompt KV bytes copied into the pool (one copy per request)
     attention_kernel: str = ""    # "c" | "torch" (services/decode/attention.py)
-    step_mode: str = "eager"      # how the step runs: fused | compiled | eager (runner.py)
-    compiled_steps: int = 0       # steps that ran a compiled graph (the rest of `steps` ran eager)
+    step_mode: str = "eager"      # how the step runs: fused | eager (runner.py)
     serial_steps: int = 0         # steps of at most `serial_rows` rows, run on one thread (runner.py)
     screened_rows: int = 0        # rows whose token the LM head screen decided (services/models/head_screen.py)
     screen_full_rows: int = 0     # rows the screen sent back to the full head
@@ -55,8 +54,6 @@ ENGINE_GAUGES: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
                                  lambda s: s.kv.held_ratio),
     "epd_decode_kv_usage_ratio": ("Fraction of the pool's blocks used or reserved",
                                   lambda s: (s.kv.used_blocks + s.kv.reserved_blocks) / s.kv.num_blocks),
-    "epd_decode_compiled_steps": ("Decode steps that ran a compiled graph (services/decode/compiled.py); the "
-                                  "other steps ran eager", lambda s: s.compiled_steps),
     "epd_decode_serial_steps": ("Decode steps of at most --decode-serial-rows rows, run on one thread",
                                 lambda s: s.serial_steps),
     "epd_decode_lm_head_screened_rows_total": ("Greedy rows whose token the LM head screen (int8 or bfloat16) decided "
@@ -75,25 +72,12 @@ _INFO: dict[str, Gauge] = {}
 
 
 def export_info(stats: EngineStats, report: StepReport) -> None:
-    """`epd_decode_attention_kernel_info{kernel}` and `epd_decode_step_mode_info{mode}`: 1 for what runs;
-    per batch bucket `epd_decode_step_bucket_info{bucket, mode}` (1), the start-up timings
-    `epd_decode_step_startup_ms{bucket, mode}` (auto only) and `epd_decode_step_compile_seconds{bucket}`."""
+    """`epd_decode_attention_kernel_info{kernel}` and `epd_decode_step_mode_info{mode}` (fused | eager): 1 for
+    what runs."""
     for name, label, value in (("epd_decode_attention_kernel_info", "kernel", stats.attention_kernel),
-                               ("epd_decode_step_mode_info", "mode", stats.step_mode)):
+                               ("epd_decode_step_mode_info", "mode", report.mode)):
         info = _gauge(name, f"Decode {label} in use (1)", [label])
         info.labels(value).set(1)
-    buckets = _gauge("epd_decode_step_bucket_info", "How the decode step runs at each batch bucket (1)",
-                     ["bucket", "mode"])
-    timings = _gauge("epd_decode_step_startup_ms", "Start-up timing of one decode step per bucket and mode",
-                     ["bucket", "mode"])
-    compile_s = _gauge("epd_decode_step_compile_seconds", "Wall time of compiling one bucket's graph", ["bucket"])
-    for bucket, result in report.buckets.items():
-        buckets.labels(str(bucket), result.mode).set(1)
-        for mode, ms in (("eager", result.eager_ms), ("compiled", result.compiled_ms)):
-            if ms is not None:
-                timings.labels(str(bucket), mode).set(ms)
-        if result.compile_s is not None:
-            compile_s.labels(str(bucket)).set(result.compile_s)
 
 
 def _gauge(name: str, help: str, labels: list[str]) -> Gauge:

@@ -11,30 +11,17 @@ position, FACTS.md), so cos/sin come from the model's `rotary_emb.inv_freq`.
 
 One step: rows b = 0..B-1 each feed one token at `positions[b]`; its K/V is written at
 (write_blocks[b], write_offsets[b]) first, then row b attends to its first `lens[b]` tokens.
-
-The same `forward` runs eagerly or under torch.compile (services/decode/compiled.py).  Compiled,
-the KV write + attention of a layer is one opaque custom op, `epd::paged_attention(q, k, v,
-write_blocks, write_offsets, tables, lens, layer)`, run against the decoder made current in this
-thread by `active()` (around every call of the compiled graph; it also makes the model's packed
-linears current, services/models/prepack.py): so the pool never enters the graph (no
-functionalized copy of it), the graph names no object of this process (Inductor's cache serves
-any load of the same model), and the C kernel runs as it does eagerly.  The op writes the pool,
-which is no argument of it: nothing else in the graph reads the pool, and layer i+1's input
-depends on layer i's output, so the writes happen in order.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from services.decode.block_pool import BlockPool
 from services.models.base import LanguageModel
-from services.models.prepack import number_packed, packed_scope
 
 AttentionFn = Callable[..., torch.Tensor]
 
@@ -73,7 +60,6 @@ class PagedDecoder:
         rotary = stack.rotary_emb
         self.inv_freq = rotary.inv_freq.float()
         self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
-        self.packed = number_packed([*stack.modules(), lm.lm_head])
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, head_dim] for int64 positions [B] (as HF's rotary embedding computes them)."""
@@ -101,10 +87,7 @@ class PagedDecoder:
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
-            if torch.compiler.is_compiling():
-                out = torch.ops.epd.paged_attention(q, k, v, write_blocks, write_offsets, tables, lens, index)
-            else:
-                out = self.write_and_attend(index, q, k, v, write_blocks, write_offsets, tables, lens, num_blocks)
+            out = self.write_and_attend(index, q, k, v, write_blocks, write_offsets, tables, lens, num_blocks)
             hidden = hidden + attn.o_proj(out.reshape(rows, self.num_heads * self.head_dim))
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         hidden = self.norm(hidden)
@@ -118,43 +101,6 @@ class PagedDecoder:
         keys[write_blocks, :, write_offsets] = k
         values[write_blocks, :, write_offsets] = v
         return self.attention(q, keys, values, tables, lens, self.scale, num_blocks)
-
-
-    @contextmanager
-    def active(self) -> Iterator[None]:
-        """This decoder (and its model's packed linears) serve the custom ops of a compiled step, in this thread."""
-        previous = getattr(_ACTIVE, "decoder", None)
-        _ACTIVE.decoder = self
-        try:
-            with packed_scope(self.packed):
-                yield
-        finally:
-            _ACTIVE.decoder = previous
-
-
-_ACTIVE = threading.local()
-_OPS = torch.library.Library("epd", "FRAGMENT")
-_OPS.define("paged_attention(Tensor q, Tensor k, Tensor v, Tensor write_blocks, Tensor write_offsets, "
-            "Tensor tables, Tensor lens, int layer) -> Tensor")
-
-
-def _paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, write_blocks: torch.Tensor,
-                     write_offsets: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, layer: int
-                     ) -> torch.Tensor:
-    decoder = getattr(_ACTIVE, "decoder", None)
-    if decoder is None:
-        raise RuntimeError("epd::paged_attention called outside PagedDecoder.active()")
-    return decoder.write_and_attend(layer, q, k, v, write_blocks, write_offsets, tables, lens)
-
-
-def _paged_attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, write_blocks: torch.Tensor,
-                          write_offsets: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, layer: int
-                          ) -> torch.Tensor:
-    return torch.empty_like(q)
-
-
-_OPS.impl("paged_attention", _paged_attention, "CompositeExplicitAutograd")
-torch.library.register_fake("epd::paged_attention", _paged_attention_fake, lib=_OPS)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

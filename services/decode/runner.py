@@ -6,12 +6,10 @@ max_blocks_per_request] int32 tensor, written only when a row gains a block (or 
 leaving row is filled by the last one).  Per step the host work is O(rows): one block/offset
 per row for the new token, its position and its length, written into preallocated buffers.
 
-The forward runs fused, eagerly or compiled.  Fused (services/decode/fused.py, `fused` "auto" or
-"on"): the decoder stack of a step is one C call, taken wherever it applies unless the compiled step
-was asked for.  Otherwise eagerly or compiled (services/decode/compiled.py, chosen at construction by
-`step`): compiled, a step of `count` rows runs the graph of the smallest compiled bucket >= count,
-rows count..bucket-1 padded (token 0 at position 0, K/V written to and read from the pool's scratch
-block only) and their logits dropped.
+The forward runs fused or eagerly: fused (services/decode/fused.py, `fused` "auto" or "on"), the decoder
+stack of a step is one C call, taken wherever it applies; otherwise the eager paged forward
+(services/decode/paged_forward.py).  These are the two step paths: a torch.compile'd step was measured
+beside them and deleted (docs/benchmarks.md, "Native kernels: kept or deleted").
 
 Threads: a step of at most `serial_rows` rows runs on one thread, larger ones on torch's thread
 count (as found when the runner is built); the fused step has its own value (`fused_serial_rows`).
@@ -27,22 +25,12 @@ unfused steps of up to 4 rows on one thread there, one-row steps elsewhere
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from services.decode.attention import select_attention
 from services.decode.block_pool import BlockPool
-from services.decode.compiled import (
-    BLOCK,
-    IDS,
-    OFFSET,
-    POS,
-    StepReport,
-    choose_step,
-    pad_inputs,
-    step_buckets,
-    step_inputs,
-)
 from services.decode.fused import choose_fused
 from services.decode.paged_forward import PagedDecoder
 from services.decode.request_blocks import RequestBlocks
@@ -55,6 +43,30 @@ from services.sampling.sampler import RowSampling, Sampler
 # a prefilled KV of these dtypes widens exactly into blocks of those (prefill in bfloat16 beside a decode
 # that keeps float32 activations over bfloat16 weights: services/decode/app.py bf16_weights)
 _WIDENS = {(torch.bfloat16, torch.float32), (torch.float16, torch.float32)}
+# Rows of the runner's int64 step buffer [4, max_rows]: token ids, positions, write blocks, write offsets.
+IDS, POS, BLOCK, OFFSET = range(4)
+
+
+@dataclass
+class StepReport:
+    """How the decode step runs, "fused" or "eager", and why (the start-up log and /metrics)."""
+
+    mode: str
+    reason: str = ""
+
+    def line(self) -> str:
+        return f"decode step {self.mode}{' (' + self.reason + ')' if self.reason else ''}"
+
+
+StepInputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def step_inputs(step64: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, rows: int, device: torch.device
+                ) -> StepInputs:
+    """The forward's inputs for the first `rows` rows of the step buffers (views on CPU): token ids, positions,
+    write blocks, write offsets, block tables, lengths."""
+    step = step64[:, :rows].to(device)
+    return step[IDS], step[POS], step[BLOCK], step[OFFSET], tables[:rows].to(device), lens[:rows].to(device)
 
 
 def check_prefill(layout: KVLayout, kv: torch.Tensor, prompt_len: int) -> None:
@@ -69,8 +81,7 @@ def check_prefill(layout: KVLayout, kv: torch.Tensor, prompt_len: int) -> None:
 
 class DecodeRunner:
     def __init__(self, lm: LanguageModel, pool: BlockPool, max_rows: int, max_model_len: int, sampler: Sampler,
-                 attention: str = "auto", step: str = "eager", compile_budget_s: float = 120.0,
-                 buckets: Sequence[int] | None = None, serial_rows: int = 0, fused: str = "auto",
+                 attention: str = "auto", serial_rows: int = 0, fused: str = "auto",
                  fused_serial_rows: int | None = None, lm_head_screen: str = "auto") -> None:
         self.lm, self.pool, self.sampler = lm, pool, sampler
         self.threads, self.serial_rows = compute_threads.count(), serial_rows
@@ -86,30 +97,20 @@ class DecodeRunner:
         self._step64 = torch.zeros((4, max_rows), dtype=torch.int64)
         self._lens = torch.zeros(max_rows, dtype=torch.int32)
         self._step64_np, self._lens_np = self._step64.numpy(), self._lens.numpy()
-        self.compiled_steps = 0     # steps that ran a compiled graph (engine stats, /metrics)
-        if step == "compiled" and fused == "on":
-            raise ValueError("--decode-fused on and --decode-step compiled exclude each other")
-        self.fused, why_not = choose_fused(self.decoder, "off" if step == "compiled" else fused, max_rows)
-        self.compiled, self.step_report = choose_step(
-            self.decoder.forward, "eager" if self.fused is not None else step, step_buckets(max_rows, buckets),
-            lambda bucket: pad_inputs(bucket, max_rows, self.max_blocks, pool.scratch_block, self.device),
-            compile_budget_s, self.decoder.active)
+        self.fused, why_not = choose_fused(self.decoder, fused, max_rows)
         if self.fused is not None:
             if fused_serial_rows is not None:   # the fused step's own thread policy (decode/app.py serial_rows)
                 self.serial_rows = fused_serial_rows
-            self.step_report.asked, self.step_report.mode = step, "fused"
-            self.step_report.reason = f"--decode-fused {fused}: the decoder stack in one C call"
-        elif fused != "off" and step != "compiled":
-            self.step_report.reason = "; ".join(r for r in (self.step_report.reason, f"not fused: {why_not}") if r)
+            self.step_report = StepReport("fused", f"--decode-fused {fused}: the decoder stack in one C call")
+        else:
+            self.step_report = StepReport("eager", "--decode-fused off" if fused == "off" else f"not fused: {why_not}")
         # greedy rows' tokens from a bfloat16 screen of the head, decided in float32 (services/models/head_screen.py)
         self.screen, self.screen_report = build_screen(lm.lm_head, lm_head_screen)
 
     @property
     def step_mode(self) -> str:
-        """"fused"; "compiled" while any bucket runs compiled; "eager" (also after a compiled step failed)."""
-        if self.fused is not None:
-            return "fused"
-        return self.step_report.mode if self.compiled.enabled else "eager"
+        """"fused" or "eager"."""
+        return self.step_report.mode
 
     def describe_step(self) -> StepReport:
         return self.step_report
@@ -168,15 +169,8 @@ class DecodeRunner:
         screen = self._screen_for(rows)
         if self.fused is not None:
             return self._pick(self.fused(*self._inputs(count), head=screen is None)[:count], rows, screen)
-        logits = None
-        bucket = self.compiled.bucket_for(count)
-        if bucket is not None:
-            logits = self.compiled(*self._inputs(self._pad(count, bucket)))
-            self.compiled_steps += logits is not None
-        if logits is None:   # eager (or the compiled step just failed: it is off now, this step reruns eager)
-            out = self.decoder.forward(*self._inputs(count), num_blocks, head=screen is None)
-            return self._pick(out[:count], rows, screen)
-        return self.sampler.sample(logits[:count], rows, inplace=True)
+        out = self.decoder.forward(*self._inputs(count), num_blocks, head=screen is None)
+        return self._pick(out[:count], rows, screen)
 
     def _screen_for(self, rows: Sequence[RowSampling]) -> HeadScreen | None:
         """The screen when this step may use it: every row plain greedy."""
@@ -203,16 +197,5 @@ class DecodeRunner:
         s = self.screen
         return (s.rows_screened, s.rows_full, s.candidates) if s is not None else (0, 0, 0)
 
-    def _pad(self, count: int, bucket: int) -> int:
-        """Rows count..bucket-1 become padding: they write and read only the scratch block."""
-        if bucket > count:
-            scratch = self.pool.scratch_block
-            buf = self._step64_np
-            buf[IDS, count:bucket] = buf[POS, count:bucket] = buf[OFFSET, count:bucket] = 0
-            buf[BLOCK, count:bucket] = scratch
-            self._lens_np[count:bucket] = 1
-            self.tables[count:bucket, 0] = scratch
-        return bucket
-
-    def _inputs(self, rows: int) -> tuple[torch.Tensor, ...]:
+    def _inputs(self, rows: int) -> StepInputs:
         return step_inputs(self._step64, self.tables, self._lens, rows, self.device)

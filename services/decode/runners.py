@@ -1,6 +1,6 @@
 """The one place the decode engine's pool and runner are chosen by device.
 
-CPU: the blocks-major pool and `DecodeRunner` (C kernels, fused or compiled steps: services/decode/runner.py).
+CPU: the blocks-major pool and `DecodeRunner` (C kernels, the fused or the eager step: services/decode/runner.py).
 CUDA: a heads-major pool and `GpuRunner` (flex paged attention, CUDA graphs: services/decode/gpu_runner.py); the
 CPU-only options must be left at auto there (services/models/device_plan.py refuses them in the config; a direct caller
 asking for "c" or "torch" gets a ValueError).  `attention="flex"` runs the CUDA step's code on CPU too, eagerly
@@ -34,10 +34,12 @@ def make_pool(lm: LanguageModel, capacity_bytes: int, block_size: int, attention
 
 
 def make_runner(lm: LanguageModel, pool: BlockPool, max_rows: int, max_model_len: int, sampler: Sampler,
-                attention: str = "auto", step: str = "eager", compile_budget_s: float = 120.0,
-                buckets: Sequence[int] | None = None, serial_rows: int = 0, fused: str = "auto",
-                fused_serial_rows: int | None = None, lm_head_screen: str = "auto") -> DecodeRunner | GpuRunner:
+                attention: str = "auto", serial_rows: int = 0, fused: str = "auto",
+                fused_serial_rows: int | None = None, lm_head_screen: str = "auto",
+                graph_buckets: Sequence[int] | None = None) -> DecodeRunner | GpuRunner:
+    """`graph_buckets`: the CUDA step's graph sizes (default 1, 2, 4, ... up to max_rows; the GPU check picks fewer
+    to spend its minutes on requests)."""
     if uses_gpu_step(lm, attention):
-        return GpuRunner(lm, pool, max_rows, max_model_len, sampler, buckets)
-    return DecodeRunner(lm, pool, max_rows, max_model_len, sampler, attention, step, compile_budget_s, buckets,
-                        serial_rows, fused, fused_serial_rows, lm_head_screen)
+        return GpuRunner(lm, pool, max_rows, max_model_len, sampler, graph_buckets)
+    return DecodeRunner(lm, pool, max_rows, max_model_len, sampler, attention, serial_rows, fused,
+                        fused_serial_rows, lm_head_screen)

@@ -16,13 +16,9 @@ if TYPE_CHECKING:
 
 def prepare(vision: Any, plan: DevicePlan) -> LinearReport:
     """The vision tower's CPU kernels where the plan has them (none on CUDA: services/models/device_plan.py)."""
-    from services.models import fused_rope
     from services.models.prepack import prepack_vision
 
-    report = prepack_vision(vision, plan.linear_kernel, fuse=plan.fused_kernels)
-    if plan.fused_kernels:   # RoPE in one C pass, transformers' floats (fused_rope.py)
-        fused_rope.install()
-    return report
+    return prepack_vision(vision, plan.linear_kernel, fuse=plan.fused_kernels)
 
 
 async def build(config: EpdConfig) -> RoleServer:

@@ -36,7 +36,6 @@ from concurrent.futures import Future, wait
 from typing import TYPE_CHECKING
 
 from services.hostcpu import compute_lease, compute_threads
-from services.models import fused_rope
 from services.models.base import VisionModel
 from services.models.forward_cost import VisionCost
 from services.observability import activity
@@ -184,7 +183,7 @@ class EncodeEngine:
     def _forward(self, items: list[dict[str, torch.Tensor]], tokens: list[int]) -> list[dict[str, torch.Tensor]]:
         """One forward over `items`, counted; only one runs at a time (`_busy`)."""
         self.num_forwards += 1
-        with compute_timer("encode"), fused_rope.active():
+        with compute_timer("encode"):
             outputs = self.vision.encode_entries(items)
         self.num_items += len(items)
         self.num_tokens += sum(tokens)

@@ -1,6 +1,6 @@
 """Prefill's causal attention on AVX-512 for the short spans where torch's CPU SDPA is slow.
 
-services/models/attention_kernel.c computes one prompt chunk's attention: row i (prompt position
+services/kernels/prefill_attention.c computes one prompt chunk's attention: row i (prompt position
 past + i) over keys 0 .. past + i, grouped-query heads read their kv head, float32 throughout, the
 exp by a polynomial accurate to float32 rounding.  `python -m benchmarks.prefill_kernels` times it against
 `F.scaled_dot_product_attention(..., is_causal=True, enable_gqa=True)` at the medium demo model's shape (16
@@ -9,17 +9,17 @@ query heads over 4 kv heads of 64, 2 threads); on this project's AMD box it took
 so the kernel takes spans of up to MAX_KEYS keys and torch's flash attention (whose blocking wins on
 long spans) the rest.  Results agree with SDPA to ~2e-7 relative (tests/services/prefill/
 test_attention_kernel.py, with a wrong-mask control; the prefill tests still compare logits at 1e-4 and
-require the same greedy tokens).  Where gcc cannot build it (no AVX-512) every span goes to SDPA.
+require the same greedy tokens).  Built at install (AVX-512 only); on a CPU without AVX-512 every span
+goes to SDPA.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from services.native import BASE_FLAGS, build_library
+from services import kernels
 
 if TYPE_CHECKING:
     import torch
@@ -28,18 +28,16 @@ logger = logging.getLogger(__name__)
 
 MAX_KEYS = 1024
 MAX_DIM = 256
-_SOURCE = Path(__file__).with_name("attention_kernel.c")
-_FLAGS = (*BASE_FLAGS, "-fopenmp")
 _LIB: list[Any] = []
 _ERROR: list[str] = []
 
 
 def load() -> str:
-    """Build the kernel once; returns '' or why it is off (every span then goes to SDPA)."""
+    """Load the kernel once; returns '' or why it is off (every span then goes to SDPA)."""
     if _LIB or _ERROR:
         return _ERROR[0] if _ERROR else ""
     try:
-        lib = build_library(_SOURCE, "prefill_attention", _FLAGS)
+        lib = kernels.library("prefill_attention")
     except OSError as exc:
         _ERROR.append(str(exc))
         logger.warning("prefill attention kernel off, torch's SDPA for every span: %s", exc)

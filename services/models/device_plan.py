@@ -29,12 +29,11 @@ class DevicePlan:
     device: str
     cpu: bool                 # the CPU path; False: CUDA
     linear_kernel: str        # services/models/prepack.py mode: --linear-kernel on CPU, "default" on CUDA
-    fused_kernels: bool       # RoPE's C pass, prefill's fused MLPs, encode's patch-embedding GEMM and MLPs
+    fused_kernels: bool       # prefill's fused MLPs, encode's patch-embedding GEMM and MLPs
     native_attention: bool    # prefill's AVX-512 attention kernel (services/models/attention_kernel.py)
     decode_fused: str         # services/decode/fused.py mode ("off" on CUDA)
     lm_head_screen: str       # services/models/head_screen.py mode ("off" on CUDA)
     decode_attention: str     # CPU: --decode-attention; CUDA: "flex" (services/decode/flex_paged.py)
-    decode_step: str          # CPU: --decode-step; CUDA: "cuda-graphs" (services/decode/gpu_graphs.py)
     cpu_knobs: bool           # role_cpu.apply and the boards `epd serve` hands out (threads, nice, lease)
 
 
@@ -51,6 +50,6 @@ def plan_for(config: EpdConfig) -> DevicePlan:
     if reason:
         raise ValueError(reason)
     if is_cuda(device):
-        return DevicePlan(device, False, "default", False, False, "off", "off", "flex", "cuda-graphs", False)
+        return DevicePlan(device, False, "default", False, False, "off", "off", "flex", False)
     return DevicePlan(device, True, engines.linear_kernel, engines.linear_kernel != "default", True,
-                      engines.decode_fused, engines.lm_head_screen, engines.decode_attention, engines.decode_step, True)
+                      engines.decode_fused, engines.lm_head_screen, engines.decode_attention, True)

@@ -110,7 +110,7 @@ def _fc_act(module: nn.Module) -> str:
     return _act_name(getattr(module, "act", None) or getattr(module, "activation_fn", None))
 
 
-def packed_gated(mlp: nn.Module) -> FusedGatedMLP:
+def packed_gated(mlp: Any) -> FusedGatedMLP:
     return FusedGatedMLP(PackedLinear(mlp.gate_proj), PackedLinear(mlp.up_proj), PackedLinear(mlp.down_proj))
 
 
@@ -136,7 +136,8 @@ def fuse_mlps(root: nn.Module, mode: str = "prepacked", rows: tuple[int, ...] = 
     report = FuseReport()
     if mode == "default":
         return report
-    found = [(parent, name, child) for parent in root.modules() for name, child in parent.named_children()]
+    found: list[tuple[nn.Module, str, Any]] = [(parent, name, child) for parent in root.modules()
+                                               for name, child in parent.named_children()]
     for parent, name, child in found:
         if act := _fc_act(child):
             setattr(parent, name, InPlaceActMLP(child.fc1, child.fc2, act))
@@ -147,7 +148,7 @@ def fuse_mlps(root: nn.Module, mode: str = "prepacked", rows: tuple[int, ...] = 
     if mode == "auto":
         from services.hostcpu import compute_threads
 
-        sample = [child for _, _, child in gated[:4]]
+        sample: list[Any] = [child for _, _, child in gated[:4]]
 
         def timed() -> tuple[list[float], float]:
             ratios, worst = [], 0.0
@@ -155,7 +156,8 @@ def fuse_mlps(root: nn.Module, mode: str = "prepacked", rows: tuple[int, ...] = 
                 for count in rows:
                     weight = sample[0].gate_proj.weight
                     x = torch.randn(count, weight.shape[1], dtype=weight.dtype)
-                    candidates = {"default": sample, "fused": [packed_gated(m) for m in sample]}
+                    candidates: dict[str, list[nn.Module]] = {"default": sample,
+                                                              "fused": [packed_gated(m) for m in sample]}
                     best, diffs = prepack._compare(candidates, x)
                     ratios.append(best["default"] / best["fused"])
                     worst = max(worst, diffs["fused"])
@@ -182,7 +184,7 @@ class GemmPatchEmbed(nn.Module):
     over a forward's patches gave an image other floats (~1e-6) batched with others than alone; with
     fixed-shape GEMMs an image embeds to the same bits in any batch, as the convolution's did."""
 
-    def __init__(self, embed: nn.Module) -> None:
+    def __init__(self, embed: Any) -> None:
         super().__init__()
         conv = embed.proj
         self.embed_dim = int(conv.out_channels)

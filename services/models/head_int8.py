@@ -4,7 +4,7 @@
 The copy holds each column j of the head (a vocabulary row W_j) as int8 q_j with its own scale s_j
 (q_j = round(W_j / s_j), s_j = max|W_j| / 127): a quarter of the float32 head's bytes, half the bfloat16
 screen's.  Each row x is quantized too: t = max|x| / 127, xu = round(x / t) + 128 (uint8), x^ = (xu - 128) t.
-The kernel (services/models/head_int8.c) sums xu . q_j in int32 with vpdpbusd (exact), so
+The kernel (services/kernels/head_int8.c) sums xu . q_j in int32 with vpdpbusd (exact), so
 
     L_j = (xu . q_j - 128 sum_k q_jk) s_j t = (s_j q_j) . x^        exactly (computed in double).
 
@@ -29,25 +29,23 @@ panel (64 KiB at K = 1024) of the float32 head, against 622 MB for the row's ful
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import torch
 
-from services.models.panel_linear import _FLAGS, NR
-from services.native import build_library
+from services import kernels
+from services.models.panel_linear import NR
 
 CAP = 1024            # candidates per row before the row falls back to the full head
 LIST_CAP = 4096       # columns a kernel thread may keep per row while its lower bound rises
-_SOURCE = Path(__file__).with_name("head_int8.c")
 _U = 2.0 ** -24
 _CHUNK = 512          # panels per chunk when the copy is built (bounds the float64 temporaries)
 _LIB: list[object] = []
 
 
 def library() -> object:
-    """The compiled kernel; raises OSError where it cannot build (no AVX512-VNNI: the #error)."""
+    """The loaded kernel; raises OSError (KernelUnavailable) where none runs (no AVX512-VNNI)."""
     if not _LIB:
-        lib = build_library(_SOURCE, "head_int8", _FLAGS)
+        lib = kernels.library("head_int8")
         ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
         lib.epd_i8_argmax.argtypes = [ptr, i64, i32, ptr, i32, i32, i32, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, i32,
                                       i32, i32, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32]

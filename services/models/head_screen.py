@@ -6,7 +6,7 @@ screen instead of the head, and decides the token exactly.  Its kernel is, by wh
 - "int8" (AVX512-VNNI): an int8 copy with a scale per column, a quarter of the bytes, and a bound per
   column (services/models/head_int8.py, whose docstring holds its proof);
 - "pairs" (AVX512-BF16): a bfloat16 copy, vdpbf16ps over x rounded to bfloat16 too
-  (services/models/panel_kernel.c), and the bound below;
+  (services/kernels/panel.c), and the bound below;
 - "widened": float32 x over the bfloat16 panels widened exactly in registers, and the bound below.
 
 - For every column j, |screen_j - logit_j| <= eps(x), from the weights' norms (`weight_bounds`, once at

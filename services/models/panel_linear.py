@@ -3,19 +3,20 @@
 A decode step multiplies a handful of rows by every weight of the model once, so its matmuls are
 bound by how fast the weights stream from memory.  `PanelLinear` keeps the weight in panels of 16
 output rows interleaved by input column (`panelize`: [ceil(N/16), K, 16], zero rows past N), and
-services/models/panel_kernel.c reads each panel once per tile of up to 6 rows with AVX2 FMAs.
+services/kernels/panel.c reads each panel once per tile of up to 6 rows with AVX2 FMAs.
 On this project's 2-core machine it runs SmolLM2's linears (538 MB of fp32 weights) 1.9x faster
 than oneDNN's prepacked GEMM at 1 row and 1.3x at 16, reading the weights at ~90% of the rate of a
 plain sum over them (benchmarks/linear_kernels.py; docs/benchmarks.md).
 
 Who uses it: `prepack.prepack_language(lm, "panel")`, or "auto" when its start-up timing on the
-model's own weights finds it fastest (services/models/prepack.py).  The kernel is built at first
-use (services/native.py) and needs gcc, AVX2 and FMA; `available()` says whether it built, and
-"auto" skips it otherwise.  Any M works (tiles of 6 rows); large M (prefill) is oneDNN's ground.
+model's own weights finds it fastest (services/models/prepack.py).  The kernel is built at install
+(services/kernels/panel.c: AVX2 and AVX-512 variants, chosen by the CPU at run time); `available()` says
+whether one runs here, and "auto" skips it otherwise.  Any M works (tiles of 6 rows); large M (prefill)
+is oneDNN's ground.
 Outputs agree with F.linear to ~1e-6 relative (one in-order float32 sum per output).
 
 `PanelLinear(linear, torch.bfloat16)` keeps the panels in bfloat16 (the kernel built with
--DEPD_PANEL_BF16 widens them in registers; the arithmetic stays float32): half the bytes per step,
+-DEPD_PANEL_BF16, "panel_bf16", widens them in registers; the arithmetic stays float32): half the bytes per step,
 for decode's `--dtype bfloat16` (services/decode/app.py).  Its outputs are F.linear's over the
 weights rounded to bfloat16, to ~1e-6 relative.
 """
@@ -23,53 +24,40 @@ weights rounded to bfloat16, to ~1e-6 relative.
 from __future__ import annotations
 
 import ctypes
-import logging
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from services import kernels
 from services.models.swapped import SwappedLinear
-from services.native import BASE_FLAGS, build_library
-
-logger = logging.getLogger(__name__)
 
 NR = 16                          # output rows per panel (two AVX2 vectors)
-_SOURCE = Path(__file__).with_name("panel_kernel.c")
-_FLAGS = (*BASE_FLAGS, "-fopenmp")
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
-BF16_FLAG = "-DEPD_PANEL_BF16"   # panel_kernel.c's bfloat16-panel build
-_LIBS: dict[torch.dtype, Any] = {}
-_ERROR: str | None = None
+LIBRARIES = {torch.float32: "panel", torch.bfloat16: "panel_bf16"}   # services/kernels/spec.py
 
 
 def _kernel(weight_dtype: torch.dtype = torch.float32) -> Any:
-    global _ERROR
-    if weight_dtype not in _LIBS and _ERROR is None:
-        bf16 = weight_dtype == torch.bfloat16
-        try:
-            lib = build_library(_SOURCE, "panel_linear_bf16" if bf16 else "panel_linear",
-                                (*_FLAGS, BF16_FLAG) if bf16 else _FLAGS)
-        except OSError as exc:
-            _ERROR = str(exc)
-            logger.info("panel linear kernel unavailable: %s", exc)
-        else:
-            fn = lib.epd_panel_linear
-            ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-            fn.argtypes = [ptr, i64, i32, ptr, i32, i32, ptr, ptr, i64, i32]
-            fn.restype = i32
-            _LIBS[weight_dtype] = lib
-    return _LIBS.get(weight_dtype)
+    """The panel library for float32 or bfloat16 panels (services/kernels/panel.c's two builds), or None."""
+    try:
+        lib = kernels.library(LIBRARIES[weight_dtype])
+    except OSError:
+        return None
+    fn = lib.epd_panel_linear
+    ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    fn.argtypes = [ptr, i64, i32, ptr, i32, i32, ptr, ptr, i64, i32]
+    fn.restype = i32
+    return lib
 
 
 def available(weight_dtype: torch.dtype = torch.float32) -> bool:
-    """Whether the kernel (for float32 or bfloat16 panels) builds and loads here (gcc, AVX2, FMA)."""
+    """Whether the kernel (for float32 or bfloat16 panels) runs here (built at install, AVX2 and FMA)."""
     return weight_dtype in WEIGHT_DTYPES and _kernel(weight_dtype) is not None
 
 
-def unavailable_reason() -> str:
-    return _ERROR or ""
+def unavailable_reason(weight_dtype: torch.dtype = torch.float32) -> str:
+    loaded = kernels.load(LIBRARIES[weight_dtype])
+    return "" if loaded.ok else f"{loaded.variant} ({loaded.reason})"
 
 
 def can_panel(linear: nn.Module) -> bool:
@@ -119,7 +107,7 @@ class PanelLinear(SwappedLinear):
     def _attach(self, panels: torch.Tensor, bias: torch.Tensor | None) -> None:
         lib = _kernel(panels.dtype)
         if lib is None:
-            raise OSError(f"panel linear kernel unavailable: {_ERROR}")
+            raise OSError(f"panel linear kernel unavailable: {unavailable_reason(panels.dtype)}")
         self._fn = lib.epd_panel_linear
         self.weight = panels
         if self.weight.data_ptr() % 32:

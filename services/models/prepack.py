@@ -40,13 +40,13 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
 from services.models import panel_linear
-from services.models.swapped import SwappedLinear, number_packed, packed_scope
+from services.models.swapped import SwappedLinear
 from services.models.timing_lock import timing_lock
 
 if TYPE_CHECKING:
@@ -98,7 +98,7 @@ def pack_weight(weight: torch.Tensor, batch_hint: int = _BATCH_HINT) -> torch.Te
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), batch_hint)
 
 
-def can_pack(linear: nn.Module) -> bool:
+def can_pack(linear: nn.Module | None) -> bool:
     """A plain CPU `nn.Linear` oneDNN can pack: float32, or bfloat16 where this CPU has bf16 arithmetic."""
     weight = getattr(linear, "weight", None)
     return (type(linear) is nn.Linear and isinstance(weight, torch.Tensor) and weight.device.type == "cpu"
@@ -136,8 +136,8 @@ def make_swap(kernel: str, weight_dtype: torch.dtype | None = None) -> Callable[
 
 
 SWAP: dict[str, Callable[[nn.Linear], SwappedLinear]] = {"prepacked": PackedLinear, "panel": panel_linear.PanelLinear}
-__all__ = ["MODES", "KERNELS", "PackedLinear", "SwappedLinear", "LinearReport", "number_packed", "packed_scope",
-           "prepack_language", "prepack_vision", "export"]
+__all__ = ["MODES", "KERNELS", "PackedLinear", "SwappedLinear", "LinearReport", "prepack_language", "prepack_vision",
+           "export"]
 
 
 @dataclass
@@ -207,8 +207,8 @@ def prepack_language(lm: LanguageModel, mode: str = "auto", rows: tuple[int, ...
     Batch sizes up to `serial_rows` are timed on one thread, as decode runs them (--decode-serial-rows):
     on a busy box two threads' barriers make every kernel but single-threaded F.linear look slow.
     `stack_mode`, when given, decides the stack instead of `mode` (decode's fused step needs panels there).
-    `fuse`: a prepacked stack's MLPs run as fused_mlp.FusedGatedMLP (prefill; not decode, whose compiled
-    step calls swapped layers through a custom op).  `weight_dtype` bfloat16 keeps a float32 model's swapped
+    `fuse`: a prepacked stack's MLPs run as fused_mlp.FusedGatedMLP (prefill; decode's small batches run
+    them on panels or inside the fused step).  `weight_dtype` bfloat16 keeps a float32 model's swapped
     weights in bfloat16 (decode's --dtype bfloat16: half the bytes a step reads, float32 arithmetic); then
     every swap is timed against F.linear at the bfloat16 tolerance, "default" refused.  `head_mode` decides the head."""
     if weight_dtype is not None and (stack_mode or mode) == "default":
@@ -263,8 +263,8 @@ def prepack_vision(vision: VisionModel, mode: str = "auto", rows: tuple[int, ...
 
 def _linears(root: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
     """(parent, attribute, linear) for every swappable linear under `root`."""
-    return [(parent, name, child) for parent in root.modules() for name, child in parent.named_children()
-            if can_pack(child)]
+    return [(parent, name, cast(nn.Linear, child)) for parent in root.modules()
+            for name, child in parent.named_children() if can_pack(child)]
 
 
 def _by_shape(layers: list[tuple[nn.Module, str, nn.Linear]], rows: tuple[int, ...]
@@ -347,7 +347,7 @@ def _measure_alone(timed: list[tuple[str, list[nn.Linear], tuple[int, ...]]], ke
     for name, linears, rows in timed:
         if time.monotonic() - started > _TIME_BUDGET_S:
             break
-        candidates = {"default": linears,
+        candidates: dict[str, list[nn.Module]] = {"default": list(linears),
                       **{k: [make_swap(k, weight_dtype)(linear) for linear in linears] for k in kernels}}
         for count in rows:
             x = torch.randn(count, linears[0].in_features, dtype=linears[0].weight.dtype)

@@ -19,16 +19,12 @@ logger = logging.getLogger(__name__)
 
 def prepare(lm: Any, plan: DevicePlan) -> LinearReport:
     """The language model's CPU kernels where the plan has them (none on CUDA: services/models/device_plan.py)."""
-    from services.models import fused_rope
     from services.models.head_screen import screen_head_mode
     from services.models.prepack import prepack_language
 
     # prompts, not single rows, go through prefill's layers (its LM head sees one row per prompt)
-    report = prepack_language(lm, plan.linear_kernel, rows=(256, 1024), head_rows=(1, 16), fuse=plan.fused_kernels,
-                              head_mode=screen_head_mode(plan.linear_kernel, plan.lm_head_screen))
-    if plan.fused_kernels:   # RoPE in one C pass, transformers' floats (fused_rope.py)
-        fused_rope.install()
-    return report
+    return prepack_language(lm, plan.linear_kernel, rows=(256, 1024), head_rows=(1, 16), fuse=plan.fused_kernels,
+                            head_mode=screen_head_mode(plan.linear_kernel, plan.lm_head_screen))
 
 
 async def build(config: EpdConfig) -> RoleServer:

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import Counter
 
 from services.hostcpu import compute_threads
-from services.models import fused_rope
 from services.protocol.errors import InvalidRequest
 from services.protocol.items import Item
 from services.protocol.tensors import to_torch
@@ -67,5 +66,4 @@ class InlineEncoder:
 
 
 def _encode(vision: VisionModel, tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-    with fused_rope.active():   # the RoPE kernel where the role installed it (services/models/fused_rope.py)
-        return vision.encode_entries([tensors])
+    return vision.encode_entries([tensors])

@@ -16,7 +16,6 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from services.models import fused_rope
 from services.models.base import LanguageModel, PrefillInputs
 from services.prefill.attention import PLAN_KWARG, Segment, make_plan
 from services.prefill.kv_pool import KVPool
@@ -56,7 +55,7 @@ def forward_chunks(lm: LanguageModel, pool: KVPool, chunks: list[Chunk],
     # A 4-D mask is taken as is (no T x T mask is built); packed attention ignores it.
     placeholder = torch.zeros(1, 1, 1, 1, dtype=embeds.dtype, device=embeds.device)
     last = torch.tensor([s.q0 + s.n - 1 for s in segments], device=embeds.device)
-    with only_rows(last_rows, last) if last_rows else nullcontext(), fused_rope.active():
+    with only_rows(last_rows, last) if last_rows else nullcontext():
         out = lm.model(inputs_embeds=embeds, position_ids=positions, attention_mask=placeholder, use_cache=False,
                        **{PLAN_KWARG: plan}, **extra)
     return out.last_hidden_state[0].index_select(0, last)

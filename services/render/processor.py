@@ -44,7 +44,7 @@ class ImageProcessor:
         self.merge_size = int(getattr(self.hf, "merge_size", 1) or 1)
         self.qwen = QwenPixelSettings.from_processor(self.hf)
         if self.qwen is not None:
-            resample_kernel()  # compiled (or found in the cache) now, not on the first image
+            resample_kernel()  # loaded now, not on the first image
 
     def process(self, image: Image.Image) -> ProcessedImage:
         try:

@@ -19,8 +19,8 @@ This module reproduces the torchvision path bit for bit, in numpy (render never 
    shifting and clamping to uint8.  Skipped when the size does not change.  Checked against
    `torch.nn.functional.interpolate(..., mode="bicubic", antialias=True)` on uint8 for random
    sizes (tests/services/render/test_qwen_pixels.py) and against a real vLLM (tests/interop).
-   Each pass runs in `resize_kernel.c` (compiled with gcc at first use, `services.native`; ~6x
-   faster than numpy on a 1024x768 image), or in numpy where gcc is missing: the same weights,
+   Each pass runs in services/kernels/resize.c (built at install; ~6x faster than numpy on a
+   1024x768 image), or in numpy where it does not run (--kernels-off resize): the same weights,
    the same int32 sums, the same bytes;
 3. the patch layout is the processor's `patchify`: [grid_h*grid_w, C*T*P*P], each frame repeated
    temporal_patch_size times.
@@ -34,14 +34,13 @@ import ctypes
 import logging
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 from PIL import Image
 
 log = logging.getLogger(__name__)
-_KERNEL: list[Any] = []  # [the compiled pass, or None where gcc failed]: built once per process
+_KERNEL: list[Any] = []  # [the C pass, or None where it does not run]: loaded once per process
 SPLIT_PIXELS = 512 * 1024
 """From this many output pixels one image's resize and patch copy run as two halves on two threads (the C
 pass and numpy's copy let go of the GIL): a 1024x768 image's 11.9 + 2.1 ms take ~7 on two idle cores.
@@ -134,13 +133,13 @@ def _resample(array: np.ndarray, axis: int, out_size: int) -> np.ndarray:
 
 
 def resample_kernel() -> Any:
-    """The compiled pass (`epd_resample_uint8`), or None where gcc cannot build it (numpy then)."""
+    """The compiled pass (`epd_resample_uint8`, services/kernels/resize.c), or None where it does not run
+    (numpy then)."""
     if not _KERNEL:
-        from services.native import BASE_FLAGS, build_library
+        from services import kernels
 
         try:
-            fn = build_library(Path(__file__).with_name("resize_kernel.c"), "resize_uint8", BASE_FLAGS)
-            fn = fn.epd_resample_uint8
+            fn = kernels.library("resize").epd_resample_uint8
             ptr, i64 = ctypes.c_void_p, ctypes.c_int64
             fn.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, ctypes.c_int32, ptr]
             fn.restype = None

@@ -35,6 +35,9 @@ NO_TORCH_MESSAGE = "PyTorch was not found"
 
 def run(role: str, config: EpdConfig) -> int:
     setup_logging(role, config.server.instance_id, config.server.log_level)
+    from services.kernels.loader import configure
+
+    configure(config.engines.kernels_off, config.engines.cpu_features_off)   # before any kernel loads
     if role in ("encode", "prefill", "decode"):
         from services.models.device_plan import plan_for
 
@@ -60,6 +63,9 @@ def run(role: str, config: EpdConfig) -> int:
     grpc_port = config.server.grpc_port or free_port(config.server.host)
     http_port = config.server.http_port or free_port(config.server.host)
     module = importlib.import_module(ROLE_MODULES[role])
+    from services.kernels.loader import report
+
+    report(role)   # which variant of each of the role's kernels runs: the start-up log and epd_kernel_info
     from services.rpc.tls import server_credentials
     from services.runtime.server import serve
 

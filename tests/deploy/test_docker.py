@@ -47,7 +47,7 @@ def test_exposes_every_port_the_manifests_use():
 def test_dockerignore_keeps_what_the_build_copies():
     ignore = (DOCKER / "Dockerfile.dockerignore").read_text().splitlines()
     kept = {line[1:].rstrip("/") for line in ignore if line.startswith("!")}
-    copied = {"pyproject.toml", "services", "coordinator", "deploy/docker/healthcheck.py"}
+    copied = {"pyproject.toml", "setup.py", "MANIFEST.in", "services", "coordinator", "deploy/docker/healthcheck.py"}
     assert copied <= kept and "*" in ignore
     for path in copied:
         assert (ROOT / path).exists(), path

@@ -58,15 +58,19 @@ def metric_value(text: str, name: str, labels: str = "") -> float:
     return total
 
 
-def start_cluster(*flags: str, env: dict[str, str] | None = None, timeout: float = 240.0) -> RunningCluster:
+def start_cluster(*flags: str, env: dict[str, str] | None = None, timeout: float = 240.0,
+                  python: str = sys.executable, cwd: str = ROOT, whole_env: dict[str, str] | None = None
+                  ) -> RunningCluster:
+    """`epd serve` from this tree; `python`, `cwd` and `whole_env` (instead of this environment plus
+    PYTHONPATH) run another install of epd instead (tests/deploy/test_docker_install.py)."""
     from services.runtime.server import free_port
 
     port = free_port()
-    cmd = [sys.executable, "-m", "services.runtime.cli", "serve", "--port", str(port), *flags]
+    cmd = [python, "-m", "services.runtime.cli", "serve", "--port", str(port), *flags]
     # the tree first, then what the caller's PYTHONPATH adds (scripts/gpu_check.sh carries wheels that way)
-    full_env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
-                **(env or {})}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    full_env = whole_env if whole_env is not None else {
+        **os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])), **(env or {})}
+    proc = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     cluster = RunningCluster(proc, url="")
     ready = threading.Event()

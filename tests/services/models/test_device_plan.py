@@ -26,27 +26,27 @@ class CpuOnlyCalled(AssertionError):
 @pytest.fixture
 def cpu_only_spies(monkeypatch):
     """Every CPU-only entry point raises CpuOnlyCalled (C kernels, oneDNN packing, fused modules, thread knobs)."""
-    from services import native
     from services.hostcpu import compute_threads, role_cpu
-    from services.models import attention_kernel, fused_mlp, fused_rope, head_screen, panel_linear, prepack
+    from services.kernels import loader
+    from services.models import attention_kernel, fused_mlp, head_screen, panel_linear, prepack
 
     def spy(name):
         def called(*args, **kwargs):
             raise CpuOnlyCalled(name)
         return called
 
-    for owner, name in [(native, "build_library"), (prepack, "pack_weight"), (panel_linear.PanelLinear, "__init__"),
+    for owner, name in [(loader, "load"), (prepack, "pack_weight"), (panel_linear.PanelLinear, "__init__"),
                         (fused_mlp.FusedGatedMLP, "__init__"), (fused_mlp.InPlaceActMLP, "__init__"),
-                        (fused_mlp.GemmPatchEmbed, "__init__"), (fused_rope, "install"),
+                        (fused_mlp.GemmPatchEmbed, "__init__"),
                         (attention_kernel, "load"), (head_screen.HeadScreen, "__init__"),
                         (compute_threads, "apply"), (role_cpu, "apply")]:
         monkeypatch.setattr(owner, name, spy(f"{getattr(owner, '__name__', owner)}.{name}"))
 
 
 def test_the_plans_exactly():
-    assert plan_for(EpdConfig()) == DevicePlan("cpu", True, "auto", True, True, "auto", "auto", "auto", "eager", True)
+    assert plan_for(EpdConfig()) == DevicePlan("cpu", True, "auto", True, True, "auto", "auto", "auto", True)
     assert plan_for(EpdConfig.of(device="cuda:1")) == DevicePlan("cuda:1", False, "default", False, False, "off", "off",
-                                                              "flex", "cuda-graphs", False)
+                                                              "flex", False)
     assert plan_for(EpdConfig.of(linear_kernel="default")).fused_kernels is False
     assert is_cuda("cuda") and is_cuda(torch.device("cuda", 3)) and not is_cuda("cpu")
 

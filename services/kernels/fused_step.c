@@ -21,8 +21,8 @@
  * kernel's in-order float32 sum.  Outputs agree with the eager step to ~1e-6 relative, not bit for
  * bit (tests/services/decode/test_fused.py).
  */
-#include "paged_kernel.c"
-#include "../models/panel_kernel.c"
+#include "paged_attention.c"
+#include "panel.c"
 
 #define NUM_LINEARS 7   /* q, k, v, o, gate, up, down */
 enum { LQ, LK, LV, LO, LG, LU, LD };
