@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from services.models.prepack import PackedLinear, bf16_packable, pack_weight
+from services.models.packed_linear import PackedLinear, bf16_packable, pack_weight
 
 _LP = None
 
@@ -94,7 +94,7 @@ class InPlaceActMLP(nn.Module):
 
 def _gated(module: nn.Module) -> bool:
     """A gate/up/down MLP with SiLU whose three linears are plain CPU `nn.Linear`s oneDNN packs."""
-    from services.models.prepack import can_pack
+    from services.models.packed_linear import can_pack
 
     names = dict(module.named_children())
     return (not isinstance(module, FusedGatedMLP)
@@ -131,7 +131,8 @@ def fuse_mlps(root: nn.Module, mode: str = "prepacked", rows: tuple[int, ...] = 
     """Swap the MLPs under `root` for fused ones.  fc1/act/fc2 MLPs (any kernel) unless mode is "default";
     gated SiLU MLPs of plain linears when mode is "prepacked", or "auto" and timing them at `rows` (up to
     four layers in turn) finds the fused one at least 1.05x faster with outputs within 1e-4 relative."""
-    from services.models import prepack
+    from services.models import packed_linear
+    from services.models.timing_lock import timing_lock
 
     report = FuseReport()
     if mode == "default":
@@ -158,15 +159,16 @@ def fuse_mlps(root: nn.Module, mode: str = "prepacked", rows: tuple[int, ...] = 
                     x = torch.randn(count, weight.shape[1], dtype=weight.dtype)
                     candidates: dict[str, list[nn.Module]] = {"default": sample,
                                                               "fused": [packed_gated(m) for m in sample]}
-                    best, diffs = prepack._compare(candidates, x)
+                    best, diffs = packed_linear._compare(candidates, x)
                     ratios.append(best["default"] / best["fused"])
                     worst = max(worst, diffs["fused"])
             return ratios, worst
 
-        with prepack.timing_lock():
+        with timing_lock():
             ratios, worst = compute_threads.run_in_fresh_thread(timed)
-        report.speedup, report.max_rel_diff = prepack._geomean(ratios), worst
-        if worst > prepack.tolerance(sample[0].gate_proj.weight.dtype) or report.speedup < prepack.MIN_SPEEDUP:
+        report.speedup, report.max_rel_diff = packed_linear._geomean(ratios), worst
+        too_far = worst > packed_linear.tolerance(sample[0].gate_proj.weight.dtype)
+        if too_far or report.speedup < packed_linear.MIN_SPEEDUP:
             report.reason = f"fused MLP {report.speedup:.2f}x, outputs differ by {worst:.1e} relative: not used"
             return report
     for parent, name, child in gated:

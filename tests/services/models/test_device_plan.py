@@ -28,14 +28,14 @@ def cpu_only_spies(monkeypatch):
     """Every CPU-only entry point raises CpuOnlyCalled (C kernels, oneDNN packing, fused modules, thread knobs)."""
     from services.hostcpu import compute_threads, role_cpu
     from services.kernels import loader
-    from services.models import attention_kernel, fused_mlp, head_screen, panel_linear, prepack
+    from services.models import attention_kernel, fused_mlp, head_screen, packed_linear, panel_linear
 
     def spy(name):
         def called(*args, **kwargs):
             raise CpuOnlyCalled(name)
         return called
 
-    for owner, name in [(loader, "load"), (prepack, "pack_weight"), (panel_linear.PanelLinear, "__init__"),
+    for owner, name in [(loader, "load"), (packed_linear, "pack_weight"), (panel_linear.PanelLinear, "__init__"),
                         (fused_mlp.FusedGatedMLP, "__init__"), (fused_mlp.InPlaceActMLP, "__init__"),
                         (fused_mlp.GemmPatchEmbed, "__init__"),
                         (attention_kernel, "load"), (head_screen.HeadScreen, "__init__"),
@@ -81,10 +81,16 @@ def test_no_role_prepares_a_cpu_only_kernel_on_cuda(tiny_path, cpu_only_spies):
     assert not [m for m in modules if isinstance(m, SwappedLinear) or "Fused" in type(m).__name__]
 
 
-def test_the_spies_catch_the_cpu_plan_positive_control(tiny_path, cpu_only_spies):
+def test_the_spies_catch_the_cpu_plan_positive_control(tiny_path, cpu_only_spies, monkeypatch):
     from services.encode.app import prepare as prepare_encode
+    from services.models import fused_mlp
     from services.prefill.app import prepare as prepare_prefill
 
+    def fused(*args, **kwargs):
+        raise CpuOnlyCalled("fuse_mlps")
+
+    # meta weights are never packed, so prefill's CPU path shows in the one call it makes only on CPU: its MLPs fused
+    monkeypatch.setattr(fused_mlp, "fuse_mlps", fused)
     vision, lm = _meta_parts(tiny_path)
     plan = plan_for(EpdConfig.of(linear_kernel="prepacked"))
     with pytest.raises(CpuOnlyCalled):

@@ -208,7 +208,7 @@ def test_bfloat16_weights_over_a_float32_model_always_swap(demo_model_path):
     """decode's --dtype bfloat16: auto times both kernels keeping bfloat16 weights (never F.linear, which would
     keep float32 ones) at the bfloat16 tolerance; with panels the model is the float32 model over the weights
     rounded to bfloat16 (same greedy tokens, logits within 1e-5); "default" is refused."""
-    from services.models.prepack import MAX_REL_DIFF_BF16, bf16_packable
+    from services.models.packed_linear import MAX_REL_DIFF_BF16, bf16_packable
 
     ids = list(range(100, 140))
     lm = _load(demo_model_path)
@@ -245,7 +245,7 @@ def test_bfloat16_weights_over_a_float32_model_always_swap(demo_model_path):
 def test_a_bfloat16_model_is_prepacked_at_the_bfloat16_tolerance_where_the_cpu_can(demo_model_path):
     """Where oneDNN has bf16 arithmetic the model's bf16 linears are packed (outputs within the bf16 tolerance);
     elsewhere nothing is packable and the model stays on F.linear, said so in the report."""
-    from services.models.prepack import MAX_REL_DIFF_BF16, bf16_packable
+    from services.models.packed_linear import MAX_REL_DIFF_BF16, bf16_packable
     from services.models.registry import adapter_for
 
     lm = adapter_for(demo_model_path).load_language(demo_model_path, "cpu", "bfloat16", 512)
