@@ -43,6 +43,7 @@ from services.decode.block_pool import BlockPool
 from services.decode.compiled import StepReport
 from services.decode.detokenizer import IncrementalDetokenizer, decode_function
 from services.decode.errors import ContextTooLong, EngineClosed, EngineFull
+from services.decode.fork import carve, fork, group_blocks
 from services.decode.judge import token_budget
 from services.decode.metrics import EngineStats
 from services.decode.params import DecodeParams
@@ -50,6 +51,7 @@ from services.decode.request import DecodeRequest
 from services.decode.request_blocks import RequestBlocks
 from services.decode.runner import DecodeRunner
 from services.decode.sampler import Sampler
+from services.decode.samples import SampleGroup, sample_params
 from services.decode.stop import FINISH_ABORT, FINISH_ERROR
 from services.decode.stream import DecodeEvent, DecodeStream
 from services.models.base import LanguageModel
@@ -84,7 +86,8 @@ class DecodeEngine:
         self._bytes_copied = 0
         self._decoders = {skip: decode_function(tokenizer, skip) for skip in (True, False)}
         self._cond = threading.Condition()
-        self._requests: dict[str, DecodeRequest] = {}   # every request not yet finished
+        self._requests: dict[str, DecodeRequest] = {}   # every request (sample) not yet finished, by key
+        self._groups: dict[str, SampleGroup] = {}         # requests for n > 1 samples, by request id
         self._inbox: deque[DecodeRequest] = deque()
         self._aborts: set[str] = set()
         self._waiting: deque[DecodeRequest] = deque()
@@ -97,13 +100,15 @@ class DecodeEngine:
 
     # ---- API (any thread) -------------------------------------------------------------------
 
-    def reserve(self, prompt_len: int, params: DecodeParams | None = None) -> RequestBlocks | None:
+    def reserve(self, prompt_len: int, params: DecodeParams | None = None, samples: int = 1) -> RequestBlocks | None:
         """The blocks a request of `prompt_len` tokens can ever need, promised now; None if the pool cannot.
+        With `samples` > 1: the prompt's blocks once and each sample's own (services/decode/fork.py).
 
         Raises ContextTooLong when prompt_len + max_tokens exceeds max_model_len.  The caller owns the
-        result until `submit` takes it, and must `release()` it if it never submits."""
+        result until `submit` (or `open_samples`) takes it, and must `release()` it if it never does."""
         max_tokens = self._max_tokens(prompt_len, params or DecodeParams())
-        count = self.pool.blocks_for(prompt_len + max_tokens - 1)
+        count = (self.pool.blocks_for(prompt_len + max_tokens - 1) if samples == 1
+                 else group_blocks(self.pool, prompt_len, max_tokens, samples))
         return RequestBlocks(self.pool, count) if self.pool.try_reserve(count) else None
 
     def submit(self, request_id: str, kv: torch.Tensor | RequestBlocks, prompt_len: int, rope_delta: int,
@@ -153,9 +158,52 @@ class DecodeEngine:
                 self._emit_token(request, request.first_token)
         return request
 
-    def start(self, request: DecodeRequest) -> None:
+    def open_samples(self, request_id: str, blocks: RequestBlocks, prompt_len: int, rope_delta: int,
+                     first_tokens: Sequence[int], params: DecodeParams,
+                     prompt_token_ids: Sequence[int] | None = None) -> SampleGroup:
+        """`open` for a request of n = len(first_tokens) samples (services/decode/samples.py): `blocks` is the
+        group's reservation (`reserve(..., samples=n)`), loaded once by the caller before `start`; sample i
+        begins with first_tokens[i] and draws with seed + i."""
+        members: list[DecodeRequest] = []
+        try:
+            max_tokens = self._max_tokens(prompt_len, params)
+            own = carve(blocks, len(first_tokens), prompt_len, max_tokens)
+            stream = DecodeStream(request_id, self.stream_timeout, samples=len(first_tokens))
+            for index, (share, token) in enumerate(zip(own, first_tokens, strict=True)):
+                members.append(self._member(request_id, share, prompt_len, rope_delta, token,
+                                            sample_params(params, index), max_tokens, stream, prompt_token_ids,
+                                            index, len(first_tokens)))
+            group = SampleGroup(request_id, blocks, members, stream, prompt_len)
+            with self._cond:
+                self._check_accept(request_id, len(members))
+                self._requests.update((member.key, member) for member in members)
+                self._groups[request_id] = group
+        except BaseException:
+            blocks.release()
+            for member in members:
+                member.blocks.release()
+            raise
+        with self._cond:   # as `open`: the first tokens are judged and emitted here, on the caller's thread
+            for member in members:
+                self._emit_token(member, member.first_token)
+        return group
+
+    def _member(self, request_id: str, blocks: RequestBlocks, prompt_len: int, rope_delta: int, first_token: int,
+                params: DecodeParams, max_tokens: int, stream: DecodeStream,
+                prompt_token_ids: Sequence[int] | None, index: int, samples: int) -> DecodeRequest:
+        if not 0 <= first_token < self.lm.vocab_size:
+            raise InvalidRequest(f"first token {first_token} of sample {index} is outside the vocabulary")
+        detokenizer = IncrementalDetokenizer(self.tokenizer, decode=self._decoders[params.skip_special_tokens])
+        return DecodeRequest(request_id, blocks, prompt_len, int(rope_delta), first_token, params, max_tokens,
+                             self.lm.eos_token_ids, detokenizer, stream, None, prompt_token_ids, index, samples)
+
+    def start(self, request: DecodeRequest | SampleGroup) -> None:
         """Queue an opened request for steps (its blocks now hold the prompt); a request that ended meanwhile
-        (its first token, or an abort asked for while it was loading) is ended here instead."""
+        (its first token, or an abort asked for while it was loading) is ended here instead.  A group's
+        samples still running share the loaded prompt (fork.fork) and are queued each on its own."""
+        if isinstance(request, SampleGroup):
+            self._start_samples(request)
+            return
         if not request.finished and request.blocks.num_tokens != request.prompt_len:
             self.fail(request, f"the loaded KV holds {request.blocks.num_tokens} tokens, prompt_len is "
                                f"{request.prompt_len}")
@@ -170,28 +218,48 @@ class DecodeEngine:
                 return
         self._end(request, request.end(FINISH_ABORT))
 
-    def fail(self, request: DecodeRequest, message: str) -> None:
+    def _start_samples(self, group: SampleGroup) -> None:
+        if not group.finished and group.blocks.num_tokens != group.prompt_len:
+            self.fail(group, f"the loaded KV holds {group.blocks.num_tokens} tokens, prompt_len is {group.prompt_len}")
+            return
+        live = group.live   # the others ended on their first token; nothing else ends a sample before start
+        fork(group.blocks, [member.blocks for member in live])
+        group.started = True
+        for member in live:
+            self.start(member)
+
+    def fail(self, request: DecodeRequest | SampleGroup, message: str) -> None:
         """End an opened request that will not start (its KV could not be loaded): an error event, blocks back."""
+        if isinstance(request, SampleGroup):
+            request.started = True
+            request.blocks.release()
+            for member in request.members:
+                self.fail(member, message)
+            return
         with self._cond:
             request.started = True
             if request.finished:
                 return
         self._end(request, request.end(FINISH_ERROR, message))
 
-    def _check_accept(self, request_id: str) -> None:
+    def _check_accept(self, request_id: str, samples: int = 1) -> None:
         if self._closed:
             raise EngineClosed("the decode engine is closed")
-        if request_id in self._requests:
+        if request_id in self._requests or request_id in self._groups:
             raise InvalidRequest(f"request {request_id!r} is already being decoded", code="duplicate_request")
-        if len(self._requests) >= self.num_slots + self.max_queued:
+        if len(self._requests) + samples > self.num_slots + self.max_queued:
             raise EngineFull(f"decode is full: {self.num_slots} slots busy, {self.max_queued} waiting")
 
     def abort(self, request_id: str) -> bool:
         """Ends the request before the next step (finish_reason "abort"); False if it is not running."""
         with self._cond:
-            if request_id not in self._requests:
+            group = self._groups.get(request_id)
+            if group is not None:
+                self._aborts.update(member.key for member in group.members)
+            elif request_id in self._requests:
+                self._aborts.add(request_id)
+            else:
                 return False
-            self._aborts.add(request_id)
             self._cond.notify()
             return True
 
@@ -402,9 +470,14 @@ class DecodeEngine:
         # Forget the id first: a consumer may resubmit it as soon as it sees the final event.
         request.blocks.release()
         with self._cond:
-            self._requests.pop(request.request_id, None)
+            self._requests.pop(request.key, None)
             self._finished += 1
         request.emit(event)
+        if request.key != request.request_id:
+            with self._cond:
+                group = self._groups.get(request.request_id)
+                if group is not None and group.finished:
+                    del self._groups[request.request_id]
 
     def _fail_all(self, message: str) -> None:
         rows, self._rows = self._rows, []

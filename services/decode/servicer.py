@@ -17,7 +17,8 @@ from .stream import DecodeEvent
 
 def to_chunk(event: DecodeEvent, prompt_tokens: int) -> pb.DecodeChunk:
     chunk = pb.DecodeChunk(token_ids=event.token_ids, text=event.text, finish_reason=event.finish_reason or "",
-                           stop_reason="" if event.stop_reason is None else str(event.stop_reason))
+                           stop_reason="" if event.stop_reason is None else str(event.stop_reason),
+                           index=event.index)
     if event.logprobs:
         chunk.logprobs_json = dumps(dumps_list(event.logprobs))
     if event.finished:

@@ -38,6 +38,7 @@ from .params import DecodeParams
 from .params_from import decode_params
 from .request import DecodeRequest
 from .request_blocks import RequestBlocks
+from .samples import SampleGroup
 from .stream import DecodeEvent
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,18 @@ def _transfer_fields(kv_params: Any) -> tuple[dict, int, int, int]:
     except (KeyError, TypeError, ValueError) as exc:
         raise InvalidRequest(f"kv_transfer_params: missing or bad field {exc}",
                              code="invalid_kv_transfer_params") from None
+
+
+def first_tokens(kv_params: dict, samples: int, first_token: int) -> list[int]:
+    """The first token of each of the request's samples: prefill sampled one per sample (first_token_ids)."""
+    if samples == 1:
+        return [first_token]
+    firsts = kv_params.get("first_token_ids")
+    if not isinstance(firsts, list) or len(firsts) != samples or not all(type(t) is int for t in firsts):
+        raise InvalidRequest(f"sampling_params.n is {samples}, but kv_transfer_params.first_token_ids does not hold "
+                             f"{samples} token ids: prefill the prompt with the same n",
+                             code="invalid_kv_transfer_params")
+    return firsts
 
 
 def _entry_bytes(handle: dict) -> int:
@@ -94,15 +107,17 @@ class DecodeService:
         (its decode instance died): the KV holds the prompt and all but the last of them, which is the first
         token; they are judged again without being sent, and the stream starts with the next token."""
         params = decode_params(sampling)
+        samples = self._samples(sampling, bool(resumed))
         handle, prompt_len, rope_delta, first_token = _transfer_fields(kv_params)
+        firsts = first_tokens(kv_params, samples, first_token)
         if resumed:
             first_token = resumed[-1]
         budget_len = prompt_len - max(0, len(resumed or ()) - 1)   # the original prompt: the token budget's base
         if budget_len < 1:
             raise InvalidRequest(f"{len(resumed or ())} resumed tokens for a KV of {prompt_len}",
                                  code="invalid_kv_transfer_params")
-        self._check_room()  # before the KV is loaded (and released): a full instance leaves it for another
-        blocks = await self._reserve(budget_len, params)
+        self._check_room(samples)  # before the KV is loaded (and released): a full instance leaves it for another
+        blocks = await self._reserve(budget_len, params, samples)
         views = contextlib.ExitStack()
         try:
             # The entry is opened and checked before anything is emitted: a missing or malformed one is a typed
@@ -110,8 +125,13 @@ class DecodeService:
             activity.mark("decode.kv_open.start")
             kv = await self._open_entry(handle, prompt_len, views)
             activity.mark("decode.kv_open.end")
-            request = self.engine.open(request_id, blocks, prompt_len, rope_delta, first_token, params,
-                                       prompt_token_ids=prompt_token_ids or None, resumed=resumed or ())
+            if samples == 1:
+                request: DecodeRequest | SampleGroup = self.engine.open(
+                    request_id, blocks, prompt_len, rope_delta, first_token, params,
+                    prompt_token_ids=prompt_token_ids or None, resumed=resumed or ())
+            else:
+                request = self.engine.open_samples(request_id, blocks, prompt_len, rope_delta, firsts, params,
+                                                   prompt_token_ids or None)
         except BaseException:
             with contextlib.suppress(ConnectorError):
                 views.close()
@@ -121,20 +141,20 @@ class DecodeService:
         loading = asyncio.ensure_future(self._load_then_start(request, handle, kv, views))
         self._loading.add(loading)
         loading.add_done_callback(self._loading.discard)
-        texts = _LogprobTexts(self.engine.tokenizer, kv_params, first_token, bool(resumed)) \
+        texts = _LogprobTexts(self.engine.tokenizer, kv_params, firsts, bool(resumed)) \
             if params.logprobs is not None else None
-        finished = False
+        left = samples   # samples whose final event has not been read yet
         try:
             async for event in request.stream.events():
                 if texts is not None:
                     event = texts.complete(event)
                 TOKENS.inc(len(event.token_ids))
                 if event.finished:
-                    finished = True
+                    left -= 1
                     FINISHED.labels(event.finish_reason or "unknown").inc()
                 yield event
         finally:
-            if not finished:
+            if left:
                 self.engine.abort(request_id)  # one still loading ends when its copy is done (engine.start)
                 FINISHED.labels("abort").inc()
 
@@ -155,7 +175,19 @@ class DecodeService:
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidRequest(f"bad KV handle: {exc}", code="invalid_kv_handle") from None
 
-    async def _load_then_start(self, request: DecodeRequest, handle: dict, kv: Any,
+    def _samples(self, sampling: dict[str, Any], resumed: bool) -> int:
+        """sampling_params.n, checked against what this instance can ever hold at once."""
+        samples = sampling.get("n") or 1
+        capacity = self.engine.num_slots + self.engine.max_queued
+        if not isinstance(samples, int) or not 1 <= samples <= capacity:
+            raise InvalidRequest(f"sampling_params.n must be an integer in [1, {capacity}] on this decode instance "
+                                 f"(--decode-slots + --decode-queue), got {samples!r}", code="invalid_n")
+        if resumed and samples > 1:
+            raise InvalidRequest("a resumed request carries one sample (n = 1): resume each sample on its own",
+                                 code="invalid_n")
+        return samples
+
+    async def _load_then_start(self, request: DecodeRequest | SampleGroup, handle: dict, kv: Any,
                                views: contextlib.ExitStack) -> None:
         """Copy the entry into the request's blocks (the one copy), close the view (an entry overwritten
         meanwhile fails the request, never a wrong KV), release the entry so its producer can free it, and
@@ -188,9 +220,9 @@ class DecodeService:
         else:
             self.engine.start(request)
 
-    async def _reserve(self, prompt_len: int, params: DecodeParams) -> RequestBlocks:
+    async def _reserve(self, prompt_len: int, params: DecodeParams, samples: int = 1) -> RequestBlocks:
         """The request's blocks; waits (bounded in time and in waiters) while the pool is full."""
-        blocks = self.engine.reserve(prompt_len, params)
+        blocks = self.engine.reserve(prompt_len, params, samples)
         if blocks is not None:
             return blocks
         if self._num_waiting >= self.max_waiting:
@@ -202,7 +234,7 @@ class DecodeService:
                 if time.monotonic() >= deadline:
                     raise self._pool_full(f"no room within {self.kv_wait_s:g} s")
                 await asyncio.sleep(_POLL_S)
-                blocks = self.engine.reserve(prompt_len, params)
+                blocks = self.engine.reserve(prompt_len, params, samples)
             return blocks
         finally:
             self._num_waiting -= 1
@@ -215,29 +247,30 @@ class DecodeService:
     def abort(self, request_ids: list[str]) -> int:
         return sum(self.engine.abort(r) for r in request_ids)
 
-    def _check_room(self) -> None:
+    def _check_room(self, samples: int = 1) -> None:
         stats, engine = self.engine.stats(), self.engine
-        if stats.active + stats.queued >= engine.num_slots + engine.max_queued:
+        if stats.active + stats.queued + samples > engine.num_slots + engine.max_queued:
             raise EngineFull(f"decode is full: {engine.num_slots} slots busy, {engine.max_queued} waiting")
 
 
 class _LogprobTexts:
-    """Gives a request's events their logprobs records with token texts; the first token's record (sampled by
-    prefill) comes from kv_transfer_params["first_logprobs"] (vLLM's -9999.0 sentinel when prefill sent none)."""
+    """Gives a request's events their logprobs records with token texts; each sample's first token's record
+    (sampled by prefill) comes from kv_transfer_params["first_logprobs"] (a list for n > 1; vLLM's -9999.0
+    sentinel when prefill sent none)."""
 
-    def __init__(self, tokenizer: Any, kv_params: dict, first_token: int, resumed: bool = False) -> None:
+    def __init__(self, tokenizer: Any, kv_params: dict, firsts: list[int], resumed: bool = False) -> None:
         raw = kv_params.get("first_logprobs")
-        self.first: TokenLogprob | None = (None if resumed   # the client has the first token's record already
-                                           else TokenLogprob.from_json(raw) if isinstance(raw, dict)
-                                           else TokenLogprob(first_token, FLOOR, 0))
+        given = raw if isinstance(raw, list) else [raw]
+        self.first: dict[int, TokenLogprob] = {} if resumed else {   # a resumed client has the first record
+            index: TokenLogprob.from_json(body) if isinstance(body, dict) else TokenLogprob(token, FLOOR, 0)
+            for index, (token, body) in enumerate(zip(firsts, [*given, *[None] * len(firsts)], strict=False))}
         whole = decode_function(tokenizer, False)
         self.decode: Callable[[int], str] = lambda token_id: whole([token_id])
 
     def complete(self, event: DecodeEvent) -> DecodeEvent:
         records = list(event.logprobs or [])
-        if self.first is not None and event.token_ids:
-            records.insert(0, self.first)
-            self.first = None
+        if event.token_ids and event.index in self.first:
+            records.insert(0, self.first.pop(event.index))
         if not records:
             return event
         return dataclasses.replace(event, logprobs=[r.with_text(self.decode) for r in records])
