@@ -7,6 +7,7 @@ handle like rendered images; its shm pool is only made on the first such put.
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -17,6 +18,7 @@ from services.config import EpdConfig
 from services.connectors.base import TensorStore
 from services.connectors.wiring import open_store
 from services.grpc_tls import channel_credentials, channel_options
+from services.models.context import context_length
 from services.owned_metrics import OwnedGauges
 from services.rpc.v1 import epd_pb2_grpc as rpc
 
@@ -63,6 +65,10 @@ GAUGES = {
 class Cluster:
     def __init__(self, config: EpdConfig, metrics: CoordinatorMetrics | None = None) -> None:
         self.config = config
+        # the context length: --max-model-len capped by the checkpoint's (services/models/context.py), read from
+        # its folder when this process can see it, else as render reports it with each answer (`saw_context`)
+        self.max_model_len = (context_length(config.max_model_len, config.model) if os.path.isdir(config.model)
+                              else config.max_model_len)
         self.ec_handles = HandleCache()
         self.metrics = metrics if metrics is not None else CoordinatorMetrics()  # tests pass their own registry
         self.mm_store: TensorStore | None = None
@@ -90,6 +96,12 @@ class Cluster:
                             forget_after_s=config.instance_forget_after_s,
                             credentials=channel_credentials(config), channel_options=channel_options(config),
                             fast_lane=config.fast_lane)
+
+    def saw_context(self, max_model_len: int) -> int:
+        """The context length render checked a request against (0: an older render that did not say)."""
+        if max_model_len > 0:
+            self.max_model_len = max_model_len
+        return self.max_model_len
 
     def pool(self, role: str) -> InstancePool:
         """The pool of `role` (render, encode, prefill, decode)."""

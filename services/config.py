@@ -28,6 +28,7 @@ LINEAR_KERNELS = ("auto", "panel", "prepacked", "default")   # services.models.p
 ATTENTION_KERNELS = ("auto", "c", "torch")          # services.decode.attention.KERNELS (checked by a test)
 DECODE_STEPS = ("auto", "eager", "compiled")        # services.decode.compiled.STEP_MODES (checked by a test)
 ROLES = ("coordinator", "render", "encode", "prefill", "decode")
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")   # vLLM's LogprobsMode
 EVENT_LOOPS = ("uvloop", "asyncio")   # services.event_loop.LOOPS (checked by a test)
 # The names of coordinator.routing.policies.POLICIES (checked by a test): config cannot import the coordinator.
 ROUTING_POLICIES = ("affinity", "least_loaded", "round_robin")
@@ -94,7 +95,9 @@ class EpdConfig:
     linear_kernel: str = _f("auto", "matmuls of model roles: auto (time F.linear, the panel C kernel and oneDNN "
                             "prepacked weights at start-up on the role's batch sizes, the LM head apart, keep the "
                             "fastest) | panel | prepacked | default (also transformers' own RoPE ops)")
-    max_model_len: int = _f(8192, "context length (prompt + output tokens)")
+    max_model_len: int = _f(8192, "upper bound on the context length (prompt + output tokens); every process uses "
+                            "the smaller of it and the checkpoint's max_position_embeddings "
+                            "(services/models/context.py)")
     decode_slots: int = _f(16, "concurrent sequences one decode instance runs (continuous batching)")
     decode_serial_rows: int = _f(-1, "decode steps of at most this many rows run on one thread; -1 (auto): none for "
                                   "the fused step (its one OpenMP region wins at every batch size on 2 cores); "
@@ -216,12 +219,23 @@ class EpdConfig:
                          "instead of gRPC (plaintext gRPC to loopback addresses only; docs/architecture.md); off: "
                          "every call over gRPC, e.g. to compare the two or where no private socket folder exists")
     event_loop: str = _f("uvloop", "the event loop of every epd process: uvloop | asyncio (the standard library's)")
+    logprobs_mode: str = _f("raw_logprobs", "what logprobs report (vLLM's --logprobs-mode): raw_logprobs (the model's "
+                            "distribution) | processed_logprobs (the one sampled from: after penalties, temperature, "
+                            "top-k/top-p/min-p) | raw_logits | processed_logits; prompt logprobs are raw either way",
+                            roles="prefill, decode")
+    return_tokens_as_token_ids: bool = _f(False, "vLLM's --return-tokens-as-token-ids: logprobs name tokens "
+                                          "'token_id:<id>' unless a request says otherwise (its "
+                                          "return_tokens_as_token_ids)", roles="coordinator")
+    weight_update_drain_s: float = _f(60.0, "POST /update_weights: how long requests on the old weights may take to "
+                                      "finish before the switch aborts them (new requests wait meanwhile)",
+                                      roles="coordinator")
 
     def __post_init__(self) -> None:
         for name, allowed in (("ec_connector", CONNECTORS), ("kv_connector", CONNECTORS), ("dtype", DTYPES),
                               ("linear_kernel", LINEAR_KERNELS), ("decode_attention", ATTENTION_KERNELS),
                               ("decode_step", DECODE_STEPS), ("event_loop", EVENT_LOOPS),
-                              ("decode_fused", ("auto", "on", "off")), ("lm_head_screen", ("auto", "on", "off"))):
+                              ("decode_fused", ("auto", "on", "off")), ("lm_head_screen", ("auto", "on", "off")),
+                              ("logprobs_mode", LOGPROBS_MODES)):
             _check(getattr(self, name) in allowed, f"{name} must be one of {', '.join(allowed)}")
         _check(self.decode_compile_budget_s >= 0, "decode_compile_budget_s must be >= 0")
         _check(self.decode_serial_rows >= -1, "decode_serial_rows must be -1 (auto), 0 or more")
@@ -237,6 +251,7 @@ class EpdConfig:
                                 ("role_nice", nice, (*ROLES, "prefill-long", "decode-long"))):
             _check(_role_map_ok(raw, keys), f"{name} must be N or role=N,role=N (keys: {', '.join(keys)})")
         _check(self.decode_kv_wait_s >= 0, "decode_kv_wait_s must be >= 0")
+        _check(self.weight_update_drain_s > 0, "weight_update_drain_s must be > 0")
         _check(self.device.split(":")[0] in DEVICES_PREFIXES, "device must be cpu, cuda or cuda:N")
         for name in ("encode_instances", "prefill_instances", "decode_instances", "decode_slots",
                      "max_model_len", "ec_capacity_mb", "kv_capacity_mb", "kv_cache_mb", "mm_capacity_mb",

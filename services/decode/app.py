@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 
 from services.config import EpdConfig
+from services.models.context import context_length
 from services.server import RoleServer
+
+if TYPE_CHECKING:
+    from services.weights.role import RoleWeights
+
+    from .engine import DecodeEngine
+    from .serving import DecodeService
 
 logger = logging.getLogger(__name__)
 
@@ -64,23 +73,21 @@ def stack_kernel(config: EpdConfig) -> str:
     return config.linear_kernel
 
 
-async def build(config: EpdConfig) -> RoleServer:
+def load_engine(config: EpdConfig, folder: Path, tokenizer_folder: Path) -> DecodeEngine:
+    """The language model of checkpoint `folder`, its kernels and a decode engine over it (start-up, and each
+    weight version staged by a weight update: services/weights/role.py)."""
     import torch
 
     from services.config import int_list
-    from services.connectors.wiring import open_store
     from services.models.head_screen import screen_head_mode
     from services.models.prepack import export, prepack_language
     from services.models.processing import load_tokenizer
-    from services.models.registry import adapter_for, resolve_model
-    from services.rpc.v1 import epd_pb2_grpc as rpc
+    from services.models.registry import adapter_for
 
     from .engine import DecodeEngine
-    from .servicer import DecodeServicer
-    from .serving import DecodeService
 
-    path = resolve_model(config.model)
-    lm = adapter_for(path).load_language(path, config.device, load_dtype(config), config.max_model_len)
+    max_len = context_length(config.max_model_len, folder)
+    lm = adapter_for(folder).load_language(folder, config.device, load_dtype(config), max_len)
     steps = (1, config.decode_slots) if config.decode_slots > 1 else (1,)   # the rows a decode step multiplies
     serial = serial_rows(config.decode_serial_rows, config.decode_slots)
     fused_serial = serial_rows(config.decode_serial_rows, config.decode_slots, fused=True)
@@ -89,24 +96,62 @@ async def build(config: EpdConfig) -> RoleServer:
                             stack_mode=stack_kernel(config),
                             head_mode=screen_head_mode(config.linear_kernel, config.lm_head_screen),
                             weight_dtype=torch.bfloat16 if bf16_weights(config) else None), "language")
-    engine = DecodeEngine(lm, load_tokenizer(path), config.decode_slots, config.max_model_len,
-                          max_queued=config.decode_queue, stream_timeout=config.request_timeout_s,
-                          kv_cache_bytes=config.kv_cache_mb << 20, block_size=config.kv_block_size,
-                          attention=config.decode_attention, step=config.decode_step,
-                          compile_budget_s=config.decode_compile_budget_s,
-                          step_buckets=int_list(config.decode_step_buckets) or None,
-                          serial_rows=serial, fused=config.decode_fused, fused_serial_rows=fused_serial,
-                          lm_head_screen=config.lm_head_screen)
+    return DecodeEngine(lm, load_tokenizer(tokenizer_folder), config.decode_slots, max_len,
+                        max_queued=config.decode_queue, stream_timeout=config.request_timeout_s,
+                        kv_cache_bytes=config.kv_cache_mb << 20, block_size=config.kv_block_size,
+                        attention=config.decode_attention, step=config.decode_step,
+                        compile_budget_s=config.decode_compile_budget_s,
+                        step_buckets=int_list(config.decode_step_buckets) or None,
+                        serial_rows=serial, fused=config.decode_fused, fused_serial_rows=fused_serial,
+                        lm_head_screen=config.lm_head_screen, logprobs_mode=config.logprobs_mode)
+
+
+def weights_of(config: EpdConfig, service: DecodeService, base: Path) -> RoleWeights:
+    """The decode instance's weights: each version an engine of its own; a replaced one finishes its requests."""
+    from services.weights.drain import retire_when_idle
+    from services.weights.role import RoleWeights
+
+    def swap(engine: DecodeEngine) -> DecodeEngine:
+        old, service.engine = service.engine, engine
+        service.retiring.append(old)
+        return old
+
+    def retire(engine: DecodeEngine) -> None:
+        def gone() -> None:
+            if engine in service.retiring:
+                service.retiring.remove(engine)
+            engine.close()
+
+        retire_when_idle("decode", lambda: not engine.busy, gone, config.max_request_timeout_s)
+
+    return RoleWeights("decode", base, lambda folder, _version: load_engine(config, folder, base), swap, retire)
+
+
+async def build(config: EpdConfig) -> RoleServer:
+    from services.connectors.wiring import open_store
+    from services.models.registry import resolve_model
+    from services.rpc.v1 import epd_pb2_grpc as rpc
+    from services.weights import servicer as weights_rpc
+
+    from .servicer import DecodeServicer
+    from .serving import DecodeService
+
+    path = resolve_model(config.model)
+    engine = load_engine(config, path, path)
     logger.info("decode engine: %s", engine.describe())
     kv_store = open_store(config, "kv", producer=False)
     service = DecodeService(engine, kv_store, kv_wait_s=config.decode_kv_wait_s)
+    service.weights = weights_of(config, service, path)
     servicer = DecodeServicer(service)
 
     def register(server: grpc.aio.Server) -> None:
         rpc.add_DecodeServiceServicer_to_server(servicer, server)
+        weights_rpc.register(server, service.weights)
 
     def cleanup() -> None:
-        engine.close()
+        service.engine.close()
+        for old in list(service.retiring):
+            old.close()
         kv_store.close()
 
     from services.openai_calls import render_client

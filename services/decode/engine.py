@@ -68,7 +68,8 @@ class DecodeEngine:
                  seed: int | None = None, kv_cache_bytes: int | None = None, block_size: int = 16,
                  attention: str = "auto", step: str = "eager", compile_budget_s: float = 120.0,
                  step_buckets: Sequence[int] | None = None, serial_rows: int = 0, fused: str = "auto",
-                 fused_serial_rows: int | None = None, lm_head_screen: str = "auto") -> None:
+                 fused_serial_rows: int | None = None, lm_head_screen: str = "auto",
+                 logprobs_mode: str = "raw_logprobs") -> None:
         if num_slots < 1 or max_model_len < 2:
             raise ValueError(f"need num_slots >= 1 and max_model_len >= 2, got {num_slots}, {max_model_len}")
         if max_model_len > lm.layout.max_model_len:
@@ -80,8 +81,8 @@ class DecodeEngine:
         if kv_cache_bytes is None:  # room for every slot at full length, as a preallocated engine had
             kv_cache_bytes = num_slots * -(-max_model_len // block_size) * _block_bytes(lm, block_size)
         self.pool = BlockPool(lm.layout, kv_cache_bytes, block_size, device=lm.device or "cpu")
-        self._runner = DecodeRunner(lm, self.pool, num_slots, max_model_len, Sampler(seed), attention, step,
-                                    compile_budget_s, step_buckets, serial_rows, fused, fused_serial_rows,
+        self._runner = DecodeRunner(lm, self.pool, num_slots, max_model_len, Sampler(seed, logprobs_mode), attention,
+                                    step, compile_budget_s, step_buckets, serial_rows, fused, fused_serial_rows,
                                     lm_head_screen)
         self._bytes_copied = 0
         self._decoders = {skip: decode_function(tokenizer, skip) for skip in (True, False)}
@@ -262,6 +263,12 @@ class DecodeEngine:
                 return False
             self._cond.notify()
             return True
+
+    @property
+    def busy(self) -> bool:
+        """A request (or a sample of one) is open: registered and not yet ended."""
+        with self._cond:
+            return bool(self._requests)
 
     def stats(self) -> EngineStats:
         with self._cond:

@@ -15,19 +15,12 @@ request gives the same n samples whatever else shares the batch, and a sample re
 
 from __future__ import annotations
 
-import dataclasses
-
-from services.decode.params import DecodeParams
+from services.decode.params import sample_params
 from services.decode.request import DecodeRequest
 from services.decode.request_blocks import RequestBlocks
 from services.decode.stream import DecodeStream
 
-
-def sample_params(params: DecodeParams, index: int) -> DecodeParams:
-    """The params of sample `index`: its own seed (seed + index) when the request is seeded."""
-    if params.seed is None or index == 0:
-        return params
-    return dataclasses.replace(params, seed=params.seed + index)
+__all__ = ["SampleGroup", "sample_params"]
 
 
 class SampleGroup:

@@ -2,40 +2,76 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 import grpc
 
 from services.config import EpdConfig
 from services.server import RoleServer
 
+if TYPE_CHECKING:
+    from services.weights.role import RoleWeights
+
+    from .engine import EncodeEngine
+    from .serving import EncodeService
+
+
+def load_engine(config: EpdConfig, folder: Path) -> EncodeEngine:
+    """The vision tower of checkpoint `folder`, its kernels and an encode engine over it (start-up, and each
+    weight version staged by a weight update: services/weights/role.py)."""
+    from services.models import fused_rope
+    from services.models.prepack import export, prepack_vision
+    from services.models.registry import adapter_for
+
+    from .engine import EncodeEngine
+
+    vision = adapter_for(folder).load_vision(folder, config.device, config.dtype)
+    export(prepack_vision(vision, config.linear_kernel), "vision")
+    if config.linear_kernel != "default":   # RoPE in one C pass, transformers' floats (fused_rope.py)
+        fused_rope.install()
+    return EncodeEngine(vision, config.encode_max_batch_tokens)
+
+
+def weights_of(config: EpdConfig, service: EncodeService, base: Path) -> RoleWeights:
+    """The encode instance's weights: each version a tower and engine of its own; its EC entries keyed by it."""
+    from services.weights.drain import retire_when_idle
+    from services.weights.role import RoleWeights
+
+    def swap(engine: EncodeEngine) -> EncodeEngine:
+        old, service.engine = service.engine, engine
+        return old
+
+    def retire(engine: EncodeEngine) -> None:
+        retire_when_idle("encode", lambda: engine.num_pending == 0, engine.close, config.max_request_timeout_s)
+
+    return RoleWeights("encode", base, lambda folder, _version: load_engine(config, folder), swap, retire)
+
 
 async def build(config: EpdConfig) -> RoleServer:
     from services.connectors.wiring import open_store
-    from services.models import fused_rope
-    from services.models.prepack import export, prepack_vision
-    from services.models.registry import adapter_for, resolve_model
+    from services.models.registry import resolve_model
     from services.rpc.v1 import epd_pb2_grpc as rpc
+    from services.weights import servicer as weights_rpc
 
-    from .engine import EncodeEngine
     from .servicer import EncodeServicer
     from .serving import EncodeService
 
     path = resolve_model(config.model)
-    vision = adapter_for(path).load_vision(path, config.device, config.dtype)
-    export(prepack_vision(vision, config.linear_kernel), "vision")
-    if config.linear_kernel != "default":   # RoPE in one C pass, transformers' floats (fused_rope.py)
-        fused_rope.install()
-    engine = EncodeEngine(vision, config.encode_max_batch_tokens)
+    engine = load_engine(config, path)
     store = open_store(config, "ec")
     mm_store = open_store(config, "mm", producer=False)  # render's processed images, read by handle
     service = EncodeService(engine, store, config.served_model_id(), config.request_timeout_s,
                             config.encode_max_queue, mm_store)
+    service.weights = weights_of(config, service, path)
     servicer = EncodeServicer(service)
 
     def register(server: grpc.aio.Server) -> None:
         rpc.add_EncodeServiceServicer_to_server(servicer, server)
+        weights_rpc.register(server, service.weights)
 
     def cleanup() -> None:
-        engine.close()
+        service.engine.close()
         store.close()
         mm_store.close()
 

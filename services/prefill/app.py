@@ -3,52 +3,91 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from services.config import EpdConfig
+from services.models.context import context_length
 from services.server import RoleServer
+
+if TYPE_CHECKING:
+    from services.weights.role import RoleWeights
+
+    from .serving import PrefillModel, PrefillService
 
 logger = logging.getLogger(__name__)
 
 
-async def build(config: EpdConfig) -> RoleServer:
-    from services.connectors.wiring import open_store
+def load_model(config: EpdConfig, folder: Path, version: str = "") -> PrefillModel:
+    """The language model of checkpoint `folder`, its kernels and a prefill engine over it (start-up, and each
+    weight version staged by a weight update: services/weights/role.py)."""
     from services.models import fused_rope
     from services.models.head_screen import screen_head_mode
     from services.models.prepack import export, prepack_language
-    from services.models.registry import adapter_for, resolve_model
-    from services.rpc.v1 import epd_pb2_grpc as rpc
+    from services.models.registry import adapter_for
 
     from .engine import PrefillEngine
     from .inline_encode import InlineEncoder
-    from .servicer import PrefillServicer
-    from .serving import PrefillService
+    from .serving import PrefillModel
 
-    path = resolve_model(config.model)
-    adapter = adapter_for(path)
-    lm = adapter.load_language(path, config.device, config.dtype, config.max_model_len)
+    adapter = adapter_for(folder)
+    lm = adapter.load_language(folder, config.device, config.dtype, context_length(config.max_model_len, folder))
     # prompts, not single rows, go through prefill's layers (its LM head sees one row per prompt)
     export(prepack_language(lm, config.linear_kernel, rows=(256, 1024), head_rows=(1, 16), fuse=True,
                             head_mode=screen_head_mode(config.linear_kernel, config.lm_head_screen)), "language")
     if config.linear_kernel != "default":   # RoPE in one C pass, transformers' floats (fused_rope.py)
         fused_rope.install()
     engine = PrefillEngine(lm, max_num_batched_tokens=config.max_num_batched_tokens,
-                           prefix_cache_mb=config.prefix_cache_mb, lm_head_screen=config.lm_head_screen)
-    logger.info("prefill engine: %s", engine.screen_report.line())
+                           prefix_cache_mb=config.prefix_cache_mb, lm_head_screen=config.lm_head_screen,
+                           cache_scope=version)
+    inline = InlineEncoder(adapter, folder, config.device, config.dtype) if config.prefill_inline_encode else None
+    return PrefillModel(engine, lm, inline)
+
+
+def weights_of(config: EpdConfig, service: PrefillService, base: Path) -> RoleWeights:
+    """The prefill instance's weights: each version its own model, engine and prefix cache (keyed by version)."""
+    from services.weights.drain import retire_when_idle
+    from services.weights.role import RoleWeights
+
+    def swap(model: PrefillModel) -> PrefillModel:
+        old, service.model = service.model, model
+        return old
+
+    def retire(model: PrefillModel) -> None:
+        retire_when_idle("prefill", lambda: model.engine.num_waiting == 0, model.engine.close,
+                         config.max_request_timeout_s)
+
+    return RoleWeights("prefill", base, lambda folder, version: load_model(config, folder, version), swap, retire)
+
+
+async def build(config: EpdConfig) -> RoleServer:
+    from services.connectors.wiring import open_store
+    from services.models.registry import resolve_model
+    from services.rpc.v1 import epd_pb2_grpc as rpc
+    from services.weights import servicer as weights_rpc
+
+    from .servicer import PrefillServicer
+    from .serving import PrefillService
+
+    path = resolve_model(config.model)
+    model = load_model(config, path)
+    logger.info("prefill engine: %s", model.engine.screen_report.line())
     ec_store = open_store(config, "ec", producer=False)
     kv_store = open_store(config, "kv")
-    inline = InlineEncoder(adapter, path, config.device, config.dtype) if config.prefill_inline_encode else None
-    mm_store = open_store(config, "mm", producer=False) if inline is not None else None  # inline items by handle
-    service = PrefillService(engine, lm, ec_store, kv_store, config.instance_id, config.prefill_max_queue, inline,
-                             mm_store)
+    mm_store = open_store(config, "mm", producer=False) if model.inline is not None else None  # inline items
+    service = PrefillService(model.engine, model.lm, ec_store, kv_store, config.instance_id,
+                             config.prefill_max_queue, model.inline, mm_store, path, config.logprobs_mode)
+    service.weights = weights_of(config, service, path)
     servicer = PrefillServicer(service)
 
     def register(server: grpc.aio.Server) -> None:
         rpc.add_PrefillServiceServicer_to_server(servicer, server)
+        weights_rpc.register(server, service.weights)
 
     def cleanup() -> None:
-        engine.close()
+        service.engine.close()
         kv_store.close()
         ec_store.close()
         if mm_store is not None:
@@ -60,6 +99,12 @@ async def build(config: EpdConfig) -> RoleServer:
     from .api_router import routes
 
     VllmGauges(service, "prefill", config.served_model_id())  # what llm-d scrapes
-    http = routes(service, config.served_model_id(), adapter.metadata_keys, render_client(config))
+    http = routes(service, config.served_model_id(), adapter_for_path(path).metadata_keys, render_client(config))
     return RoleServer(name="prefill", register_grpc=register, cleanup=cleanup, http_routes=http,
                       stores=[ec_store, kv_store, *([mm_store] if mm_store is not None else [])])
+
+
+def adapter_for_path(path: Path) -> Any:
+    from services.models.registry import adapter_for
+
+    return adapter_for(path)

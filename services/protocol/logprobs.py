@@ -67,6 +67,11 @@ class TokenLogprob:
                             decode(self.token_id), tuple(decode(t) for t in self.top_ids))
 
 
+def as_token_ids(entries: Sequence[TokenLogprob]) -> list[TokenLogprob]:
+    """The records without their texts: answered as 'token_id:<id>' (vLLM's return_tokens_as_token_ids)."""
+    return [TokenLogprob(e.token_id, e.logprob, e.rank, e.top_ids, e.top_logprobs) for e in entries]
+
+
 def dumps_list(entries: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
     return [e.to_json() for e in entries]
 
