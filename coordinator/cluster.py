@@ -7,6 +7,8 @@ handle like rendered images; its shm pool is only made on the first such put.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 from collections import OrderedDict
 from collections.abc import Callable
@@ -26,6 +28,7 @@ from .clients import EncodeClient, PrefillClient, RenderClient
 from .decode_stream import DecodeClient
 from .metrics import CoordinatorMetrics
 from .routing.pool import InstancePool
+from .weights import WeightsController
 
 
 class HandleCache:
@@ -86,6 +89,8 @@ class Cluster:
         self.decode = DecodeClient(self._pool("decode", rpc.DecodeServiceStub))
         for pool in self.pools:
             pool.start_probing()
+        self.weights = WeightsController(self.pools, self.config.weight_update_drain_s, self.metrics)
+        self._adopting = asyncio.get_running_loop().create_task(self.weights.start())   # held; cancelled by close
         self.mm_store = open_store(self.config, "mm", producer=False)
         self.gauges = OwnedGauges(self, GAUGES)
 
@@ -108,6 +113,11 @@ class Cluster:
         return {p.role: p for p in self.pools}[role]
 
     async def close(self) -> None:
+        adopting = getattr(self, "_adopting", None)
+        if adopting is not None:   # its calls must not outlive the channels
+            adopting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await adopting
         for pool in self.pools:
             await pool.close()
         if self.mm_store is not None:

@@ -19,6 +19,7 @@ clears what a missing entry made stale before it runs steps again.
 | return_token_ids | http entry                      | answers                                   |
 | as_token_ids     | http entry (return_tokens_as_token_ids) | answers (logprobs' token names)   |
 | generate         | http entry (generate)           | generate input step, answers              |
+| weight_version   | pipeline (weights.enter)        | encode, prefill, decode calls; their answers checked |
 | rendered         | render / generate input step    | encode, prefill, decode steps, answers    |
 | sampling         | render / generate input step    | prefill, decode steps, decode stream      |
 | ec_handles       | generate input, encode step; cleared by recovery | prefill step          |
@@ -75,6 +76,7 @@ class RequestContext:
     return_token_ids: bool = False
     as_token_ids: bool = False                           # logprobs name tokens 'token_id:<id>'
     generate: GenerateRequest | None = None  # POST /inference/v1/generate only
+    weight_version: str = ""                             # the weights every stage runs on ("": any)
     rendered: pb.RenderResponse | None = None
     sampling: pb.SamplingParams = field(default_factory=pb.SamplingParams)
     ec_handles: dict[str, bytes] = field(default_factory=dict)

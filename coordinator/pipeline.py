@@ -39,6 +39,7 @@ from .steps.encode import EncodeStep
 from .steps.generate_input import GenerateInputStep
 from .steps.prefill import PrefillStep
 from .steps.render import RenderStep
+from .versions import check_answer
 
 log = logging.getLogger(__name__)
 S = TypeVar("S", bound=Step)
@@ -85,6 +86,9 @@ class Pipeline:
     async def prepare(self, ctx: RequestContext) -> None:
         """Run every step up to the decode stream's first chunk; each records its own timing."""
         inflight.bind(ctx.request_id, ctx.label, ctx.principal)  # POST /abort_requests can cancel it from now on
+        weights = getattr(self.cluster, "weights", None)
+        if weights is not None:
+            await weights.enter(ctx)   # one weight version for every stage (coordinator/weights.py)
         await self._run(ctx, 0)
 
     async def _run(self, ctx: RequestContext, index: int) -> None:
@@ -127,6 +131,7 @@ class Pipeline:
                             activity.mark("coordinator.first_delta")
                             self.cluster.metrics.ttft_seconds.observe(time.monotonic() - ctx.started)
                             first = False
+                        check_answer(ctx, "decode", delta.weight_version or "", self.cluster.metrics)
                         sent.setdefault(delta.index, []).extend(delta.token_ids)
                         if delta.finish_reason:
                             done.add(delta.index)
