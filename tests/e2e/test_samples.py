@@ -24,7 +24,7 @@ SEEDED = {"temperature": 1.0, "seed": 77, "ignore_eos": True, "return_token_ids"
 @pytest.fixture(scope="module")
 def cluster(demo_model_path):
     running = start_cluster("--decode-instances", "2", "--decode-routing-policy", "round_robin",
-                            "--max-model-len", "2048")
+                            "--max-model-len", "2048", timeout=900)
     yield running
     running.stop()
 
