@@ -18,6 +18,7 @@ from tests.support.cluster import metric_value, start_cluster
 from tests.support.faults import StreamLog, kill9, stream_chat
 from tests.support.images import chat, noise_image
 
+pytestmark = pytest.mark.timeout(1200)   # a cluster start on a loaded 2-core machine, then minutes of requests
 SEEDED = {"temperature": 1.0, "seed": 77, "ignore_eos": True, "return_token_ids": True}
 
 

@@ -24,6 +24,7 @@ from tests.support.checkpoints import other_shape, other_weights
 from tests.support.cluster import ROOT, metric_value, start_cluster
 from tests.support.images import chat, noise_image
 
+pytestmark = pytest.mark.timeout(1200)   # a cluster start on a loaded 2-core machine, then minutes of requests
 IMAGE = noise_image(64, 48, 11)
 
 
