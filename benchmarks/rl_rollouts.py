@@ -74,6 +74,7 @@ def kv_peak(model: str, prompt: int, answer: int, samples: int) -> dict[str, Any
         params = DecodeParams(temperature=1.0, seed=7, max_tokens=answer, ignore_eos=True)
         blocks = engine.reserve(prompt, params, samples=samples)
         assert blocks is not None
+        request: Any
         if samples == 1:
             engine.load(blocks, kv, prompt)
             request = engine.open("kv", blocks, prompt, 0, 1, params)
@@ -154,7 +155,7 @@ async def one_round(url: str, batch: list[dict[str, Any]]) -> dict[str, Any]:
 def rollouts(setup: Setup, epd: Server, vllm: Server, folder: str) -> tuple[Figure, dict[str, Any]]:
     from services.bench.quiet import wait_quiet
 
-    sides = {"epd": (epd.url, epd.model_id), "vllm": (vllm.url, folder)}
+    sides: dict[str, tuple[str, str]] = {"epd": (epd.url, str(epd.model_id)), "vllm": (vllm.url, folder)}
     order = ["epd", "vllm", "vllm", "epd"] * ((setup.rounds + 1) // 2)
     rounds: dict[str, list[dict[str, Any]]] = {"epd": [], "vllm": []}
     for side in order[:2 * setup.rounds]:

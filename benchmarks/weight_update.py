@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 import httpx
@@ -68,7 +68,7 @@ def spans(answer: dict[str, Any]) -> list[list[dict[str, Any]]]:
 
 async def scenario(url: str, admin: str, folder: str, tokens: int, clients: int, warm_s: float,
                    after_s: float) -> dict[str, Any]:
-    stop, results = asyncio.Event(), []
+    stop, results = asyncio.Event(), cast(list[dict[str, Any]], [])
     workers = [asyncio.create_task(load(url, tokens, stop, results, w)) for w in range(clients)]
     await asyncio.sleep(warm_s)
     posted = time.monotonic()

@@ -141,12 +141,12 @@ async def build(config: EpdConfig) -> RoleServer:
     logger.info("decode engine: %s", engine.describe())
     kv_store = open_store(config, "kv", producer=False)
     service = DecodeService(engine, kv_store, kv_wait_s=config.decode_kv_wait_s)
-    service.weights = weights_of(config, service, path)
+    weights = service.weights = weights_of(config, service, path)
     servicer = DecodeServicer(service)
 
     def register(server: grpc.aio.Server) -> None:
         rpc.add_DecodeServiceServicer_to_server(servicer, server)
-        weights_rpc.register(server, service.weights)
+        weights_rpc.register(server, weights)
 
     def cleanup() -> None:
         service.engine.close()

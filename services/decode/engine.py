@@ -34,7 +34,7 @@ import os
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -43,7 +43,7 @@ from services.decode.block_pool import BlockPool
 from services.decode.compiled import StepReport
 from services.decode.detokenizer import IncrementalDetokenizer, decode_function
 from services.decode.errors import ContextTooLong, EngineClosed, EngineFull
-from services.decode.fork import carve, fork, group_blocks
+from services.decode.fork import ForkedBlocks, carve, fork, group_blocks
 from services.decode.judge import token_budget
 from services.decode.metrics import EngineStats
 from services.decode.params import DecodeParams
@@ -224,7 +224,7 @@ class DecodeEngine:
             self.fail(group, f"the loaded KV holds {group.blocks.num_tokens} tokens, prompt_len is {group.prompt_len}")
             return
         live = group.live   # the others ended on their first token; nothing else ends a sample before start
-        fork(group.blocks, [member.blocks for member in live])
+        fork(group.blocks, [cast(ForkedBlocks, member.blocks) for member in live])
         group.started = True
         for member in live:
             self.start(member)

@@ -108,7 +108,7 @@ class Sampler:
         before = logits[wanted] if wanted and raw else None  # a copy (index list), taken before any adjustment
         tokens, adjusted = self._tokens(logits, rows, inplace)
         if wanted:
-            values = scores(before if raw else adjusted[wanted], [rows[i].params for i in wanted],
+            values = scores(before if before is not None else adjusted[wanted], [rows[i].params for i in wanted],
                             self.logprobs_mode)
             records = gather(values, [tokens[i] for i in wanted], [rows[i].params.logprobs or 0 for i in wanted])
             for i, record in zip(wanted, records, strict=True):

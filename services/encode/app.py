@@ -63,12 +63,12 @@ async def build(config: EpdConfig) -> RoleServer:
     mm_store = open_store(config, "mm", producer=False)  # render's processed images, read by handle
     service = EncodeService(engine, store, config.served_model_id(), config.request_timeout_s,
                             config.encode_max_queue, mm_store)
-    service.weights = weights_of(config, service, path)
+    weights = service.weights = weights_of(config, service, path)
     servicer = EncodeServicer(service)
 
     def register(server: grpc.aio.Server) -> None:
         rpc.add_EncodeServiceServicer_to_server(servicer, server)
-        weights_rpc.register(server, service.weights)
+        weights_rpc.register(server, weights)
 
     def cleanup() -> None:
         service.engine.close()

@@ -79,12 +79,12 @@ async def build(config: EpdConfig) -> RoleServer:
     mm_store = open_store(config, "mm", producer=False) if model.inline is not None else None  # inline items
     service = PrefillService(model.engine, model.lm, ec_store, kv_store, config.instance_id,
                              config.prefill_max_queue, model.inline, mm_store, path, config.logprobs_mode)
-    service.weights = weights_of(config, service, path)
+    weights = service.weights = weights_of(config, service, path)
     servicer = PrefillServicer(service)
 
     def register(server: grpc.aio.Server) -> None:
         rpc.add_PrefillServiceServicer_to_server(servicer, server)
-        weights_rpc.register(server, service.weights)
+        weights_rpc.register(server, weights)
 
     def cleanup() -> None:
         service.engine.close()
