@@ -63,14 +63,19 @@ def test_seeded_sample_i_is_the_single_request_seeded_with_seed_plus_i(tiny, pre
     _pool_whole(engine)
 
 
-def test_the_prompt_is_held_once(tiny, make_engine):
-    ids = tiny.chat_ids("word " * 377)           # a prompt of many blocks and a partial last one
-    pre = tiny.prefill_text(ids)
-    assert pre.prompt_len % BLOCK
+@pytest.mark.parametrize("partial", [True, False])   # a partial last prompt block (copied on write), or none
+def test_the_prompt_is_held_once(tiny, make_engine, partial):
+    words = next(n for n in range(370, 400) if bool(len(tiny.chat_ids("word " * n)) % BLOCK) == partial)
+    pre = tiny.prefill_text(tiny.chat_ids("word " * words))   # a prompt of many blocks
     engine = make_engine(num_slots=8, block_size=BLOCK)
     group = _open(engine, "held", pre, [pre.first_token] * 8, temperature=0.0, max_tokens=4, ignore_eos=True)
-    peak = max(engine.pool.stats().used_blocks for _ in group.stream)
-    prompt_blocks = pre.prompt_len // BLOCK + 1
+    events = []
+    peak = 0
+    for event in group.stream:
+        events.append(event)
+        peak = max(peak, engine.pool.stats().used_blocks)
+    assert _by_index(events, 8) == [tiny.reference(pre, 4)] * 8
+    prompt_blocks = -(-pre.prompt_len // BLOCK)
     # the prompt once, plus per sample its copy of the partial block and the blocks of its 3 more tokens
     per_sample = -(-(pre.prompt_len % BLOCK + 3) // BLOCK)
     assert peak <= prompt_blocks + 8 * per_sample
