@@ -34,7 +34,7 @@ import os
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -43,7 +43,7 @@ from services.decode.block_pool import BlockPool
 from services.decode.compiled import StepReport
 from services.decode.detokenizer import IncrementalDetokenizer, decode_function
 from services.decode.errors import ContextTooLong, EngineClosed, EngineFull
-from services.decode.fork import ForkedBlocks, carve, fork, group_blocks
+from services.decode.fork import group_blocks
 from services.decode.judge import token_budget
 from services.decode.metrics import EngineStats
 from services.decode.params import DecodeParams
@@ -51,7 +51,7 @@ from services.decode.request import DecodeRequest
 from services.decode.request_blocks import RequestBlocks
 from services.decode.runner import DecodeRunner
 from services.decode.sampler import Sampler
-from services.decode.samples import SampleGroup, sample_params
+from services.decode.samples import SampleGroup, SampleGroups
 from services.decode.stop import FINISH_ABORT, FINISH_ERROR
 from services.decode.stream import DecodeEvent, DecodeStream
 from services.models.base import LanguageModel
@@ -62,7 +62,7 @@ logger = logging.getLogger(__name__)
 _IDLE_WAIT_S = 0.5   # the worker re-checks its flags at least this often when idle
 
 
-class DecodeEngine:
+class DecodeEngine(SampleGroups):
     def __init__(self, lm: LanguageModel, tokenizer: Any, num_slots: int, max_model_len: int,
                  max_queued: int | None = None, stream_timeout: float | None = 60.0,
                  seed: int | None = None, kv_cache_bytes: int | None = None, block_size: int = 16,
@@ -159,45 +159,6 @@ class DecodeEngine:
                 self._emit_token(request, request.first_token)
         return request
 
-    def open_samples(self, request_id: str, blocks: RequestBlocks, prompt_len: int, rope_delta: int,
-                     first_tokens: Sequence[int], params: DecodeParams,
-                     prompt_token_ids: Sequence[int] | None = None) -> SampleGroup:
-        """`open` for a request of n = len(first_tokens) samples (services/decode/samples.py): `blocks` is the
-        group's reservation (`reserve(..., samples=n)`), loaded once by the caller before `start`; sample i
-        begins with first_tokens[i] and draws with seed + i."""
-        members: list[DecodeRequest] = []
-        try:
-            max_tokens = self._max_tokens(prompt_len, params)
-            own = carve(blocks, len(first_tokens), prompt_len, max_tokens)
-            stream = DecodeStream(request_id, self.stream_timeout, samples=len(first_tokens))
-            for index, (share, token) in enumerate(zip(own, first_tokens, strict=True)):
-                members.append(self._member(request_id, share, prompt_len, rope_delta, token,
-                                            sample_params(params, index), max_tokens, stream, prompt_token_ids,
-                                            index, len(first_tokens)))
-            group = SampleGroup(request_id, blocks, members, stream, prompt_len)
-            with self._cond:
-                self._check_accept(request_id, len(members))
-                self._requests.update((member.key, member) for member in members)
-                self._groups[request_id] = group
-        except BaseException:
-            blocks.release()
-            for member in members:
-                member.blocks.release()
-            raise
-        with self._cond:   # as `open`: the first tokens are judged and emitted here, on the caller's thread
-            for member in members:
-                self._emit_token(member, member.first_token)
-        return group
-
-    def _member(self, request_id: str, blocks: RequestBlocks, prompt_len: int, rope_delta: int, first_token: int,
-                params: DecodeParams, max_tokens: int, stream: DecodeStream,
-                prompt_token_ids: Sequence[int] | None, index: int, samples: int) -> DecodeRequest:
-        if not 0 <= first_token < self.lm.vocab_size:
-            raise InvalidRequest(f"first token {first_token} of sample {index} is outside the vocabulary")
-        detokenizer = IncrementalDetokenizer(self.tokenizer, decode=self._decoders[params.skip_special_tokens])
-        return DecodeRequest(request_id, blocks, prompt_len, int(rope_delta), first_token, params, max_tokens,
-                             self.lm.eos_token_ids, detokenizer, stream, None, prompt_token_ids, index, samples)
-
     def start(self, request: DecodeRequest | SampleGroup) -> None:
         """Queue an opened request for steps (its blocks now hold the prompt); a request that ended meanwhile
         (its first token, or an abort asked for while it was loading) is ended here instead.  A group's
@@ -218,16 +179,6 @@ class DecodeEngine:
                 self._cond.notify()
                 return
         self._end(request, request.end(FINISH_ABORT))
-
-    def _start_samples(self, group: SampleGroup) -> None:
-        if not group.finished and group.blocks.num_tokens != group.prompt_len:
-            self.fail(group, f"the loaded KV holds {group.blocks.num_tokens} tokens, prompt_len is {group.prompt_len}")
-            return
-        live = group.live   # the others ended on their first token; nothing else ends a sample before start
-        fork(group.blocks, [cast(ForkedBlocks, member.blocks) for member in live])
-        group.started = True
-        for member in live:
-            self.start(member)
 
     def fail(self, request: DecodeRequest | SampleGroup, message: str) -> None:
         """End an opened request that will not start (its KV could not be loaded): an error event, blocks back."""

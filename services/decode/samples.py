@@ -15,12 +15,18 @@ request gives the same n samples whatever else shares the batch, and a sample re
 
 from __future__ import annotations
 
-from services.decode.params import sample_params
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, cast
+
+from services.decode.detokenizer import IncrementalDetokenizer
+from services.decode.fork import ForkedBlocks, carve, fork
+from services.decode.params import DecodeParams, sample_params
 from services.decode.request import DecodeRequest
 from services.decode.request_blocks import RequestBlocks
 from services.decode.stream import DecodeStream
+from services.protocol.errors import InvalidRequest
 
-__all__ = ["SampleGroup", "sample_params"]
+__all__ = ["SampleGroup", "SampleGroups", "sample_params"]
 
 
 class SampleGroup:
@@ -39,3 +45,71 @@ class SampleGroup:
     @property
     def live(self) -> list[DecodeRequest]:
         return [member for member in self.members if not member.finished]
+
+
+class SampleGroups:
+    """The decode engine's requests for n samples (mixed into DecodeEngine: its lock, registry and emit)."""
+
+    if TYPE_CHECKING:   # DecodeEngine's, used here
+        _cond: Any
+        _requests: dict[str, DecodeRequest]
+        _groups: dict[str, SampleGroup]
+        lm: Any
+        tokenizer: Any
+        stream_timeout: float | None
+        _decoders: dict[bool, Any]
+
+        def _max_tokens(self, prompt_len: int, params: DecodeParams) -> int: ...
+        def _check_accept(self, request_id: str, samples: int = 1) -> None: ...
+        def _emit_token(self, request: DecodeRequest, token: int) -> Any: ...
+        def start(self, request: Any) -> None: ...
+        def fail(self, request: Any, message: str) -> None: ...
+
+    def open_samples(self, request_id: str, blocks: RequestBlocks, prompt_len: int, rope_delta: int,
+                     first_tokens: Sequence[int], params: DecodeParams,
+                     prompt_token_ids: Sequence[int] | None = None) -> SampleGroup:
+        """`open` for a request of n = len(first_tokens) samples (services/decode/samples.py): `blocks` is the
+        group's reservation (`reserve(..., samples=n)`), loaded once by the caller before `start`; sample i
+        begins with first_tokens[i] and draws with seed + i."""
+        members: list[DecodeRequest] = []
+        try:
+            max_tokens = self._max_tokens(prompt_len, params)
+            own = carve(blocks, len(first_tokens), prompt_len, max_tokens)
+            stream = DecodeStream(request_id, self.stream_timeout, samples=len(first_tokens))
+            for index, (share, token) in enumerate(zip(own, first_tokens, strict=True)):
+                members.append(self._member(request_id, share, prompt_len, rope_delta, token,
+                                            sample_params(params, index), max_tokens, stream, prompt_token_ids,
+                                            index, len(first_tokens)))
+            group = SampleGroup(request_id, blocks, members, stream, prompt_len)
+            with self._cond:
+                self._check_accept(request_id, len(members))
+                self._requests.update((member.key, member) for member in members)
+                self._groups[request_id] = group
+        except BaseException:
+            blocks.release()
+            for member in members:
+                member.blocks.release()
+            raise
+        with self._cond:   # as `open`: the first tokens are judged and emitted here, on the caller's thread
+            for member in members:
+                self._emit_token(member, member.first_token)
+        return group
+
+    def _member(self, request_id: str, blocks: RequestBlocks, prompt_len: int, rope_delta: int, first_token: int,
+                params: DecodeParams, max_tokens: int, stream: DecodeStream,
+                prompt_token_ids: Sequence[int] | None, index: int, samples: int) -> DecodeRequest:
+        if not 0 <= first_token < self.lm.vocab_size:
+            raise InvalidRequest(f"first token {first_token} of sample {index} is outside the vocabulary")
+        detokenizer = IncrementalDetokenizer(self.tokenizer, decode=self._decoders[params.skip_special_tokens])
+        return DecodeRequest(request_id, blocks, prompt_len, int(rope_delta), first_token, params, max_tokens,
+                             self.lm.eos_token_ids, detokenizer, stream, None, prompt_token_ids, index, samples)
+
+    def _start_samples(self, group: SampleGroup) -> None:
+        if not group.finished and group.blocks.num_tokens != group.prompt_len:
+            self.fail(group, f"the loaded KV holds {group.blocks.num_tokens} tokens, prompt_len is {group.prompt_len}")
+            return
+        live = group.live   # the others ended on their first token; nothing else ends a sample before start
+        fork(group.blocks, [cast(ForkedBlocks, member.blocks) for member in live])
+        group.started = True
+        for member in live:
+            self.start(member)
