@@ -45,7 +45,7 @@ from services.protocol.generate import (
     OutputMode,
     StreamOptions,
 )
-from services.protocol.logprobs import TokenLogprob, as_token_ids, generate_logprobs, text_logprobs
+from services.protocol.logprobs import TokenLogprob, generate_logprobs, text_logprobs
 from services.protocol.openai_answer import Kind, OpenAIAnswer
 from services.protocol.streaming import SSE_DONE, sse_error, sse_event
 
@@ -68,10 +68,8 @@ class GenerateAnswer:
                                   "finish_reason": protocol_finish_reason(delta.finish_reason),
                                   "weight_versions": versions}
         if self.text_mode:
-            if records is not None and self.as_token_ids:
-                records = as_token_ids(records)
-            return GenerateTextChoice(**fields, text=text,
-                                      logprobs=None if records is None else text_logprobs(records))
+            return GenerateTextChoice(**fields, text=text, logprobs=None if records is None
+                                      else text_logprobs(records, self.as_token_ids))
         return GenerateChoice(**fields, logprobs=None if records is None else generate_logprobs(records))
 
     async def collect(self, deltas: AsyncIterator[OutputDelta]) -> GenerateResponse:

@@ -30,6 +30,7 @@ from services.protocol.sampling import (
     Temperature,
     TopK,
     TopP,
+    check_greedy_n,
 )
 
 Role = Literal["system", "user", "assistant", "tool"]
@@ -142,6 +143,7 @@ class _OpenAISampling(ProtocolModel):
         limit = self._max_tokens()
         if limit is not None and self.min_tokens is not None and self.min_tokens > limit:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({limit})")
+        check_greedy_n(self.n, self.temperature)
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of ({self.best_of}) must be null or equal to n ({self.n}): vLLM 0.32 dropped "
                              "best_of; ask for n samples and rank them yourself")

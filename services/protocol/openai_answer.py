@@ -117,9 +117,9 @@ class OpenAIAnswer:
         """OpenAI's logprobs object of this kind for `records` (None: not asked)."""
         if records is None:
             return None
-        if self.as_token_ids:
-            records = as_token_ids(records)
-        return chat_logprobs(records) if self.kind == "chat" else completion_logprobs(records, text_offset)
+        if self.kind == "chat":
+            return chat_logprobs(records, self.as_token_ids)
+        return completion_logprobs(as_token_ids(records) if self.as_token_ids else records, text_offset)
 
     # ---- whole answers from deltas --------------------------------------------------------------------
 

