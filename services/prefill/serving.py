@@ -26,6 +26,7 @@ from prometheus_client import Counter
 from services import activity
 from services.admission import Admission
 from services.connectors.base import ConnectorError, TensorStore
+from services.connectors.ec import ec_key_version
 from services.connectors.kv import kv_key
 from services.connectors.mm import MmRef, open_item
 from services.connectors.wiring import as_epd_error
@@ -34,7 +35,7 @@ from services.decode.params_from import decode_params
 from services.decode.sampler import sample_first_logprobs
 from services.models.base import LanguageModel, MultiModalInput
 from services.owned_metrics import OwnedGauges
-from services.protocol.errors import InvalidRequest
+from services.protocol.errors import Conflict, InvalidRequest
 from services.protocol.items import Item
 from services.protocol.logprobs import TokenLogprob
 from services.protocol.tensors import to_torch
@@ -327,6 +328,10 @@ class PrefillService:
         if not isinstance(handle, dict):
             raise InvalidRequest(f"ec_transfer_params has no handle for mm_hash {item.mm_hash}",
                                  code="missing_ec_handle")
+        made = ec_key_version(str(handle.get("key", "")))
+        if made and model.version and made != model.version:   # an embedding of other weights: never mixed in
+            raise Conflict(f"the embedding of {item.mm_hash} was made by weight version {made!r}, this prefill "
+                           f"serves {model.version!r}", code="weight_version_mismatch")
         try:
             extras = dict(views.enter_context(self.ec_store.view(handle)))
             if "embedding" not in extras:
