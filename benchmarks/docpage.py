@@ -33,6 +33,7 @@ GROUPS: list[tuple[str, tuple[str, ...]]] = [
         "kernel-gains", "kernels", "prefill-kernels", "fused-mlp", "decode-attention", "bf16-gemm", "fused-step",
         "panel-ref", "head-screen", "int8-screen", "linear-kernels")),
     ("Scale-out and stores", ("redis-cluster",)),
+    ("RL: rollouts and weight updates", ("rl-rollouts", "weight-update")),
     ("GPU", ("gpu-check",)),
     ("Other", ()),
 ]

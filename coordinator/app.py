@@ -65,7 +65,7 @@ class CoordinatorApp:
 
     async def models(self, _: Request) -> Response:
         card = {"id": self.config.checkpoint.served_model_id(), "object": "model", "created": 0, "owned_by": "epd",
-                "max_model_len": self.config.checkpoint.max_model_len}
+                "max_model_len": self.cluster.max_model_len}
         return JSONResponse({"object": "list", "data": [card]})
 
     def _required(self) -> list[str]:

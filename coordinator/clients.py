@@ -40,6 +40,7 @@ from services.rpc.v1 import epd_pb2 as pb
 
 from .context import RequestContext
 from .routing.pool import Instance, InstancePool
+from .versions import check_answer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -145,6 +146,9 @@ async def with_failover(pool: InstancePool, ctx: RequestContext, what: str,
                 on_transport_failure(pool, instance, ctx, f"{what}: {exc.code().name}")
                 continue
             err = error_from_rpc(exc)
+            if err.code == "weight_version_mismatch":   # not in step with the cluster's weights: synced, then back
+                pool.mark_down(instance, err.message)
+                continue
             if not isinstance(err, Overloaded):
                 raise err from None
             on_refusal(pool, instance)
@@ -187,11 +191,12 @@ class RenderClient(RoleClient):
 
 class EncodeClient(RoleClient):
     async def encode(self, ctx: RequestContext, item: pb.MultiModalItem) -> tuple[pb.EncodedItem, Instance]:
-        """One item encoded (or found stored) by one encoder, chosen by its mm_hash."""
-        request = pb.EncodeRequest(request_id=ctx.request_id, items=[item])
+        """One item encoded (or found stored) by one encoder, chosen by its mm_hash, with the request's weights."""
+        request = pb.EncodeRequest(request_id=ctx.request_id, items=[item], weight_version=ctx.weight_version)
         reply, instance = await self._unary(ctx, "Encode", request, key=item.mm_hash)
         if len(reply.items) != 1 or reply.items[0].mm_hash != item.mm_hash:
             raise InternalError(f"encode answered {len(reply.items)} items for one", code="encode_incomplete")
+        check_answer(ctx, "encode", reply.weight_version, self.pool.metrics)
         return reply.items[0], instance
 
 

@@ -7,6 +7,9 @@ handle like rendered images; its shm pool is only made on the first such put.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +19,7 @@ import grpc
 from services.config import EpdConfig
 from services.connectors.base import TensorStore
 from services.connectors.wiring import open_store
+from services.models.context import context_length
 from services.observability.owned_metrics import OwnedGauges
 from services.rpc.tls import channel_credentials, channel_options
 from services.rpc.v1 import epd_pb2_grpc as rpc
@@ -26,6 +30,7 @@ from .clients import EncodeClient, PrefillClient, RenderClient
 from .decode_stream import DecodeClient
 from .metrics import CoordinatorMetrics
 from .routing.pool import InstancePool
+from .weights import WeightsController
 
 
 class HandleCache:
@@ -65,6 +70,11 @@ GAUGES = {
 class Cluster:
     def __init__(self, config: EpdConfig, metrics: CoordinatorMetrics | None = None) -> None:
         self.config = config
+        # the context length: --max-model-len capped by the checkpoint's (services/models/context.py), read from
+        # its folder when this process can see it, else as render reports it with each answer (`saw_context`)
+        checkpoint = config.checkpoint
+        self.max_model_len = (context_length(checkpoint.max_model_len, checkpoint.model)
+                              if os.path.isdir(checkpoint.model) else checkpoint.max_model_len)
         self.ec_handles = HandleCache()
         self.metrics = metrics if metrics is not None else CoordinatorMetrics()  # tests pass their own registry
         self.mm_store: TensorStore | None = None
@@ -85,6 +95,8 @@ class Cluster:
         self.capacity = CapacityTracker({r: self.pool(r) for r in CAPACITY_ROLES}, self.config.engines.decode_slots,
                                         self.metrics)
         self.capacity.start()
+        self.weights = WeightsController(self.pools, self.config.cluster.weight_update_drain_s, self.metrics)
+        self._adopting = asyncio.get_running_loop().create_task(self.weights.start())   # held; cancelled by close
         self.mm_store = open_store(self.config, "mm", producer=False)
         self.gauges = OwnedGauges(self, GAUGES)
 
@@ -96,11 +108,22 @@ class Cluster:
                             credentials=channel_credentials(config), channel_options=channel_options(config),
                             fast_lane=config.server.fast_lane)
 
+    def saw_context(self, max_model_len: int) -> int:
+        """The context length render checked a request against (0: an older render that did not say)."""
+        if max_model_len > 0:
+            self.max_model_len = max_model_len
+        return self.max_model_len
+
     def pool(self, role: str) -> InstancePool:
         """The pool of `role` (render, encode, prefill, decode)."""
         return {p.role: p for p in self.pools}[role]
 
     async def close(self) -> None:
+        adopting = getattr(self, "_adopting", None)
+        if adopting is not None:   # its calls must not outlive the channels
+            adopting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await adopting
         await self.capacity.close()
         for pool in self.pools:
             await pool.close()

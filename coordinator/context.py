@@ -17,7 +17,9 @@ clears what a missing entry made stale before it runs steps again.
 | stream           | http entry                      | http entry (SSE or JSON)                  |
 | include_usage    | http entry                      | answers                                   |
 | return_token_ids | http entry                      | answers                                   |
+| as_token_ids     | http entry (return_tokens_as_token_ids) | answers (logprobs' token names)   |
 | generate         | http entry (generate)           | generate input step, answers              |
+| weight_version   | pipeline (weights.enter)        | encode, prefill, decode calls; their answers checked |
 | rendered         | render / generate input step    | encode, prefill, decode steps, answers    |
 | sampling         | render / generate input step    | prefill, decode steps, decode stream      |
 | ec_handles       | generate input, encode step; cleared by recovery | prefill step          |
@@ -36,11 +38,12 @@ clears what a missing entry made stale before it runs steps again.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from services.protocol.answers import OutputDelta
 from services.protocol.errors import DeadlineExceeded
@@ -71,7 +74,9 @@ class RequestContext:
     stream: bool = False
     include_usage: bool = False
     return_token_ids: bool = False
+    as_token_ids: bool = False                           # logprobs name tokens 'token_id:<id>'
     generate: GenerateRequest | None = None  # POST /inference/v1/generate only
+    weight_version: str = ""                             # the weights every stage runs on ("": any)
     rendered: pb.RenderResponse | None = None
     sampling: pb.SamplingParams = field(default_factory=pb.SamplingParams)
     ec_handles: dict[str, bytes] = field(default_factory=dict)
@@ -110,3 +115,8 @@ class RequestContext:
 
     def prompt_tokens(self) -> int:
         return self.prefill.prompt_tokens if self.prefill is not None else 0
+
+    def prompt_logprobs(self) -> list[Any] | None:
+        """Prefill's prompt logprobs (sampling prompt_logprobs), in vLLM's answer shape; None when not asked."""
+        raw = self.prefill.prompt_logprobs_json if self.prefill is not None else b""
+        return json.loads(raw) if raw else None

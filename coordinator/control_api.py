@@ -8,6 +8,13 @@
 - DELETE /v1/instances {"role", "grpc_address"}: leave now (graceful scale-in).
 - GET /v1/instances: every instance with its health, live in-flight calls and
   source ("config" for flags, "registered").
+- POST /update_weights {"path", "weight_version"?}: every encode, prefill and decode instance loads the
+  Hugging Face checkpoint folder `path` (checked first: a bad path or another architecture is a 400 and
+  nothing changes), then the cluster switches to it at once; requests that started on the old weights
+  finish on them (coordinator/weights.py).  Answers the report: the new version and, per role, the seconds
+  from the POST until every instance of it served the new version.
+- POST /reload_weights: the same with the base weights (each instance's --model), as version "base".
+- GET /weights: the version served now, its path, whether an update runs, the last update's report.
 - POST /abort_requests {"request_ids": [...]}: cancel those running requests
   in every stage (vLLM's body; "chatcmpl-", "cmpl-" and "generate-tokens-"
   prefixes are accepted) -> {"aborted": n}.  Ids are labels (request_ids.py):
@@ -64,6 +71,15 @@ class InstanceAnnouncement(ProtocolModel):
         return None if value is None else value.rstrip("/")
 
 
+class WeightUpdate(ProtocolModel):
+    """POST /update_weights (prime-rl's body, plus an optional version name)."""
+
+    path: str = Field(min_length=1, max_length=4096, description="A Hugging Face checkpoint folder every encode, "
+                      "prefill and decode instance can read (a trainer's save_pretrained output).")
+    weight_version: str | None = Field(default=None, description="The name answers will report; default: the next "
+                                       "integer.  A name used before is refused: it names other weights.")
+
+
 class InstanceRef(ProtocolModel):
     """Which instance to remove."""
 
@@ -101,6 +117,19 @@ class ControlApi:
         return JSONResponse({"object": "list", "data": data})
 
     @endpoint
+    async def update_weights(self, request: Request) -> Response:
+        body = await parse_body(request, WeightUpdate)
+        return JSONResponse(await self.cluster.weights.update(body.path, body.weight_version))
+
+    @endpoint
+    async def reload_weights(self, request: Request) -> Response:
+        return JSONResponse(await self.cluster.weights.update("", None))
+
+    @endpoint
+    async def weights(self, _: Request) -> Response:
+        return JSONResponse(self.cluster.weights.describe())
+
+    @endpoint
     async def abort(self, request: Request) -> Response:
         body = await parse_body(request, AbortRequest)
         ids = {rid for raw in body.request_ids for rid in (raw, plain_id(raw))}
@@ -110,4 +139,7 @@ class ControlApi:
         return [Route("/v1/instances", self.announce, methods=["POST"]),
                 Route("/v1/instances", self.leave, methods=["DELETE"]),
                 Route("/v1/instances", self.list_instances, methods=["GET"]),
+                Route("/update_weights", self.update_weights, methods=["POST"]),
+                Route("/reload_weights", self.reload_weights, methods=["POST"]),
+                Route("/weights", self.weights, methods=["GET"]),
                 Route("/abort_requests", self.abort, methods=["POST"])]

@@ -146,7 +146,8 @@ def chunk_delta(chunk: pb.DecodeChunk, sampling: pb.SamplingParams) -> OutputDel
     return OutputDelta(token_ids=list(chunk.token_ids), text=chunk.text,
                        finish_reason=protocol_finish_reason(chunk.finish_reason),
                        stop_reason=stop_reason(chunk.stop_reason, sampling),
-                       logprobs=loads_list(loads(chunk.logprobs_json)) if chunk.logprobs_json else None)
+                       logprobs=loads_list(loads(chunk.logprobs_json)) if chunk.logprobs_json else None,
+                       index=chunk.index, weight_version=chunk.weight_version or None)
 
 
 def stop_reason(text: str, sampling: pb.SamplingParams) -> int | str | None:

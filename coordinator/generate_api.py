@@ -60,7 +60,8 @@ class GenerateApi:
         await self.pipeline.prepare(ctx)
         built = GenerateAnswer(response_id(req.request_id, request.headers.get("x-request-id")),
                                req.model or self.config.checkpoint.served_model_id(), ctx.prompt_tokens(),
-                               req.stream_options, ctx.created, req.output_mode)
+                               req.stream_options, ctx.created, req.output_mode, req.sampling_params.n,
+                               ctx.prompt_logprobs(), self.config.cluster.return_tokens_as_token_ids)
         deltas = self.pipeline.stream(ctx)
         headers = {"X-Request-Id": ctx.label}
         if req.stream:

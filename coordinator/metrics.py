@@ -55,6 +55,9 @@ class CoordinatorMetrics:
                                 "Requests refused with 429 before any work, by reason", ["reason"])
         self.resumed = Counter("epd_coordinator_resumed_streams", "Answers whose decode instance failed mid-stream "
                                "and that went on on another one (the prompt and the tokens sent prefilled again)")
+        self.weight_version_mixed = Counter(
+            "epd_coordinator_weight_version_mixed", "Requests failed because a stage answered with weights other than "
+            "the request's (never a mixed answer; 0 is the expected value), by the stage's role", ["role"])
         self.cancelled = Counter("epd_coordinator_cancelled_requests",
                                  "Requests cancelled by reason (disconnect, abort)", ["reason"])
         self.recommended_instances = Gauge(

@@ -29,6 +29,7 @@ from .deadlines import Deadlines
 from .http_io import BodyLimits, answer, read_json, stream_flags
 from .pipeline import Pipeline
 from .request_ids import internal_id, label_of
+from .samples import num_samples
 
 
 def openai_answer(ctx: RequestContext, timing: RequestTiming | None = None) -> OpenAIAnswer:
@@ -36,7 +37,11 @@ def openai_answer(ctx: RequestContext, timing: RequestTiming | None = None) -> O
     prefix = "chatcmpl-" if ctx.kind == "chat" else "cmpl-"
     return OpenAIAnswer(ctx.kind, prefix + ctx.label, ctx.rendered.model, ctx.created, ctx.prompt_tokens(),
                         ctx.include_usage, list(ctx.rendered.token_ids) if ctx.return_token_ids else None,
-                        timing)
+                        timing, num_samples(ctx.sampling), ctx.prompt_logprobs(), ctx.as_token_ids)
+
+
+def _flag(value: Any, default: bool) -> bool:
+    return default if value is None else value is True
 
 
 class OpenAIApi:
@@ -49,7 +54,10 @@ class OpenAIApi:
         bounds = Deadlines.for_request(self.config, request.headers.get(DEADLINE_HEADER))
         return RequestContext(request_id=internal_id(label), label=label, principal=principal(request.scope),
                               kind=kind, body=raw, stream=stream, include_usage=include_usage,
-                              return_token_ids=body.get("return_token_ids") is True, deadline=bounds.first_token,
+                              return_token_ids=body.get("return_token_ids") is True,
+                              as_token_ids=_flag(body.get("return_tokens_as_token_ids"),
+                                                 self.config.cluster.return_tokens_as_token_ids),
+                              deadline=bounds.first_token,
                               total_deadline=bounds.total, idle_s=bounds.idle_s,
                               max_retries=self.config.cluster.max_retries)
 

@@ -39,12 +39,14 @@ from . import inflight
 from .cluster import Cluster
 from .context import RequestContext
 from .decode_stream import DecodeFailed
+from .samples import num_samples, resume_each
 from .steps.base import Step
 from .steps.decode import DecodeStep
 from .steps.encode import EncodeStep
 from .steps.generate_input import GenerateInputStep
 from .steps.prefill import PrefillStep
 from .steps.render import RenderStep
+from .versions import check_answer
 
 log = logging.getLogger(__name__)
 S = TypeVar("S", bound=Step)
@@ -96,6 +98,9 @@ class Pipeline:
     async def prepare(self, ctx: RequestContext) -> None:
         """Run every step up to the decode stream's first chunk; each records its own timing."""
         inflight.bind(ctx.request_id, ctx.label, ctx.principal)  # POST /abort_requests can cancel it from now on
+        weights = getattr(self.cluster, "weights", None)
+        if weights is not None:
+            await weights.enter(ctx)   # one weight version for every stage (coordinator/weights.py)
         await self._run(ctx, 0)
 
     async def _run(self, ctx: RequestContext, index: int) -> None:
@@ -153,7 +158,8 @@ class Pipeline:
         if ctx.decode_stream is None:
             raise InternalError("the pipeline was not prepared", code="internal_error")
         started, first = time.perf_counter(), True
-        sent: list[int] = []
+        sent: dict[int, list[int]] = {}   # per sample: the token ids the client has
+        done: set[int] = set()            # samples whose last delta went out
         try:
             while True:
                 try:
@@ -162,24 +168,35 @@ class Pipeline:
                             activity.mark("coordinator.first_delta")
                             self.cluster.metrics.ttft_seconds.observe(time.monotonic() - ctx.started)
                             first = False
-                        sent.extend(delta.token_ids)
+                        check_answer(ctx, "decode", delta.weight_version or "", self.cluster.metrics)
+                        sent.setdefault(delta.index, []).extend(delta.token_ids)
+                        if delta.finish_reason:
+                            done.add(delta.index)
                         yield delta
                     return
                 except DecodeFailed as exc:
-                    await self._resume(ctx, sent, exc)
+                    await self._resume(ctx, sent, done, exc)
         finally:
             if ctx.decode_stream is not None:
                 ctx.decode_stream.close()
             ctx.timings["decode"] = ctx.timings.get("decode_first_chunk", 0.0) + time.perf_counter() - started
             self.cluster.metrics.stage_seconds.labels("decode").observe(ctx.timings["decode"])
 
-    async def _resume(self, ctx: RequestContext, sent: list[int], failure: DecodeFailed) -> None:
+    async def _resume(self, ctx: RequestContext, sent: dict[int, list[int]], done: set[int],
+                      failure: DecodeFailed) -> None:
         """Prefill the prompt and `sent` but its last token again, then open decode from that token (another
-        instance: the failed one is marked down).  Within a fresh first-token bound, inside the total one."""
-        log.warning("request %s: %s; resuming after %d tokens", ctx.label, failure.message, len(sent))
+        instance: the failed one is marked down).  Within a fresh first-token bound, inside the total one.
+        A request for n > 1 samples resumes each unfinished sample on its own (coordinator/samples.py)."""
+        log.warning("request %s: %s; resuming after %d tokens", ctx.label, failure.message,
+                    sum(map(len, sent.values())))
         self.cluster.metrics.resumed.inc()
-        ctx.resumed = list(sent)
+        ctx.deadline = min(ctx.total_deadline, time.monotonic() + self.cluster.config.limits.ttft_timeout_s)
+        ctx.sampling.ClearField("prompt_logprobs")   # the answer has the prompt's already
+        if num_samples(ctx.sampling) > 1:
+            prefill = self._index("prefill")
+            ctx.decode_stream = await resume_each(ctx, sent, done, lambda child: self._run(child, prefill))
+            return
+        ctx.resumed = list(sent.get(0, []))
         ctx.prefill, ctx.decode_stream = None, None
         ctx.recovered.discard(KV_MISSING_CODE)   # the new KV entry may be recovered from once too
-        ctx.deadline = min(ctx.total_deadline, time.monotonic() + self.cluster.config.limits.ttft_timeout_s)
         await self._run(ctx, self._index("prefill"))

@@ -205,8 +205,11 @@ def _stop_leftovers() -> None:
 def _spawn(cmd: list[str], name: str, port: int, timeout_s: float, threads: int) -> Server:
     import tempfile
 
+    # VLLM_CPU_KVCACHE_SPACE from the caller's environment wins: a machine short of memory runs the peer with less
+    kv_space = {"VLLM_CPU_KVCACHE_SPACE": os.environ["VLLM_CPU_KVCACHE_SPACE"]} \
+        if os.environ.get("VLLM_CPU_KVCACHE_SPACE") else {}
     env = {**{k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}, **SERVE_ENV,
-           "OMP_NUM_THREADS": str(threads)}
+           **kv_space, "OMP_NUM_THREADS": str(threads)}
     log_path = Path(tempfile.mkstemp(prefix=f"epd-peer-{name}-", suffix=".log")[1])
     with open(log_path, "w") as log:
         process = subprocess.Popen(cmd, cwd=tempfile.gettempdir(), env=env, stdout=log,

@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,6 +108,10 @@ class InstancePool:
         self._closing: set[asyncio.Task] = set()   # removed instances' channels, closing after their grace
         # The integral of this pool's calls in flight over time (coordinator/capacity.py: the role's load).
         self._calls, self._call_seconds, self._since = 0, 0.0, time.monotonic()
+        # Run before a down instance that answers its probe takes work again (the weights' sync: it loads the
+        # cluster's weight version first, coordinator/weights.py); False keeps it down.
+        self.admit: Callable[[Instance], Awaitable[bool]] | None = None
+        self._admitting: dict[str, asyncio.Task] = {}
 
     # ---- membership ---------------------------------------------------------------------------
 
@@ -234,9 +238,30 @@ class InstancePool:
             self._probe_failed(instance, exc.code())
             return
         if reply.status == health_pb2.HealthCheckResponse.SERVING:
-            self._mark_up(instance)
+            self._serving(instance)
         else:  # NOT_SERVING: draining for shutdown
             self.mark_down(instance, "health probe: not serving")
+
+    def _serving(self, instance: Instance) -> bool:
+        """The instance answered SERVING: up now, or, with an admission hook, once the hook (a task) says so."""
+        if instance.healthy or self.admit is None:
+            self._mark_up(instance)
+            return True
+        if instance.address not in self._admitting:
+            task = asyncio.get_running_loop().create_task(self._admit_then_up(instance))
+            self._admitting[instance.address] = task
+            task.add_done_callback(lambda _: self._admitting.pop(instance.address, None))
+        return False
+
+    async def _admit_then_up(self, instance: Instance) -> None:
+        assert self.admit is not None
+        try:
+            admitted = await self.admit(instance)
+        except Exception:  # noqa: BLE001 - kept down; the next probe tries again
+            log.exception("admitting %s %s failed", self.role, instance.address)
+            admitted = False
+        if admitted and instance in self.instances:
+            self._mark_up(instance)
 
     def _probe_failed(self, instance: Instance, code: grpc.StatusCode) -> None:
         if not instance.healthy:
@@ -269,7 +294,7 @@ class InstancePool:
             serving = reply.status == health_pb2.HealthCheckResponse.SERVING
             if i in self.instances:  # not removed while the probe was in flight
                 if serving:
-                    self._mark_up(i)
+                    serving = self._serving(i)
                 else:
                     self.mark_down(i, "health probe: not serving")
             return serving
@@ -280,6 +305,8 @@ class InstancePool:
     async def close(self) -> None:
         if self._probe_task is not None:
             self._probe_task.cancel()
+        for task in list(self._admitting.values()):
+            task.cancel()
         for i in self.instances:
             await close_stub(i.stub)
             await i.channel.close(grace=None)

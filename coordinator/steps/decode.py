@@ -37,7 +37,8 @@ class DecodeStep(Step):
         prompt = ctx.rendered.token_ids
         request = pb.DecodeRequest(request_id=ctx.request_id, sampling=ctx.sampling, prompt_tokens=len(prompt),
                                    kv_transfer_params_json=ctx.prefill.kv_transfer_params_json,
-                                   first_token_id=ctx.prefill.first_token_id, resumed_token_ids=ctx.resumed)
+                                   first_token_id=ctx.prefill.first_token_id, resumed_token_ids=ctx.resumed,
+                                   weight_version=ctx.weight_version)
         if _needs_prompt_ids(request.sampling):
             request.prompt_token_ids.extend(prompt)
         return request

@@ -1,7 +1,7 @@
 """Encode: one call per image not already in the EC store, all in parallel.
 
 The coordinator remembers the handles encoders returned (a bounded LRU keyed
-by mm_hash) so an image it has seen is not sent again; if prefill later finds
+by weight version and mm_hash) so an image it has seen is not sent again; if prefill later finds
 the entry gone (evicted), the pipeline's recovery policy forgets the
 handles (`forget_handles`) and runs this step again.
 Only this step ever sends kwargs_data (pixels), with one exception: an item
@@ -26,6 +26,11 @@ from .base import Step
 log = logging.getLogger(__name__)
 
 
+def _scoped(ctx: RequestContext, mm_hash: str) -> str:
+    """The handle cache's key: an item's embedding is another one under other weights (coordinator/weights.py)."""
+    return f"{ctx.weight_version}|{mm_hash}"
+
+
 class EncodeStep(Step):
     name = "encode"
 
@@ -41,7 +46,7 @@ class EncodeStep(Step):
         for encoded in replies:
             if encoded is not None:   # None: left to prefill (inline encode)
                 ctx.ec_handles[encoded.mm_hash] = encoded.handle_json
-                self.cluster.ec_handles.put(encoded.mm_hash, encoded.handle_json)
+                self.cluster.ec_handles.put(_scoped(ctx, encoded.mm_hash), encoded.handle_json)
         ctx.timings["encode"] = time.perf_counter() - started
 
     def _can_inline(self, item: pb.MultiModalItem, exc: Unavailable | Overloaded) -> bool:
@@ -53,7 +58,7 @@ class EncodeStep(Step):
         for item in ctx.image_items():
             if item.mm_hash in ctx.ec_handles or item.mm_hash in ctx.inline_items or item.mm_hash in unique:
                 continue
-            known = self.cluster.ec_handles.get(item.mm_hash)
+            known = self.cluster.ec_handles.get(_scoped(ctx, item.mm_hash))
             if known is not None:
                 ctx.ec_handles[item.mm_hash] = known
                 self.cluster.metrics.ec_known_hits.inc()
@@ -65,7 +70,7 @@ class EncodeStep(Step):
     def forget_handles(self, ctx: RequestContext) -> None:
         """The EC entries of this request are gone: forget their handles here and cluster-wide."""
         for item in ctx.image_items():
-            self.cluster.ec_handles.pop(item.mm_hash)
+            self.cluster.ec_handles.pop(_scoped(ctx, item.mm_hash))
             ctx.ec_handles.pop(item.mm_hash, None)
 
     async def _encode_one(self, ctx: RequestContext, item: pb.MultiModalItem) -> pb.EncodedItem | None:

@@ -124,8 +124,8 @@ class GenerateInputStep(Step):
             self._known_handles(ctx, req)
         else:
             ctx.rendered = await self._render_parts(ctx, req)
-        config = self.cluster.config
-        check_fits(len(ctx.rendered.token_ids), req.sampling_params.max_tokens, config.checkpoint.max_model_len)
+        max_model_len = self.cluster.saw_context(ctx.rendered.max_model_len)
+        check_fits(len(ctx.rendered.token_ids), req.sampling_params.max_tokens, max_model_len)
         if req.cache_salt is not None:
             ctx.rendered.cache_salt = req.cache_salt
         ctx.sampling = sampling_to_pb(req.sampling_params.model_dump(exclude={"extra_args"}))

@@ -18,6 +18,7 @@ from services.rpc.convert import dumps, loads, metadata_only
 from services.rpc.v1 import epd_pb2 as pb
 
 from ..context import RequestContext
+from ..versions import check_answer
 from .base import Step
 
 
@@ -31,6 +32,7 @@ class PrefillStep(Step):
         request = self.request(ctx)
         self.cluster.metrics.mm_payload_bytes.labels("prefill").inc(sum(len(i.kwargs_data) for i in request.items))
         ctx.prefill, instance = await self.cluster.prefill.prefill(ctx, request)
+        check_answer(ctx, "prefill", ctx.prefill.weight_version, self.cluster.metrics)
         ctx.instances["prefill"] = instance.address
         ctx.timings["prefill"] = time.perf_counter() - started
 
@@ -43,7 +45,7 @@ class PrefillStep(Step):
         request = pb.PrefillRequest(
             request_id=ctx.request_id, token_ids=[*ctx.rendered.token_ids, *ctx.resumed[:-1]],
             items=[i if i.mm_hash in inline else metadata_only(i) for i in items],
-            ec_transfer_params_json=dumps(ec) if ec else b"", sampling=ctx.sampling)
+            ec_transfer_params_json=dumps(ec) if ec else b"", sampling=ctx.sampling, weight_version=ctx.weight_version)
         if ctx.rendered.HasField("cache_salt"):
             request.cache_salt = ctx.rendered.cache_salt
         return request

@@ -23,6 +23,7 @@ class RenderStep(Step):
         else:
             reply, instance = await render.completion(ctx, ctx.body)
         ctx.rendered = reply
+        self.cluster.saw_context(reply.max_model_len)
         self.cluster.metrics.mm_payload_bytes.labels("render").inc(sum(len(i.kwargs_data) for i in reply.items))
         ctx.sampling = sampling_to_pb(loads(reply.sampling_params_json) or {})
         ctx.instances["render"] = instance.address

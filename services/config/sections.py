@@ -30,6 +30,7 @@ DEMO_ALIASES = {"demo": ("tiny", "epd-demo-qwen2-vl"), "epd-demo-qwen2-vl": ("ti
 LINEAR_KERNELS = ("auto", "panel", "prepacked", "default")   # services.models.prepack.MODES (checked by a test)
 ATTENTION_KERNELS = ("auto", "c", "torch")          # services.decode.attention.KERNELS (checked by a test)
 ROLES = ("coordinator", "render", "encode", "prefill", "decode")
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")   # vLLM's LogprobsMode
 EVENT_LOOPS = ("uvloop", "asyncio")   # services.runtime.event_loop.LOOPS (checked by a test)
 # The names of coordinator.routing.policies.POLICIES (checked by a test): config cannot import the coordinator.
 ROUTING_POLICIES = ("affinity", "least_loaded", "round_robin")
@@ -91,7 +92,9 @@ class CheckpointConfig:
     device: str = _f("cpu", "torch device of model roles: cpu, cuda, cuda:N")
     dtype: str = _f("auto", "model dtype: auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 (CPU decode: "
                     "float32 math over bf16 weights) | float16")
-    max_model_len: int = _f(8192, "context length (prompt + output tokens)")
+    max_model_len: int = _f(8192, "upper bound on the context length (prompt + output tokens); every process uses "
+                            "the smaller of it and the checkpoint's max_position_embeddings "
+                            "(services/models/context.py)")
 
     def __post_init__(self) -> None:
         _one_of(self, ("dtype",), DTYPES)
@@ -160,9 +163,16 @@ class ClusterConfig:
     max_retries: int = _f(2, "retries one request gets after transport failures, all stages and instances "
                           "together; only the first failing instance is taken out (a request that crashes "
                           "instances must not take down the cluster)", roles="coordinator")
+    weight_update_drain_s: float = _f(60.0, "POST /update_weights: how long requests on the old weights may take to "
+                                      "finish before the switch aborts them (new requests wait meanwhile)",
+                                      roles="coordinator")
+    return_tokens_as_token_ids: bool = _f(False, "vLLM's --return-tokens-as-token-ids: logprobs name tokens "
+                                          "'token_id:<id>' unless a request says otherwise (its "
+                                          "return_tokens_as_token_ids)", roles="coordinator")
 
     def __post_init__(self) -> None:
         _at_least(self, ("encode_instances", "prefill_instances", "decode_instances"), 1)
+        _at_least(self, ("weight_update_drain_s",), 0, strict=True)
         _at_least(self, ("instance_forget_after_s",), 0, strict=True)
         _at_least(self, ("max_retries",), 0)
         for role in ("render", "encode", "prefill", "decode"):
@@ -228,6 +238,10 @@ class EnginesConfig:
     cpu_features_off: str = _f("", "CPU features the native kernels must not use, comma-separated as /proc/cpuinfo "
                                "names them (avx512f, avx2, ...; all: the portable variants only): to run one variant "
                                "across a fleet of mixed CPUs, or to exercise a fallback")
+    logprobs_mode: str = _f("raw_logprobs", "what logprobs report (vLLM's --logprobs-mode): raw_logprobs (the model's "
+                            "distribution) | processed_logprobs (the one sampled from: after penalties, temperature, "
+                            "top-k/top-p/min-p) | raw_logits | processed_logits; prompt logprobs are raw either way",
+                            roles="prefill, decode")
     decode_serial_rows: int = _f(-1, "decode steps of at most this many rows run on one thread; -1 (auto): none for "
                                   "the fused step (its one OpenMP region wins at every batch size on 2 cores); "
                                   "unfused, 4 rows where decode may use at most 2 cores, else 1; 0: never")
@@ -236,6 +250,7 @@ class EnginesConfig:
         _one_of(self, ("linear_kernel",), LINEAR_KERNELS)
         _one_of(self, ("decode_attention",), ATTENTION_KERNELS)
         _one_of(self, ("decode_fused", "lm_head_screen"), SWITCHES)
+        _one_of(self, ("logprobs_mode",), LOGPROBS_MODES)
         _at_least(self, ("kv_cache_mb", "encode_max_batch_tokens", "prefill_max_queue", "encode_max_queue",
                          "max_num_batched_tokens"), 1)
         _at_least(self, ("decode_slots",), 0)   # 0: auto, resolved for the device (EpdConfig)

@@ -48,17 +48,18 @@ def _event_error(event: DecodeEvent) -> EpdError:
     return InternalError(event.error or "decode failed", code="decode_error")
 
 
-async def output_deltas(first: DecodeEvent, events: AsyncIterator[DecodeEvent]) -> AsyncIterator[OutputDelta]:
-    """The engine's events, the first included, as answer deltas; an error event raises (in-stream error)."""
+async def output_deltas(first: DecodeEvent, events: AsyncIterator[DecodeEvent],
+                        weight_version: str | None = None) -> AsyncIterator[OutputDelta]:
+    """The engine's events, the first included, as answer deltas (every sample's, until the stream ends); an
+    error event raises (in-stream error)."""
     try:
         event = first
         while True:
             if event.finish_reason == "error":
                 raise _event_error(event)
             yield OutputDelta(token_ids=event.token_ids, text=event.text, finish_reason=event.finish_reason,
-                              stop_reason=event.stop_reason, logprobs=event.logprobs)
-            if event.finished:
-                return
+                              stop_reason=event.stop_reason, logprobs=event.logprobs, index=event.index,
+                              weight_version=weight_version)
             event = await anext(events)
     except StopAsyncIteration:
         return
@@ -71,7 +72,7 @@ async def output_deltas(first: DecodeEvent, events: AsyncIterator[DecodeEvent]) 
 def decode_answer(body: GenerateRequest, rsp_id: str, model: str) -> GenerateAnswer:
     kv = body.kv_transfer_params or {}
     return GenerateAnswer(rsp_id, model, int(kv.get("num_prompt_tokens") or len(body.token_ids)),
-                          body.stream_options, output_mode=body.output_mode)
+                          body.stream_options, output_mode=body.output_mode, samples=body.sampling_params.n)
 
 
 class DecodeApi:
@@ -87,11 +88,12 @@ class DecodeApi:
                                  code="missing_kv_transfer_params")
         header = header_request_id(request)
         sampling = body.sampling_params.model_dump(exclude={"extra_args"})
+        version = self.service.serving_version()
         events = self.service.decode(header or body.request_id, body.kv_transfer_params, sampling,
-                                     list(body.token_ids))  # the prompt, for repetition penalties
+                                     list(body.token_ids), weight_version=version)  # the prompt: for penalties
         first = await anext(events)  # before any byte is sent: setup errors become plain HTTP errors
         built = decode_answer(body, response_id(body.request_id, header), body.model or self.model_id)
-        deltas = output_deltas(first, events)
+        deltas = output_deltas(first, events, version or None)
         if body.stream:
             return sse_response(built.sse(deltas))
         return model_response(await built.collect(deltas))
@@ -120,13 +122,14 @@ class DecodeApi:
                                  f"but this {kind} renders to {len(body.token_ids)}: send the {kind} the prefill "
                                  "had", code="kv_prompt_mismatch")
         sampling = body.sampling_params.model_dump(exclude={"extra_args"})
+        version = self.service.serving_version()
         events = self.service.decode(header_request_id(request) or body.request_id, kv, sampling,
-                                     list(body.token_ids))
+                                     list(body.token_ids), weight_version=version)
         first = await anext(events)
         built = OpenAIAnswer(kind, body.request_id, body.model or self.model_id, None, len(body.token_ids),
                              call.include_usage, list(body.token_ids) if call.body.get("return_token_ids") is True
-                             else None)
-        deltas = output_deltas(first, events)
+                             else None, samples=body.sampling_params.n)
+        deltas = output_deltas(first, events, version or None)
         if body.stream:
             return sse_response(built.sse(deltas))
         return JSONResponse(await built.collect(deltas))

@@ -4,17 +4,25 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from services.config import EpdConfig
+from services.models.context import context_length
 from services.models.device_plan import plan_for
 from services.runtime.server import RoleServer
 
 if TYPE_CHECKING:
     from services.models.device_plan import DevicePlan
     from services.models.prepack import LinearReport
+
+if TYPE_CHECKING:
+    from services.weights.role import RoleWeights
+
+    from .engine import DecodeEngine
+    from .serving import DecodeService
 
 logger = logging.getLogger(__name__)
 
@@ -110,41 +118,76 @@ def prepare(lm: Any, config: EpdConfig, plan: DevicePlan) -> LinearReport:
                             weight_dtype=torch.bfloat16 if bf16_weights(config) else None)
 
 
-async def build(config: EpdConfig) -> RoleServer:
-
-    from services.connectors.wiring import open_store
+def load_engine(config: EpdConfig, folder: Path, tokenizer_folder: Path) -> DecodeEngine:
+    """The language model of checkpoint `folder`, its kernels and a decode engine over it (start-up, and each
+    weight version staged by a weight update: services/weights/role.py)."""
     from services.models.prepack import export
     from services.models.processing import load_tokenizer
-    from services.models.registry import adapter_for, resolve_model
-    from services.rpc.v1 import epd_pb2_grpc as rpc
+    from services.models.registry import adapter_for
 
     from .engine import DecodeEngine
+
+    plan = plan_for(config)   # what runs on this device (CPU-only kernels never on CUDA)
+    engines = config.engines
+    max_len = context_length(config.checkpoint.max_model_len, folder)
+    lm = adapter_for(folder).load_language(folder, config.checkpoint.device, load_dtype(config), max_len)
+    serial = serial_rows(engines.decode_serial_rows, engines.decode_slots)
+    fused_serial = serial_rows(engines.decode_serial_rows, engines.decode_slots, fused=True)
+    export(prepare(lm, config, plan), "language")
+    return DecodeEngine(lm, load_tokenizer(tokenizer_folder), engines.decode_slots, max_len,
+                        max_queued=engines.decode_queue, stream_timeout=config.limits.request_timeout_s,
+                        kv_cache_bytes=engines.kv_cache_mb << 20 if plan.cpu else gpu_kv_bytes(config, lm),
+                        block_size=engines.kv_block_size, attention=plan.decode_attention,
+                        serial_rows=serial, fused=plan.decode_fused, fused_serial_rows=fused_serial,
+                        lm_head_screen=plan.lm_head_screen, logprobs_mode=engines.logprobs_mode)
+
+
+def weights_of(config: EpdConfig, service: DecodeService, base: Path) -> RoleWeights:
+    """The decode instance's weights: each version an engine of its own; a replaced one finishes its requests."""
+    from services.weights.drain import retire_when_idle
+    from services.weights.role import RoleWeights
+
+    def swap(engine: DecodeEngine) -> DecodeEngine:
+        old, service.engine = service.engine, engine
+        service.retiring.append(old)
+        return old
+
+    def retire(engine: DecodeEngine) -> None:
+        def gone() -> None:
+            if engine in service.retiring:
+                service.retiring.remove(engine)
+            engine.close()
+
+        retire_when_idle("decode", lambda: not engine.busy, gone, config.limits.max_request_timeout_s)
+
+    return RoleWeights("decode", base, lambda folder, _version: load_engine(config, folder, base), swap, retire)
+
+
+async def build(config: EpdConfig) -> RoleServer:
+    from services.connectors.wiring import open_store
+    from services.models.registry import resolve_model
+    from services.rpc.v1 import epd_pb2_grpc as rpc
+    from services.weights import servicer as weights_rpc
+
     from .servicer import DecodeServicer
     from .serving import DecodeService
 
-    plan = plan_for(config)   # what runs on this device (CPU-only kernels never on CUDA)
     path = resolve_model(config.checkpoint.model)
-    lm = adapter_for(path).load_language(path, config.checkpoint.device, load_dtype(config),
-                                         config.checkpoint.max_model_len)
-    serial = serial_rows(config.engines.decode_serial_rows, config.engines.decode_slots)
-    fused_serial = serial_rows(config.engines.decode_serial_rows, config.engines.decode_slots, fused=True)
-    export(prepare(lm, config, plan), "language")
-    engine = DecodeEngine(lm, load_tokenizer(path), config.engines.decode_slots, config.checkpoint.max_model_len,
-                          max_queued=config.engines.decode_queue, stream_timeout=config.limits.request_timeout_s,
-                          kv_cache_bytes=config.engines.kv_cache_mb << 20 if plan.cpu else gpu_kv_bytes(config, lm),
-                          block_size=config.engines.kv_block_size, attention=plan.decode_attention,
-                          serial_rows=serial, fused=plan.decode_fused, fused_serial_rows=fused_serial,
-                          lm_head_screen=plan.lm_head_screen)
+    engine = load_engine(config, path, path)
     logger.info("decode engine: %s", engine.describe())
     kv_store = open_store(config, "kv", producer=False)
     service = DecodeService(engine, kv_store, kv_wait_s=config.engines.decode_kv_wait_s)
+    weights = service.weights = weights_of(config, service, path)
     servicer = DecodeServicer(service)
 
     def register(server: grpc.aio.Server) -> None:
         rpc.add_DecodeServiceServicer_to_server(servicer, server)
+        weights_rpc.register(server, weights)
 
     def cleanup() -> None:
-        engine.close()
+        service.engine.close()
+        for old in list(service.retiring):
+            old.close()
         kv_store.close()
 
     from services.edge.openai_calls import render_client

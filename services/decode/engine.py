@@ -39,11 +39,13 @@ from typing import Any
 import torch
 
 from services.decode.errors import ContextTooLong, EngineClosed, EngineFull
+from services.decode.fork import group_blocks
 from services.decode.metrics import EngineStats
 from services.decode.request import DecodeRequest
 from services.decode.request_blocks import RequestBlocks
 from services.decode.runner import StepReport
 from services.decode.runners import make_pool, make_runner
+from services.decode.samples import SampleGroup, SampleGroups
 from services.decode.stream import DecodeEvent, DecodeStream
 from services.generation.detokenizer import IncrementalDetokenizer, decode_function
 from services.generation.judge import token_budget
@@ -58,13 +60,13 @@ logger = logging.getLogger(__name__)
 _IDLE_WAIT_S = 0.5   # the worker re-checks its flags at least this often when idle
 
 
-class DecodeEngine:
+class DecodeEngine(SampleGroups):
     def __init__(self, lm: LanguageModel, tokenizer: Any, num_slots: int, max_model_len: int,
                  max_queued: int | None = None, stream_timeout: float | None = 60.0,
                  seed: int | None = None, kv_cache_bytes: int | None = None, block_size: int = 16,
                  attention: str = "auto", serial_rows: int = 0, fused: str = "auto",
                  fused_serial_rows: int | None = None, lm_head_screen: str = "auto",
-                 graph_buckets: Sequence[int] | None = None) -> None:
+                 graph_buckets: Sequence[int] | None = None, logprobs_mode: str = "raw_logprobs") -> None:
         if num_slots < 1 or max_model_len < 2:
             raise ValueError(f"need num_slots >= 1 and max_model_len >= 2, got {num_slots}, {max_model_len}")
         if max_model_len > lm.layout.max_model_len:
@@ -76,12 +78,13 @@ class DecodeEngine:
         if kv_cache_bytes is None:  # room for every slot at full length, as a preallocated engine had
             kv_cache_bytes = num_slots * -(-max_model_len // block_size) * _block_bytes(lm, block_size)
         self.pool = make_pool(lm, kv_cache_bytes, block_size, attention)   # CPU or CUDA: services/decode/runners.py
-        self._runner = make_runner(lm, self.pool, num_slots, max_model_len, Sampler(seed), attention, serial_rows,
-                                   fused, fused_serial_rows, lm_head_screen, graph_buckets)
+        self._runner = make_runner(lm, self.pool, num_slots, max_model_len, Sampler(seed, logprobs_mode), attention,
+                                   serial_rows, fused, fused_serial_rows, lm_head_screen, graph_buckets)
         self._bytes_copied = 0
         self._decoders = {skip: decode_function(tokenizer, skip) for skip in (True, False)}
         self._cond = threading.Condition()
-        self._requests: dict[str, DecodeRequest] = {}   # every request not yet finished
+        self._requests: dict[str, DecodeRequest] = {}   # every request (sample) not yet finished, by key
+        self._groups: dict[str, SampleGroup] = {}         # requests for n > 1 samples, by request id
         self._inbox: deque[DecodeRequest] = deque()
         self._aborts: set[str] = set()
         self._waiting: deque[DecodeRequest] = deque()
@@ -94,13 +97,15 @@ class DecodeEngine:
 
     # ---- API (any thread) -------------------------------------------------------------------
 
-    def reserve(self, prompt_len: int, params: DecodeParams | None = None) -> RequestBlocks | None:
+    def reserve(self, prompt_len: int, params: DecodeParams | None = None, samples: int = 1) -> RequestBlocks | None:
         """The blocks a request of `prompt_len` tokens can ever need, promised now; None if the pool cannot.
+        With `samples` > 1: the prompt's blocks once and each sample's own (services/decode/fork.py).
 
         Raises ContextTooLong when prompt_len + max_tokens exceeds max_model_len.  The caller owns the
-        result until `submit` takes it, and must `release()` it if it never submits."""
+        result until `submit` (or `open_samples`) takes it, and must `release()` it if it never does."""
         max_tokens = self._max_tokens(prompt_len, params or DecodeParams())
-        count = self.pool.blocks_for(prompt_len + max_tokens - 1)
+        count = (self.pool.blocks_for(prompt_len + max_tokens - 1) if samples == 1
+                 else group_blocks(self.pool, prompt_len, max_tokens, samples))
         return RequestBlocks(self.pool, count) if self.pool.try_reserve(count) else None
 
     def submit(self, request_id: str, kv: torch.Tensor | RequestBlocks, prompt_len: int, rope_delta: int,
@@ -150,9 +155,13 @@ class DecodeEngine:
                 self._emit_token(request, request.first_token)
         return request
 
-    def start(self, request: DecodeRequest) -> None:
+    def start(self, request: DecodeRequest | SampleGroup) -> None:
         """Queue an opened request for steps (its blocks now hold the prompt); a request that ended meanwhile
-        (its first token, or an abort asked for while it was loading) is ended here instead."""
+        (its first token, or an abort asked for while it was loading) is ended here instead.  A group's
+        samples still running share the loaded prompt (fork.fork) and are queued each on its own."""
+        if isinstance(request, SampleGroup):
+            self._start_samples(request)
+            return
         if not request.finished and request.blocks.num_tokens != request.prompt_len:
             self.fail(request, f"the loaded KV holds {request.blocks.num_tokens} tokens, prompt_len is "
                                f"{request.prompt_len}")
@@ -167,30 +176,46 @@ class DecodeEngine:
                 return
         self._end(request, request.end(FINISH_ABORT))
 
-    def fail(self, request: DecodeRequest, message: str) -> None:
+    def fail(self, request: DecodeRequest | SampleGroup, message: str) -> None:
         """End an opened request that will not start (its KV could not be loaded): an error event, blocks back."""
+        if isinstance(request, SampleGroup):
+            request.started = True
+            request.blocks.release()
+            for member in request.members:
+                self.fail(member, message)
+            return
         with self._cond:
             request.started = True
             if request.finished:
                 return
         self._end(request, request.end(FINISH_ERROR, message))
 
-    def _check_accept(self, request_id: str) -> None:
+    def _check_accept(self, request_id: str, samples: int = 1) -> None:
         if self._closed:
             raise EngineClosed("the decode engine is closed")
-        if request_id in self._requests:
+        if request_id in self._requests or request_id in self._groups:
             raise InvalidRequest(f"request {request_id!r} is already being decoded", code="duplicate_request")
-        if len(self._requests) >= self.num_slots + self.max_queued:
+        if len(self._requests) + samples > self.num_slots + self.max_queued:
             raise EngineFull(f"decode is full: {self.num_slots} slots busy, {self.max_queued} waiting")
 
     def abort(self, request_id: str) -> bool:
         """Ends the request before the next step (finish_reason "abort"); False if it is not running."""
         with self._cond:
-            if request_id not in self._requests:
+            group = self._groups.get(request_id)
+            if group is not None:
+                self._aborts.update(member.key for member in group.members)
+            elif request_id in self._requests:
+                self._aborts.add(request_id)
+            else:
                 return False
-            self._aborts.add(request_id)
             self._cond.notify()
             return True
+
+    @property
+    def busy(self) -> bool:
+        """A request (or a sample of one) is open: registered and not yet ended."""
+        with self._cond:
+            return bool(self._requests)
 
     def stats(self) -> EngineStats:
         with self._cond:
@@ -399,9 +424,14 @@ class DecodeEngine:
         # Forget the id first: a consumer may resubmit it as soon as it sees the final event.
         request.blocks.release()
         with self._cond:
-            self._requests.pop(request.request_id, None)
+            self._requests.pop(request.key, None)
             self._finished += 1
         request.emit(event)
+        if request.key != request.request_id:
+            with self._cond:
+                group = self._groups.get(request.request_id)
+                if group is not None and group.finished:
+                    del self._groups[request.request_id]
 
     def _fail_all(self, message: str) -> None:
         rows, self._rows = self._rows, []

@@ -26,8 +26,10 @@ class DecodeRequest:
                  params: DecodeParams, max_tokens: int, eos_token_ids: Sequence[int],
                  detokenizer: IncrementalDetokenizer, stream: DecodeStream,
                  on_event: Callable[[DecodeEvent], None] | None = None,
-                 prompt_token_ids: Sequence[int] | None = None) -> None:
+                 prompt_token_ids: Sequence[int] | None = None, index: int = 0, samples: int = 1) -> None:
         self.request_id = request_id
+        self.index = index            # which of the request's samples (sampling_params.n) this is
+        self.key = request_id if samples == 1 else f"{request_id}#{index}"   # the engine's unique name of it
         self.blocks = blocks          # its KV in the pool; released when the request ends
         self.prompt_len = prompt_len
         self.rope_delta = rope_delta
@@ -82,4 +84,4 @@ class DecodeRequest:
     def _event(self, token_ids: list[int], text: str, finish: str | None, stop_reason: int | str | None,
                error: str | None = None, logprobs: list | None = None) -> DecodeEvent:
         return DecodeEvent(self.request_id, token_ids, text, finish, stop_reason, len(self.output_ids), error,
-                           logprobs)
+                           logprobs, self.index)

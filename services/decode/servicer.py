@@ -15,9 +15,10 @@ from .serving import DecodeService
 from .stream import DecodeEvent
 
 
-def to_chunk(event: DecodeEvent, prompt_tokens: int) -> pb.DecodeChunk:
+def to_chunk(event: DecodeEvent, prompt_tokens: int, weight_version: str = "") -> pb.DecodeChunk:
     chunk = pb.DecodeChunk(token_ids=event.token_ids, text=event.text, finish_reason=event.finish_reason or "",
-                           stop_reason="" if event.stop_reason is None else str(event.stop_reason))
+                           stop_reason="" if event.stop_reason is None else str(event.stop_reason),
+                           index=event.index, weight_version=weight_version)
     if event.logprobs:
         chunk.logprobs_json = dumps(dumps_list(event.logprobs))
     if event.finished:
@@ -32,13 +33,14 @@ class DecodeServicer(rpc.DecodeServiceServicer):
 
     @rpc_stream
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
+        version = self.service.serving_version(request.weight_version)   # the same turn as decode's own check
         events = self.service.decode(request.request_id, loads(request.kv_transfer_params_json),
                                      sampling_from_pb(request.sampling), list(request.prompt_token_ids),
-                                     resumed=list(request.resumed_token_ids))
+                                     resumed=list(request.resumed_token_ids), weight_version=version)
         async for event in events:
             if event.finish_reason == "error":
                 raise InternalError(event.error or "decode failed", code="decode_error")
-            yield to_chunk(event, request.prompt_tokens)
+            yield to_chunk(event, request.prompt_tokens, version)
 
     @rpc_method
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext):

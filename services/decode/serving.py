@@ -18,7 +18,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter
 
@@ -30,7 +30,7 @@ from services.generation.params_from import decode_params
 from services.hostcpu.compute_threads import helper_executor
 from services.observability import activity
 from services.observability.owned_metrics import OwnedGauges
-from services.protocol.errors import InvalidRequest
+from services.protocol.errors import Conflict, InvalidRequest
 from services.protocol.logprobs import FLOOR, TokenLogprob
 
 from .engine import DecodeEngine
@@ -38,6 +38,10 @@ from .errors import EngineFull
 from .metrics import ENGINE_GAUGES, export_info
 from .request import DecodeRequest
 from .request_blocks import RequestBlocks
+from .samples import SampleGroup
+
+if TYPE_CHECKING:
+    from services.weights.role import RoleWeights
 from .stream import DecodeEvent
 
 log = logging.getLogger(__name__)
@@ -67,6 +71,26 @@ def _transfer_fields(kv_params: Any) -> tuple[dict, int, int, int]:
                              code="invalid_kv_transfer_params") from None
 
 
+def first_tokens(kv_params: dict, samples: int, first_token: int) -> list[int]:
+    """The first token of each of the request's samples: prefill sampled one per sample (first_token_ids)."""
+    if samples == 1:
+        return [first_token]
+    firsts = kv_params.get("first_token_ids")
+    if not isinstance(firsts, list) or len(firsts) != samples or not all(type(t) is int for t in firsts):
+        raise InvalidRequest(f"sampling_params.n is {samples}, but kv_transfer_params.first_token_ids does not hold "
+                             f"{samples} token ids: prefill the prompt with the same n",
+                             code="invalid_kv_transfer_params")
+    return firsts
+
+
+def _check_kv_version(kv_params: Any, version: str) -> None:
+    """A KV entry is of the weights that made it: decode must run the same (kv_transfer_params.weight_version)."""
+    made = kv_params.get("weight_version") if isinstance(kv_params, dict) else None
+    if made is not None and version and made != version:
+        raise Conflict(f"the KV entry was made by weight version {made!r}, this decode serves {version!r}",
+                       code="weight_version_mismatch")
+
+
 def _entry_bytes(handle: dict) -> int:
     """The payload size a handle names (an shm handle carries "length"); unknown counts as large."""
     length = handle.get("length")
@@ -82,6 +106,8 @@ class DecodeService:
         self._num_waiting = 0
         self._loading: set[asyncio.Future] = set()  # KV copies running beside their first tokens
         self._copies = helper_executor(2)  # large KV copies (threads that run torch on one thread)
+        self.weights: RoleWeights | None = None   # set by the app: the served version and its switch
+        self.retiring: list[DecodeEngine] = []   # engines of replaced weights, finishing their requests
         # Read at scrape time: an aborted request's row and blocks show free as soon as the engine let them go.
         self.gauges = OwnedGauges(self, GAUGES)
         export_info(engine.stats(), engine.step_report)
@@ -91,63 +117,80 @@ class DecodeService:
         """Requests waiting for room in the KV pool (not yet queued in the engine)."""
         return self._num_waiting
 
+    def serving_version(self, requested: str = "") -> str:
+        """The weight version a request naming `requested` runs on ("" names any); Conflict when another."""
+        return self.weights.check(requested) if self.weights is not None else ""
+
     async def decode(self, request_id: str, kv_params: Any, sampling: dict[str, Any],
                      prompt_token_ids: list[int] | None = None,
-                     resumed: list[int] | None = None) -> AsyncIterator[DecodeEvent]:
+                     resumed: list[int] | None = None, weight_version: str = "") -> AsyncIterator[DecodeEvent]:
         """The request's events, the first token's first.  `resumed`: the output tokens the client already has
         (its decode instance died): the KV holds the prompt and all but the last of them, which is the first
-        token; they are judged again without being sent, and the stream starts with the next token."""
+        token; they are judged again without being sent, and the stream starts with the next token.  The request
+        runs on the engine of `weight_version` (the one served now, which it must name or leave ""), whole, even
+        if the weights change meanwhile (services/weights/role.py); the KV must be of that version too."""
+        version = self.serving_version(weight_version)
+        engine = self.engine   # taken with the version check, in the same turn of the loop as a switch would be
+        _check_kv_version(kv_params, version)
         params = decode_params(sampling)
+        samples = self._samples(engine, sampling, bool(resumed))
         handle, prompt_len, rope_delta, first_token = _transfer_fields(kv_params)
+        firsts = first_tokens(kv_params, samples, first_token)
         if resumed:
             first_token = resumed[-1]
         budget_len = prompt_len - max(0, len(resumed or ()) - 1)   # the original prompt: the token budget's base
         if budget_len < 1:
             raise InvalidRequest(f"{len(resumed or ())} resumed tokens for a KV of {prompt_len}",
                                  code="invalid_kv_transfer_params")
-        self._check_room()  # before the KV is loaded (and released): a full instance leaves it for another
-        blocks = await self._reserve(budget_len, params)
+        self._check_room(engine, samples)  # before the KV is loaded (and released): a full one leaves it for another
+        blocks = await self._reserve(engine, budget_len, params, samples)
         views = contextlib.ExitStack()
         try:
             # The entry is opened and checked before anything is emitted: a missing or malformed one is a typed
             # error the coordinator can act on (kv_entry_missing: prefill again), not a stream that breaks.
             activity.mark("decode.kv_open.start")
-            kv = await self._open_entry(handle, prompt_len, views)
+            kv = await self._open_entry(engine, handle, prompt_len, views)
             activity.mark("decode.kv_open.end")
-            request = self.engine.open(request_id, blocks, prompt_len, rope_delta, first_token, params,
-                                       prompt_token_ids=prompt_token_ids or None, resumed=resumed or ())
+            if samples == 1:
+                request: DecodeRequest | SampleGroup = engine.open(
+                    request_id, blocks, prompt_len, rope_delta, first_token, params,
+                    prompt_token_ids=prompt_token_ids or None, resumed=resumed or ())
+            else:
+                request = engine.open_samples(request_id, blocks, prompt_len, rope_delta, firsts, params,
+                                              prompt_token_ids or None)
         except BaseException:
             with contextlib.suppress(ConnectorError):
                 views.close()
             blocks.release()
             raise
         # The first token (prefill's) is on the stream already; the copy into the blocks runs beside it.
-        loading = asyncio.ensure_future(self._load_then_start(request, handle, kv, views))
+        loading = asyncio.ensure_future(self._load_then_start(engine, request, handle, kv, views))
         self._loading.add(loading)
         loading.add_done_callback(self._loading.discard)
-        texts = _LogprobTexts(self.engine.tokenizer, kv_params, first_token, bool(resumed)) \
+        texts = _LogprobTexts(engine.tokenizer, kv_params, firsts, bool(resumed)) \
             if params.logprobs is not None else None
-        finished = False
+        left = samples   # samples whose final event has not been read yet
         try:
             async for event in request.stream.events():
                 if texts is not None:
                     event = texts.complete(event)
                 TOKENS.inc(len(event.token_ids))
                 if event.finished:
-                    finished = True
+                    left -= 1
                     FINISHED.labels(event.finish_reason or "unknown").inc()
                 yield event
         finally:
-            if not finished:
-                self.engine.abort(request_id)  # one still loading ends when its copy is done (engine.start)
+            if left:
+                engine.abort(request_id)  # one still loading ends when its copy is done (engine.start)
                 FINISHED.labels("abort").inc()
 
-    async def _open_entry(self, handle: dict, prompt_len: int, views: contextlib.ExitStack) -> Any:
+    async def _open_entry(self, engine: DecodeEngine, handle: dict, prompt_len: int,
+                          views: contextlib.ExitStack) -> Any:
         """The KV entry's tensor, open in `views` and checked against the prompt: a zero-copy view of a local
         store's memory, opened on the loop (it copies nothing); a remote store's read runs in a thread."""
         def open_checked() -> Any:
             kv = views.enter_context(self.kv_store.view(handle))["kv"]
-            self.engine.check_prefill(kv, prompt_len)
+            engine.check_prefill(kv, prompt_len)
             return kv
 
         try:
@@ -159,15 +202,28 @@ class DecodeService:
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidRequest(f"bad KV handle: {exc}", code="invalid_kv_handle") from None
 
-    async def _load_then_start(self, request: DecodeRequest, handle: dict, kv: Any,
-                               views: contextlib.ExitStack) -> None:
+    @staticmethod
+    def _samples(engine: DecodeEngine, sampling: dict[str, Any], resumed: bool) -> int:
+        """sampling_params.n, checked against what this instance can ever hold at once."""
+        samples = sampling.get("n") or 1
+        capacity = engine.num_slots + engine.max_queued
+        if not isinstance(samples, int) or not 1 <= samples <= capacity:
+            raise InvalidRequest(f"sampling_params.n must be an integer in [1, {capacity}] on this decode instance "
+                                 f"(--decode-slots + --decode-queue), got {samples!r}", code="invalid_n")
+        if resumed and samples > 1:
+            raise InvalidRequest("a resumed request carries one sample (n = 1): resume each sample on its own",
+                                 code="invalid_n")
+        return samples
+
+    async def _load_then_start(self, engine: DecodeEngine, request: DecodeRequest | SampleGroup, handle: dict,
+                               kv: Any, views: contextlib.ExitStack) -> None:
         """Copy the entry into the request's blocks (the one copy), close the view (an entry overwritten
         meanwhile fails the request, never a wrong KV), release the entry so its producer can free it, and
         queue the request for steps.  On the loop when the store is local and the entry small, else in a
         thread (a Redis release is a round trip).  Never raises: a failure ends the request with an error."""
         def copy_and_release() -> None:
             if not request.finished:  # its first token did not end it: the steps need the prompt's KV
-                self.engine.load(request.blocks, kv, request.prompt_len)
+                engine.load(request.blocks, kv, request.prompt_len)
             views.close()
             try:
                 self.kv_store.release(handle)
@@ -182,66 +238,71 @@ class DecodeService:
                 try:
                     await asyncio.wrap_future(copy)
                 except asyncio.CancelledError:  # the loop is going away: end it once the copy lets go
-                    copy.add_done_callback(lambda _: self.engine.fail(request, "decode is shutting down"))
+                    copy.add_done_callback(lambda _: engine.fail(request, "decode is shutting down"))
                     raise
         except ConnectorError as exc:
-            self.engine.fail(request, f"kv entry unusable: {exc}")
+            engine.fail(request, f"kv entry unusable: {exc}")
         except Exception as exc:  # noqa: BLE001 - reported on the request's stream
             log.exception("loading the KV of request %s failed", request.request_id)
-            self.engine.fail(request, f"loading the KV failed: {type(exc).__name__}")
+            engine.fail(request, f"loading the KV failed: {type(exc).__name__}")
         else:
-            self.engine.start(request)
+            engine.start(request)
 
-    async def _reserve(self, prompt_len: int, params: DecodeParams) -> RequestBlocks:
+    async def _reserve(self, engine: DecodeEngine, prompt_len: int, params: DecodeParams,
+                       samples: int = 1) -> RequestBlocks:
         """The request's blocks; waits (bounded in time and in waiters) while the pool is full."""
-        blocks = self.engine.reserve(prompt_len, params)
+        blocks = engine.reserve(prompt_len, params, samples)
         if blocks is not None:
             return blocks
         if self._num_waiting >= self.max_waiting:
-            raise self._pool_full("its admission queue is full too")
+            raise self._pool_full(engine, "its admission queue is full too")
         self._num_waiting += 1
         try:
             deadline = time.monotonic() + self.kv_wait_s
             while blocks is None:
                 if time.monotonic() >= deadline:
-                    raise self._pool_full(f"no room within {self.kv_wait_s:g} s")
+                    raise self._pool_full(engine, f"no room within {self.kv_wait_s:g} s")
                 await asyncio.sleep(_POLL_S)
-                blocks = self.engine.reserve(prompt_len, params)
+                blocks = engine.reserve(prompt_len, params, samples)
             return blocks
         finally:
             self._num_waiting -= 1
 
-    def _pool_full(self, why: str) -> EngineFull:
-        kv = self.engine.stats().kv
+    @staticmethod
+    def _pool_full(engine: DecodeEngine, why: str) -> EngineFull:
+        kv = engine.stats().kv
         return EngineFull(f"decode KV pool is full ({kv.free_blocks} of {kv.num_blocks} blocks free) and {why}",
                           code="decode_kv_full")
 
     def abort(self, request_ids: list[str]) -> int:
-        return sum(self.engine.abort(r) for r in request_ids)
+        engines = [self.engine, *self.retiring]   # a request may still run on weights being retired
+        return sum(any(engine.abort(r) for engine in engines) for r in request_ids)
 
-    def _check_room(self) -> None:
-        stats, engine = self.engine.stats(), self.engine
-        if stats.active + stats.queued >= engine.num_slots + engine.max_queued:
+    @staticmethod
+    def _check_room(engine: DecodeEngine, samples: int = 1) -> None:
+        stats = engine.stats()
+        if stats.active + stats.queued + samples > engine.num_slots + engine.max_queued:
             raise EngineFull(f"decode is full: {engine.num_slots} slots busy, {engine.max_queued} waiting")
 
 
 class _LogprobTexts:
-    """Gives a request's events their logprobs records with token texts; the first token's record (sampled by
-    prefill) comes from kv_transfer_params["first_logprobs"] (vLLM's -9999.0 sentinel when prefill sent none)."""
+    """Gives a request's events their logprobs records with token texts; each sample's first token's record
+    (sampled by prefill) comes from kv_transfer_params["first_logprobs"] (a list for n > 1; vLLM's -9999.0
+    sentinel when prefill sent none)."""
 
-    def __init__(self, tokenizer: Any, kv_params: dict, first_token: int, resumed: bool = False) -> None:
+    def __init__(self, tokenizer: Any, kv_params: dict, firsts: list[int], resumed: bool = False) -> None:
         raw = kv_params.get("first_logprobs")
-        self.first: TokenLogprob | None = (None if resumed   # the client has the first token's record already
-                                           else TokenLogprob.from_json(raw) if isinstance(raw, dict)
-                                           else TokenLogprob(first_token, FLOOR, 0))
+        given = raw if isinstance(raw, list) else [raw]
+        self.first: dict[int, TokenLogprob] = {} if resumed else {   # a resumed client has the first record
+            index: TokenLogprob.from_json(body) if isinstance(body, dict) else TokenLogprob(token, FLOOR, 0)
+            for index, (token, body) in enumerate(zip(firsts, [*given, *[None] * len(firsts)], strict=False))}
         whole = decode_function(tokenizer, False)
         self.decode: Callable[[int], str] = lambda token_id: whole([token_id])
 
     def complete(self, event: DecodeEvent) -> DecodeEvent:
         records = list(event.logprobs or [])
-        if self.first is not None and event.token_ids:
-            records.insert(0, self.first)
-            self.first = None
+        if event.token_ids and event.index in self.first:
+            records.insert(0, self.first.pop(event.index))
         if not records:
             return event
         return dataclasses.replace(event, logprobs=[r.with_text(self.decode) for r in records])

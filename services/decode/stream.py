@@ -3,7 +3,9 @@
 The engine's worker thread `put`s events; one consumer reads them, either
 from a thread (`for event in stream`, blocking, `timeout` per event) or from
 asyncio (`async for event in stream.events()`: events hop onto the consumer's
-loop with call_soon_threadsafe).  The last event has a finish_reason.
+loop with call_soon_threadsafe).  A request for n samples has one stream for all
+of them (each event names its sample: `index`); the stream ends with the last
+sample's final event (the one with a finish_reason, for n = 1).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class DecodeEvent:
     completion_tokens: int = 0             # output tokens so far, this event's included
     error: str | None = None               # set with finish_reason "error"
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for logprobs
+    index: int = 0                         # which of the request's n samples (sampling_params.n)
 
     @property
     def finished(self) -> bool:
@@ -42,9 +45,12 @@ class StreamTimeout(TimeoutError):
 class DecodeStream:
     """Thread-safe, single-consumer event stream of one request."""
 
-    def __init__(self, request_id: str, timeout: float | None = 60.0) -> None:
+    def __init__(self, request_id: str, timeout: float | None = 60.0, samples: int = 1) -> None:
         self.request_id = request_id
         self.timeout = timeout
+        self._samples = samples
+        self._open = samples   # samples whose final event has not come yet
+        self._read = 0         # final events the consumer has read
         self._events: deque[DecodeEvent] = deque()
         self._cond = threading.Condition()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -59,8 +65,9 @@ class DecodeStream:
         """Called by the engine thread."""
         with self._cond:
             if self._finished:
-                return  # nothing follows a final event
-            self._finished = event.finished
+                return  # nothing follows the last final event
+            self._open -= event.finished
+            self._finished = self._open <= 0
             if self._loop is not None and self._queue is not None:
                 try:
                     self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
@@ -76,19 +83,18 @@ class DecodeStream:
         with self._cond:
             if not self._cond.wait_for(lambda: self._events, timeout):
                 raise StreamTimeout(f"no decode event for {self.request_id} within {timeout}s")
-            return self._events.popleft()
+            event = self._events.popleft()
+            self._read += event.finished
+            return event
 
     def __iter__(self) -> Iterator[DecodeEvent]:
-        while True:
-            event = self.get()
-            yield event
-            if event.finished:
-                return
+        while self._read < self._samples:
+            yield self.get()
 
     def collect(self, timeout: float | None = None) -> list[DecodeEvent]:
-        """All events until the final one (blocking)."""
+        """All events until the last final one (blocking)."""
         events: list[DecodeEvent] = []
-        while not events or not events[-1].finished:
+        while self._read < self._samples:
             events.append(self.get(timeout))
         return events
 
@@ -96,15 +102,14 @@ class DecodeStream:
         """Async iteration on the running loop; raises StreamTimeout like `get`."""
         queue = self._attach(asyncio.get_running_loop())
         timeout = self.timeout if timeout is None else timeout
-        while True:
+        while self._read < self._samples:
             try:  # asyncio.timeout, not wait_for: 3.11's wait_for drops a cancel that lands as an event arrives
                 async with asyncio.timeout(timeout):
                     event = await queue.get()
             except TimeoutError as exc:
                 raise StreamTimeout(f"no decode event for {self.request_id} within {timeout}s") from exc
+            self._read += event.finished
             yield event
-            if event.finished:
-                return
 
     def _attach(self, loop: asyncio.AbstractEventLoop) -> asyncio.Queue[DecodeEvent]:
         with self._cond:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -12,6 +13,10 @@ from services.runtime.server import RoleServer
 if TYPE_CHECKING:
     from services.models.device_plan import DevicePlan
     from services.models.prepack import LinearReport
+    from services.weights.role import RoleWeights
+
+    from .engine import EncodeEngine
+    from .serving import EncodeService
 
 
 def prepare(vision: Any, plan: DevicePlan) -> LinearReport:
@@ -21,33 +26,61 @@ def prepare(vision: Any, plan: DevicePlan) -> LinearReport:
     return prepack_vision(vision, plan.linear_kernel, fuse=plan.fused_kernels)
 
 
-async def build(config: EpdConfig) -> RoleServer:
-    from services.connectors.wiring import open_store
+def load_engine(config: EpdConfig, folder: Path) -> EncodeEngine:
+    """The vision tower of checkpoint `folder`, its kernels and an encode engine over it (start-up, and each
+    weight version staged by a weight update: services/weights/role.py)."""
     from services.models.device_plan import plan_for
     from services.models.prepack import export
-    from services.models.registry import adapter_for, resolve_model
-    from services.rpc.v1 import epd_pb2_grpc as rpc
+    from services.models.registry import adapter_for
 
     from .engine import EncodeEngine
+
+    plan = plan_for(config)   # what runs on this device (CPU-only kernels never on CUDA)
+    vision = adapter_for(folder).load_vision(folder, config.checkpoint.device, config.checkpoint.dtype)
+    export(prepare(vision, plan), "vision")
+    return EncodeEngine(vision, config.engines.encode_max_batch_tokens)
+
+
+def weights_of(config: EpdConfig, service: EncodeService, base: Path) -> RoleWeights:
+    """The encode instance's weights: each version a tower and engine of its own; its EC entries keyed by it."""
+    from services.weights.drain import retire_when_idle
+    from services.weights.role import RoleWeights
+
+    def swap(engine: EncodeEngine) -> EncodeEngine:
+        old, service.engine = service.engine, engine
+        return old
+
+    def retire(engine: EncodeEngine) -> None:
+        retire_when_idle("encode", lambda: engine.num_pending == 0, engine.close,
+                         config.limits.max_request_timeout_s)
+
+    return RoleWeights("encode", base, lambda folder, _version: load_engine(config, folder), swap, retire)
+
+
+async def build(config: EpdConfig) -> RoleServer:
+    from services.connectors.wiring import open_store
+    from services.models.registry import resolve_model
+    from services.rpc.v1 import epd_pb2_grpc as rpc
+    from services.weights import servicer as weights_rpc
+
     from .servicer import EncodeServicer
     from .serving import EncodeService
 
-    plan = plan_for(config)   # what runs on this device (CPU-only kernels never on CUDA)
     path = resolve_model(config.checkpoint.model)
-    vision = adapter_for(path).load_vision(path, config.checkpoint.device, config.checkpoint.dtype)
-    export(prepare(vision, plan), "vision")
-    engine = EncodeEngine(vision, config.engines.encode_max_batch_tokens)
+    engine = load_engine(config, path)
     store = open_store(config, "ec")
     mm_store = open_store(config, "mm", producer=False)  # render's processed images, read by handle
     service = EncodeService(engine, store, config.checkpoint.served_model_id(), config.limits.request_timeout_s,
                             config.engines.encode_max_queue, mm_store)
+    weights = service.weights = weights_of(config, service, path)
     servicer = EncodeServicer(service)
 
     def register(server: grpc.aio.Server) -> None:
         rpc.add_EncodeServiceServicer_to_server(servicer, server)
+        weights_rpc.register(server, weights)
 
     def cleanup() -> None:
-        engine.close()
+        service.engine.close()
         store.close()
         mm_store.close()
 

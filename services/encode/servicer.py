@@ -32,12 +32,14 @@ class EncodeServicer(rpc.EncodeServiceServicer):
         MM_BYTES.inc(sum(len(i.kwargs_data) + len(i.mm_metadata) for i in wanted))
         items = [await _decode(i.kwargs_data) for i in wanted]
         refs = [MmRef.from_json(i.kwargs_ref_json) if i.kwargs_ref_json else None for i in wanted]
-        calls = [self.service.encode(i.mm_hash, item, ref) for i, item, ref in zip(wanted, items, refs, strict=True)]
+        version = self.service.serving_version(request.weight_version)
+        calls = [self.service.encode(i.mm_hash, item, ref, version)
+                 for i, item, ref in zip(wanted, items, refs, strict=True)]
         if not calls:
-            return pb.EncodeResponse(request_id=request.request_id)
+            return pb.EncodeResponse(request_id=request.request_id, weight_version=version)
         # one item (the coordinator's call per image) is awaited here: a gather's task costs two loop turns
         results = [await calls[0]] if len(calls) == 1 else await asyncio.gather(*calls)
-        return pb.EncodeResponse(request_id=request.request_id, items=[
+        return pb.EncodeResponse(request_id=request.request_id, weight_version=version, items=[
             pb.EncodedItem(mm_hash=r.mm_hash, handle_json=dumps(r.handle), cache_hit=r.cache_hit) for r in results])
 
 

@@ -22,6 +22,7 @@ import contextlib
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import Counter
 
@@ -37,6 +38,9 @@ from services.protocol.tensors import to_torch
 from services.runtime.admission import Admission
 
 from .engine import EncodeEngine
+
+if TYPE_CHECKING:
+    from services.weights.role import RoleWeights
 
 log = logging.getLogger(__name__)
 ITEMS = Counter("epd_encode_items", "Items requested, by result (encoded | cache_hit)", ["result"])
@@ -60,6 +64,7 @@ class EncodedResult:
     mm_hash: str
     handle: dict
     cache_hit: bool
+    weight_version: str = ""   # the weights that made the embedding
 
 
 class EncodeService:
@@ -68,16 +73,26 @@ class EncodeService:
         self.engine, self.store, self.model_id, self.timeout_s = engine, store, model_id, timeout_s
         self.mm_store = mm_store  # where items sent by handle are read
         self._inflight: dict[str, asyncio.Task[EncodedResult]] = {}   # key -> the one encode of that item running
+        self.weights: RoleWeights | None = None   # set by the app: the served version and its switch
         self.admission = Admission("encode", max_queue)  # items waiting for or in the tower
         self.gauges = OwnedGauges(self, GAUGES)  # read at scrape time: evictions and expiry show at once
 
-    async def encode(self, mm_hash: str, item: Item | None, ref: MmRef | None = None) -> EncodedResult:
-        """The item's EC handle; `item` is the skeleton when `ref` says where its tensors are."""
-        key = ec_key(self.model_id, mm_hash)
+    def serving_version(self, requested: str = "") -> str:
+        """The weight version an item naming `requested` ("" names any) is encoded with; Conflict when another."""
+        return self.weights.check(requested) if self.weights is not None else ""
+
+    async def encode(self, mm_hash: str, item: Item | None, ref: MmRef | None = None,
+                     weight_version: str = "") -> EncodedResult:
+        """The item's EC handle; `item` is the skeleton when `ref` says where its tensors are.  The embedding is
+        of the weights of `weight_version` (the served one, which the caller must name or leave ""), under a key
+        of that version: another version's entry of the same item is another entry."""
+        version = self.serving_version(weight_version)
+        engine = self.engine   # taken with the version check, in the same turn of the loop as a switch would be
+        key = ec_key(self.model_id, mm_hash, version)
         handle = self._lookup(key)
         if handle is not None:
             ITEMS.labels("cache_hit").inc()
-            return EncodedResult(mm_hash, handle, True)
+            return EncodedResult(mm_hash, handle, True, version)
         if item is None:
             raise InvalidRequest(f"item {mm_hash}: no kwargs_data and not in the encoder cache",
                                  code="missing_kwargs_data")
@@ -87,7 +102,7 @@ class EncodeService:
         else:
             admitted = self.admission.admit()
             admitted.__enter__()   # refused (Overloaded) at once when full; held until the encode ends
-            task = asyncio.get_running_loop().create_task(self._encode(key, mm_hash, item, ref))
+            task = asyncio.get_running_loop().create_task(self._encode(engine, key, mm_hash, item, ref, version))
             self._inflight[key] = task
             task.add_done_callback(lambda done: self._ended(key, done, admitted))
         return await asyncio.shield(task)   # leaving stops this request's wait, never the encode
@@ -105,10 +120,11 @@ class EncodeService:
         except ConnectorError as exc:
             raise as_epd_error(exc, "ec") from None
 
-    async def _encode(self, key: str, mm_hash: str, item: Item, ref: MmRef | None) -> EncodedResult:
+    async def _encode(self, engine: EncodeEngine, key: str, mm_hash: str, item: Item, ref: MmRef | None,
+                      version: str) -> EncodedResult:
         try:
             with self._opened(item, ref) as full:
-                entry = await self._forward(mm_hash, full)
+                entry = await self._forward(engine, mm_hash, full)
         except ConnectorError as exc:  # the mm entry is gone or was overwritten: the coordinator renders again
             raise as_epd_error(exc, "mm") from None
         try:
@@ -118,7 +134,7 @@ class EncodeService:
         except ConnectorError as exc:
             raise as_epd_error(exc, "ec") from None
         ITEMS.labels("encoded").inc()
-        return EncodedResult(mm_hash, handle, False)
+        return EncodedResult(mm_hash, handle, False, version)
 
     @contextlib.contextmanager
     def _opened(self, item: Item, ref: MmRef | None) -> Iterator[Item]:
@@ -130,16 +146,16 @@ class EncodeService:
         with open_item(self.mm_store, item, ref) as full:
             yield full
 
-    async def _forward(self, mm_hash: str, item: Item) -> dict:
+    async def _forward(self, engine: EncodeEngine, mm_hash: str, item: Item) -> dict:
         tensors = {name: to_torch(elem.data) for name, elem in item.items() if elem.data is not None}
         # One entry per item: the embedding plus whatever else the family's prefill needs (deepstack).
         # An idle engine runs a small forward right here (no hand-off to its thread and back); otherwise the
         # item is awaited as a future, not in a thread: every waiting item can join the engine's next batch.
-        inline = self.engine.run_inline([tensors])
+        inline = engine.run_inline([tensors])
         if inline is not None:
             activity.mark("encode.engine_done")
             return inline[0]
-        [future] = self.engine.submit([tensors])
+        [future] = engine.submit([tensors])
         try:
             async with asyncio.timeout(self.timeout_s):   # not wait_for: it can drop a cancel (Python 3.11)
                 entry = await asyncio.wrap_future(future)

@@ -8,6 +8,7 @@ tokens skipped in text.  `max_tokens=None` means "the rest of the context".
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,6 +81,14 @@ class DecodeParams:
     @property
     def uses_top_k(self) -> bool:
         return self.top_k > 0
+
+
+def sample_params(params: DecodeParams, index: int) -> DecodeParams:
+    """The params of sample `index` of a request for n samples: its own seed, seed + index (vLLM's rule), when
+    the request is seeded (services/decode/samples.py)."""
+    if params.seed is None or index == 0:
+        return params
+    return dataclasses.replace(params, seed=params.seed + index)
 
 
 def _as_tuple(values: Any, kind: type, name: str) -> tuple:

@@ -107,9 +107,20 @@ def _payload(body: dict[str, Any]) -> str:
         else "tensors"
 
 
-def first_logprobs(outcome: PrefillOutcome) -> dict[str, Any] | None:
+def first_logprobs(outcome: PrefillOutcome, index: int = 0) -> dict[str, Any] | None:
     """vLLM's GenerateLogProbs of the one token prefill samples (ids only: prefill decodes no text)."""
-    return None if outcome.first_logprobs is None else generate_logprobs([outcome.first_logprobs])
+    record = (outcome.sample_logprobs or [outcome.first_logprobs])[index]
+    return None if record is None else generate_logprobs([record])
+
+
+def first_choices(outcome: PrefillOutcome, sampling: dict[str, Any], eos_ids: Sequence[int]) -> list[GenerateChoice]:
+    """One choice per sample (sampling_params.n), each with the one token prefill sampled for it."""
+    choices = []
+    for index, token in enumerate(outcome.firsts):
+        finish, stop_reason = first_token_finish(token, sampling, eos_ids)
+        choices.append(GenerateChoice(index=index, token_ids=[token], finish_reason=finish, stop_reason=stop_reason,
+                                      logprobs=first_logprobs(outcome, index)))
+    return choices
 
 
 class PrefillApi:
@@ -143,7 +154,7 @@ class PrefillApi:
         check_model(body.model, self.model_id)
         self._check_shape(body)
         ec_params = body.ec_transfer_params or {}
-        encodes = self.service.inline is not None
+        encodes = self.service.model.inline is not None
         items = [prefill_item(item, ec_params, self.metadata_keys, encodes) for item in body.items()]
         lm = self.service.lm
         check_prompt(body.token_ids, lm.layout.max_model_len)
@@ -151,13 +162,11 @@ class PrefillApi:
         sampling = body.sampling_params.model_dump(exclude={"extra_args"})
         outcome = await self.service.prefill(rid, list(body.token_ids), items, ec_params, sampling,
                                              body.cache_salt)
-        finish, stop_reason = first_token_finish(outcome.first_token_id, sampling, lm.eos_token_ids)
         answer = GenerateResponse(
             request_id=response_id(body.request_id, header_request_id(request)),
             model=body.model or self.model_id,
-            choices=[GenerateChoice(token_ids=[outcome.first_token_id], finish_reason=finish,
-                                    stop_reason=stop_reason, logprobs=first_logprobs(outcome))],
-            usage=Usage(prompt_tokens=outcome.prompt_tokens, completion_tokens=1),
+            choices=first_choices(outcome, sampling, lm.eos_token_ids),
+            usage=Usage(prompt_tokens=outcome.prompt_tokens, completion_tokens=len(outcome.firsts)),
             kv_transfer_params=outcome.kv_transfer_params)
         return answer, outcome.cached_tokens
 

@@ -43,8 +43,9 @@ from services.prefill import attention, last_rows
 from services.prefill.blocks import BlockManager
 from services.prefill.jobs import HeldPrefill, PrefillJob, release_when_done
 from services.prefill.kv_pool import KVPool, block_bytes
-from services.prefill.packing import Chunk, forward_chunks
+from services.prefill.packing import Chunk, forward_rows
 from services.prefill.prefix_cache import BLOCK_SIZE
+from services.prefill.prompt_logprobs import chunk_records
 from services.prefill.scheduler import Scheduled, Scheduler
 from services.sampling.sampler import greedy_argmax
 
@@ -70,7 +71,8 @@ class PrefillEngine:
 
     def __init__(self, lm: LanguageModel, max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
                  prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB, block_size: int = BLOCK_SIZE,
-                 idle_exit_s: float = 5.0, lm_head_screen: str = "auto", native_attention: bool = True) -> None:
+                 idle_exit_s: float = 5.0, lm_head_screen: str = "auto", native_attention: bool = True,
+                 cache_scope: str = "") -> None:
         # native: the AVX-512 kernel (CPU only: services/models/device_plan.py)
         attention.install(lm, native_attention)
         # greedy prompts' first tokens from a bfloat16 screen of the head, decided in float32
@@ -84,7 +86,7 @@ class PrefillEngine:
         self.pool = KVPool(lm.layout, max_cached + working, block_size, lm.device)
         self.blocks = BlockManager(max_cached + working, max_cached)
         self._scheduler = Scheduler(self.blocks, block_size, max_num_batched_tokens, self._prepare,
-                                    use_prefix_cache=max_cached > 0)
+                                    use_prefix_cache=max_cached > 0, scope=cache_scope)
         self._cond = threading.Condition()
         self._worker: threading.Thread | None = None
         self._closed = False
@@ -106,15 +108,18 @@ class PrefillEngine:
     def submit(self, token_ids: list[int], mm_items: list[MultiModalInput] | None = None,
                cache_salt: str | None = None,
                on_finish: Callable[[HeldPrefill], None] | None = None, greedy: bool = False,
-               inline: bool = False) -> Future[HeldPrefill]:
+               inline: bool = False, prompt_logprobs: int | None = None,
+               logprobs_mode: str = "raw_logprobs") -> Future[HeldPrefill]:
         """Queue one prompt; the future resolves to its HeldPrefill (release it!) or to the error
         (ValueError / InvalidMultiModalInput for items that do not fit the prompt).  `on_finish(held)`
         runs on the engine thread first (an exception from it fails the future, the blocks released).
         `greedy`: the caller takes the first token's plain argmax, so `HeldPrefill.first_token` carries it
         (decided by the LM head screen, or the full head's argmax on the engine thread) instead of
-        `first_logits`.  `inline`: an idle engine may run it on this thread (returns the future done)."""
+        `first_logits`.  `inline`: an idle engine may run it on this thread (returns the future done).
+        `prompt_logprobs`: the top n per prompt token too (`HeldPrefill.prompt_records`; prompt_logprobs.py)."""
         self._check_length(token_ids)
-        job = PrefillJob(list(token_ids), list(mm_items or []), cache_salt, on_finish=on_finish, greedy=greedy)
+        job = PrefillJob(list(token_ids), list(mm_items or []), cache_salt, on_finish=on_finish, greedy=greedy,
+                         prompt_logprobs=prompt_logprobs, logprobs_mode=logprobs_mode)
         with self._cond:
             if self._closed:
                 raise RuntimeError("the prefill engine is closed")
@@ -230,10 +235,16 @@ class PrefillEngine:
         role_cpu.long_prompt_running(long)
         # --role-threads prefill-long: a chunked prompt's forwards on fewer threads; a small forward on one
         compute_threads.use_for(self._cost.flops([(c.start, c.end) for c in chunks], len(finishing)), long)
+        whole = frozenset(i for i, item in enumerate(batch) if item.job.prompt_logprobs is not None)
         try:
             with torch.no_grad(), compute_timer("prefill"):
-                hidden = forward_chunks(self.lm, self.pool, chunks, self._last_rows)
+                hidden, rows = forward_rows(self.lm, self.pool, chunks, self._last_rows, whole)
                 tokens, logits = self._first_tokens(hidden[finishing], [batch[i].job for i in finishing])
+                for index, states in rows.items():
+                    item = batch[index]
+                    item.job.prompt_records.extend(chunk_records(
+                        self.lm.lm_head, states, item.job.token_ids, item.start, item.job.prompt_logprobs or 0,
+                        item.job.logprobs_mode))
         except Exception as exc:  # every prompt of the batch hears of it; the engine carries on
             log.exception("prefill forward of %d chunks failed", len(batch))
             with self._cond:

@@ -48,6 +48,9 @@ class PrefillJob:
     num_done: int = 0      # leading tokens whose KV is in the pool (cached included)
     on_finish: Callable[[HeldPrefill], None] | None = None  # run on the engine thread before the future resolves
     greedy: bool = False   # its first token is a plain greedy pick, decided on the engine thread
+    prompt_logprobs: int | None = None   # top n per prompt token, when asked (services/prefill/prompt_logprobs.py)
+    logprobs_mode: str = "raw_logprobs"  # logits or logprobs in those records
+    prompt_records: list[Any] = field(default_factory=list)   # one per prompt token but the first, as rows run
 
     @property
     def num_tokens(self) -> int:
@@ -67,6 +70,7 @@ class HeldPrefill:
         self.first_logits = first_logits            # [vocab] float32, or None when the screen picked the token
         self.first_token = first_token              # the greedy token (screen or argmax), when job.greedy
         self.rope_delta = job.inputs.rope_delta
+        self.prompt_records = job.prompt_records if job.prompt_logprobs is not None else None
         self.num_prompt_tokens = job.num_tokens
         self.num_cached_tokens = job.num_cached
         self._pool, self._blocks, self._release = pool, job.blocks, release

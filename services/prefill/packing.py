@@ -41,6 +41,13 @@ def forward_chunks(lm: LanguageModel, pool: KVPool, chunks: list[Chunk],
                    last_rows: list[RowSubset] | None = None) -> torch.Tensor:
     """[len(chunks), hidden]: the last row's final hidden state of each chunk; KV lands in the pool.
     With `last_rows` (services/prefill/last_rows.py) the last layer's o_proj and MLP run on those rows only."""
+    return forward_rows(lm, pool, chunks, last_rows)[0]
+
+
+def forward_rows(lm: LanguageModel, pool: KVPool, chunks: list[Chunk], last_rows: list[RowSubset] | None = None,
+                 whole: frozenset[int] = frozenset()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """`forward_chunks`, and for each chunk index in `whole` the final hidden state of every one of its rows
+    [num_tokens, hidden] (prompt logprobs: services/prefill/prompt_logprobs.py)."""
     import torch
 
     embeds = torch.cat([c.inputs.inputs_embeds[:, c.start:c.end] for c in chunks], dim=1)
@@ -55,7 +62,10 @@ def forward_chunks(lm: LanguageModel, pool: KVPool, chunks: list[Chunk],
     # A 4-D mask is taken as is (no T x T mask is built); packed attention ignores it.
     placeholder = torch.zeros(1, 1, 1, 1, dtype=embeds.dtype, device=embeds.device)
     last = torch.tensor([s.q0 + s.n - 1 for s in segments], device=embeds.device)
-    with only_rows(last_rows, last) if last_rows else nullcontext():
+    wanted = {i: torch.arange(s.q0, s.q0 + s.n, device=embeds.device) for i, s in enumerate(segments) if i in whole}
+    read = torch.cat([last, *wanted.values()]).unique() if wanted else last
+    with only_rows(last_rows, read) if last_rows else nullcontext():
         out = lm.model(inputs_embeds=embeds, position_ids=positions, attention_mask=placeholder, use_cache=False,
                        **{PLAN_KWARG: plan}, **extra)
-    return out.last_hidden_state[0].index_select(0, last)
+    hidden = out.last_hidden_state[0]
+    return hidden.index_select(0, last), {i: hidden.index_select(0, rows) for i, rows in wanted.items()}

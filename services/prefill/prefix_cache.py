@@ -24,9 +24,11 @@ BLOCK_SIZE = 16
 
 
 def block_hashes(token_ids: list[int], mm_items: list[MultiModalInput], cache_salt: str | None,
-                 block_size: int = BLOCK_SIZE) -> list[bytes]:
-    """Chain keys of the prompt's full blocks, stopping before the first block with an unhashed item."""
-    parent = hashlib.sha256(b"epd-prefix-v1\0" + (cache_salt or "").encode()).digest()
+                 block_size: int = BLOCK_SIZE, scope: str = "") -> list[bytes]:
+    """Chain keys of the prompt's full blocks, stopping before the first block with an unhashed item.  `scope`
+    (the weight version) starts the chain too: blocks of other weights are never reused."""
+    seed = b"epd-prefix-v1\0" + (cache_salt or "").encode()
+    parent = hashlib.sha256(seed + (b"\0" + scope.encode() if scope else b"")).digest()
     keys: list[bytes] = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         overlapping = [item for item in mm_items

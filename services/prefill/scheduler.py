@@ -41,12 +41,13 @@ class Scheduled:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, block_size: int, max_num_batched_tokens: int,
-                 prepare: Callable[[PrefillJob], None], use_prefix_cache: bool) -> None:
+                 prepare: Callable[[PrefillJob], None], use_prefix_cache: bool, scope: str = "") -> None:
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         self.blocks, self.block_size = blocks, block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.use_prefix_cache = use_prefix_cache
+        self.scope = scope   # the weight version: part of every prefix-cache key (prefix_cache.py)
         self._prepare = prepare
         self.waiting: deque[PrefillJob] = deque()
 
@@ -118,9 +119,9 @@ class Scheduler:
         return True
 
     def _lookup(self, job: PrefillJob) -> list[int]:
-        if not self.use_prefix_cache:
+        if not self.use_prefix_cache or job.prompt_logprobs is not None:   # prompt logprobs need every row run
             return []
         if not job.keys:
-            job.keys = block_hashes(job.token_ids, job.items, job.cache_salt, self.block_size)
+            job.keys = block_hashes(job.token_ids, job.items, job.cache_salt, self.block_size, self.scope)
         usable = (job.num_tokens - 1) // self.block_size  # keep at least one token to compute: its logits
         return self.blocks.lookup(job.keys[:usable])

@@ -39,10 +39,13 @@ class PrefillServicer(rpc.PrefillServiceServicer):
         salt = request.cache_salt if request.HasField("cache_salt") else None
         outcome = await self.service.prefill(request.request_id, list(request.token_ids),
                                              items_from_pb(list(request.items)), ec_params,
-                                             sampling_from_pb(request.sampling), salt)
+                                             sampling_from_pb(request.sampling), salt, request.weight_version)
         return pb.PrefillResponse(request_id=request.request_id, first_token_id=outcome.first_token_id,
                                   kv_transfer_params_json=dumps(outcome.kv_transfer_params),
-                                  prompt_tokens=outcome.prompt_tokens, cached_tokens=outcome.cached_tokens)
+                                  prompt_tokens=outcome.prompt_tokens, cached_tokens=outcome.cached_tokens,
+                                  first_token_ids=outcome.firsts, weight_version=outcome.weight_version,
+                                  prompt_logprobs_json=dumps(outcome.prompt_logprobs)
+                                  if outcome.prompt_logprobs is not None else b"")
 
 
 def _checked_handles(request: pb.PrefillRequest, ec_params: dict) -> dict:

@@ -15,23 +15,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter
 
 from services.connectors.base import ConnectorError, EntryMissing, TensorStore
-from services.connectors.ec import ec_key
+from services.connectors.ec import ec_key, ec_key_version
 from services.connectors.kv import kv_key
 from services.connectors.mm import MmRef, open_item
 from services.connectors.wiring import as_epd_error
-from services.generation.params import DecodeParams
+from services.generation.params import DecodeParams, sample_params
 from services.generation.params_from import decode_params
 from services.models.base import LanguageModel, MultiModalInput
 from services.observability import activity
 from services.observability.owned_metrics import OwnedGauges
-from services.protocol.errors import InvalidRequest
+from services.protocol.errors import Conflict, InvalidRequest
 from services.protocol.items import Item
 from services.protocol.logprobs import TokenLogprob
 from services.protocol.tensors import to_torch
@@ -41,6 +43,10 @@ from services.sampling.sampler import sample_first_logprobs
 from .engine import PrefillEngine
 from .inline_encode import InlineEncoder
 from .jobs import HeldPrefill, release_when_done
+from .prompt_logprobs import TokenTexts, answer
+
+if TYPE_CHECKING:
+    from services.weights.role import RoleWeights
 
 PROMPT_TOKENS = Counter("epd_prefill_prompt_tokens", "Prompt tokens prefilled")
 CACHED_TOKENS = Counter("epd_prefill_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache")
@@ -82,33 +88,80 @@ class PrefillOutcome:
     prompt_tokens: int
     cached_tokens: int
     first_logprobs: TokenLogprob | None = None  # when sampling asked for logprobs
+    first_token_ids: list[int] | None = None    # one per sample (sampling n); [0] is first_token_id
+    sample_logprobs: list[TokenLogprob | None] | None = None   # each sample's first token's, when asked
+    weight_version: str = ""                    # the weights that made the KV and the first tokens
+    prompt_logprobs: list[Any] | None = None    # with sampling prompt_logprobs: vLLM's per-prompt-token records
+
+    @property
+    def firsts(self) -> list[int]:
+        return self.first_token_ids or [self.first_token_id]
+
+
+@dataclass(frozen=True)
+class PrefillModel:
+    """What one weight version prefills with; a request takes the served one whole (services/weights/role.py)."""
+
+    engine: PrefillEngine
+    lm: LanguageModel
+    inline: InlineEncoder | None = None
+    version: str = ""
 
 
 class PrefillService:
     def __init__(self, engine: PrefillEngine, lm: LanguageModel, ec_store: TensorStore, kv_store: TensorStore,
                  instance_id: str, max_queue: int = 32, inline: InlineEncoder | None = None,
-                 mm_store: TensorStore | None = None, model_id: str = "") -> None:
-        self.engine, self.lm, self.instance_id = engine, lm, instance_id
+                 mm_store: TensorStore | None = None, tokenizer_path: Path | None = None,
+                 logprobs_mode: str = "raw_logprobs", model_id: str = "") -> None:
+        self.model = PrefillModel(engine, lm, inline)
+        self.logprobs_mode = logprobs_mode   # of the first tokens' logprobs (prompt logprobs are raw: vLLM's)
+        self.texts = TokenTexts(tokenizer_path)   # prompt logprobs' decoded tokens, loaded on first use
+        self.instance_id = instance_id
         self.model_id = model_id  # scopes the lookup of an item by mm_hash as encode keys its entries (ec_key)
         self.ec_store, self.kv_store, self.mm_store = ec_store, kv_store, mm_store
-        self.inline = inline
+        self.weights: RoleWeights | None = None   # set by the app: the served version and its switch
         self._puts: set[asyncio.Future] = set()   # remote KV puts running in threads
         self.admission = Admission("prefill", max_queue)
         # Read at scrape time, so entries that decode released or that expired show at once.
         self.gauges = OwnedGauges(self, GAUGES)
 
-    async def prefill(self, request_id: str, token_ids: list[int], items: list[PrefillItem],
-                      ec_params: dict[str, Any], sampling: dict[str, Any], cache_salt: str | None) -> PrefillOutcome:
-        """Refused at once (Overloaded) while `max_queue` prefills are already running or waiting."""
-        params = decode_params(sampling)
-        self._check_ids(token_ids)
-        with self.admission.admit():
-            return await self._prefill(request_id, token_ids, items, ec_params, params, cache_salt)
+    @property
+    def engine(self) -> PrefillEngine:
+        return self.model.engine
 
-    async def _prefill(self, request_id: str, token_ids: list[int], items: list[PrefillItem],
-                       ec_params: dict[str, Any], params: DecodeParams, cache_salt: str | None) -> PrefillOutcome:
-        key = kv_key(request_id)
-        held = await self._forward(token_ids, items, ec_params, cache_salt, key, params.plain_greedy)
+    @property
+    def lm(self) -> LanguageModel:
+        return self.model.lm
+
+    def served(self, requested: str = "") -> PrefillModel:
+        """The model a request naming weight version `requested` ("" names any) runs on, whole; Conflict when
+        another version is served."""
+        version = self.weights.check(requested) if self.weights is not None else ""
+        return dataclasses.replace(self.model, version=version)
+
+    async def prefill(self, request_id: str, token_ids: list[int], items: list[PrefillItem],
+                      ec_params: dict[str, Any], sampling: dict[str, Any], cache_salt: str | None,
+                      weight_version: str = "") -> PrefillOutcome:
+        """Refused at once (Overloaded) while `max_queue` prefills are already running or waiting.  With
+        sampling n > 1 the prompt runs once and each sample gets a first token of its own (seed + index).
+        It runs on the weights of `weight_version` (the served one, which it must name or leave "")."""
+        model = self.served(weight_version)
+        params = decode_params(sampling)
+        samples = sampling.get("n") or 1
+        if not isinstance(samples, int) or samples < 1:
+            raise InvalidRequest(f"sampling_params.n must be a positive integer, got {samples!r}", code="invalid_n")
+        self._check_ids(model, token_ids)
+        prompt_logprobs = sampling.get("prompt_logprobs")
+        with self.admission.admit():
+            return await self._prefill(model, request_id, token_ids, items, ec_params, params, cache_salt, samples,
+                                       prompt_logprobs)
+
+    async def _prefill(self, model: PrefillModel, request_id: str, token_ids: list[int], items: list[PrefillItem],
+                       ec_params: dict[str, Any], params: DecodeParams, cache_salt: str | None,
+                       samples: int = 1, prompt_logprobs: int | None = None) -> PrefillOutcome:
+        key = kv_key(request_id, model.version)
+        held = await self._forward(model, token_ids, items, ec_params, cache_salt, key, params.plain_greedy,
+                                   prompt_logprobs)
         if not self.kv_store.local:
             await self._put_remote(key, held)
         if held.kv_error is not None:
@@ -116,12 +169,7 @@ class PrefillService:
         handle = held.kv_handle
         assert handle is not None
         try:
-            if held.first_token is not None:   # the LM head screen's greedy pick (params.plain_greedy)
-                first, logprobs = held.first_token, None
-            else:
-                assert held.first_logits is not None   # kept whenever first_token was not picked
-                first, logprobs = sample_first_logprobs(held.first_logits, params, 0, self.lm.eos_token_ids,
-                                                        token_ids)
+            firsts, records = self._first_tokens(model, held, params, token_ids, samples)
         except BaseException:
             self._delete_quietly(key)  # nobody will read it
             raise
@@ -129,13 +177,34 @@ class PrefillService:
         CACHED_TOKENS.inc(held.num_cached_tokens)
         params_out = {"do_remote_prefill": True, "remote_engine_id": self.instance_id, "handle": handle,
                       "rope_delta": held.rope_delta, "num_prompt_tokens": held.num_prompt_tokens,
-                      "first_token_id": first}
-        if logprobs is not None:  # decode answers the first token's logprobs too
-            params_out["first_logprobs"] = logprobs.to_json()
-        return PrefillOutcome(first, params_out, held.num_prompt_tokens, held.num_cached_tokens, logprobs)
+                      "first_token_id": firsts[0]}
+        if model.version:
+            params_out["weight_version"] = model.version   # decode must run the weights that made the KV
+        if samples > 1:
+            params_out["first_token_ids"] = firsts
+        if records[0] is not None:  # decode answers the first tokens' logprobs too
+            params_out["first_logprobs"] = (records[0].to_json() if samples == 1
+                                            else [r.to_json() for r in records if r is not None])
+        prompt = None if held.prompt_records is None else await asyncio.to_thread(answer, held.prompt_records,
+                                                                                   self.texts)
+        return PrefillOutcome(firsts[0], params_out, held.num_prompt_tokens, held.num_cached_tokens, records[0],
+                              firsts, records, model.version, prompt)
 
-    async def _forward(self, token_ids: list[int], items: list[PrefillItem], ec_params: dict[str, Any],
-                       cache_salt: str | None, key: str, greedy: bool = False) -> HeldPrefill:
+    def _first_tokens(self, model: PrefillModel, held: HeldPrefill, params: DecodeParams, token_ids: list[int],
+                      samples: int) -> tuple[list[int], list[TokenLogprob | None]]:
+        """Each sample's first token (sample i draws with seed + i, services/decode/samples.py) and its logprobs
+        when asked; a plain greedy prompt's token is the engine's pick, the same for every sample."""
+        if held.first_token is not None:   # the LM head screen's greedy pick (params.plain_greedy)
+            return [held.first_token] * samples, [None] * samples
+        mode = self.logprobs_mode
+        assert held.first_logits is not None   # kept whenever first_token was not picked
+        picked = [sample_first_logprobs(held.first_logits, sample_params(params, i), 0, model.lm.eos_token_ids,
+                                        token_ids, logprobs_mode=mode) for i in range(samples)]
+        return [token for token, _ in picked], [record for _, record in picked]
+
+    async def _forward(self, model: PrefillModel, token_ids: list[int], items: list[PrefillItem],
+                       ec_params: dict[str, Any], cache_salt: str | None, key: str,
+                       greedy: bool = False, prompt_logprobs: int | None = None) -> HeldPrefill:
         """The prompt through the engine with each embedding read as a zero-copy view of the EC store, kept
         open until the forward is done: the scatter into the prompt's embeddings is the one copy.  An entry
         evicted meanwhile fails the prompt (ec_entry_missing) rather than use bytes that changed under it.
@@ -147,19 +216,20 @@ class PrefillService:
             with views:
                 activity.mark("prefill.ec_views.start")
                 if self.ec_store.local and all(isinstance(ec_params.get(i.mm_hash), dict) for i in items):
-                    mm_inputs = self._load_embeddings(items, ec_params, views)
+                    mm_inputs = self._load_embeddings(model, items, ec_params, views)
                 else:
-                    mm_inputs = await asyncio.to_thread(self._load_embeddings, items, ec_params, views)
+                    mm_inputs = await asyncio.to_thread(self._load_embeddings, model, items, ec_params, views)
                 activity.mark("prefill.ec_views.end")
-                held = await self._run_engine(token_ids, mm_inputs, cache_salt, key, greedy)
+                held = await self._run_engine(model, token_ids, mm_inputs, cache_salt, key, greedy, prompt_logprobs)
         except ConnectorError as exc:
             if held is not None:
                 held.release()
             raise as_epd_error(exc, "ec") from None
         return held
 
-    async def _run_engine(self, token_ids: list[int], mm_inputs: list[MultiModalInput],
-                          cache_salt: str | None, key: str, greedy: bool = False) -> HeldPrefill:
+    async def _run_engine(self, model: PrefillModel, token_ids: list[int], mm_inputs: list[MultiModalInput],
+                          cache_salt: str | None, key: str, greedy: bool = False,
+                          prompt_logprobs: int | None = None) -> HeldPrefill:
         """Wait for the engine without holding a thread (so every waiting prompt can join a batch).  With a
         local store the engine thread puts the KV into it as soon as the prompt's last forward ends
         (`_put_kv`: a memcpy), so the result comes back with its blocks already released.  A caller that gives
@@ -167,8 +237,8 @@ class PrefillService:
         finishes."""
         on_finish = (lambda held: self._put_kv(key, held)) if self.kv_store.local else None
         # An idle engine runs a small prompt right here (the future comes back done: no thread hand-off)
-        future = self.engine.submit(token_ids, mm_inputs, cache_salt, on_finish=on_finish, greedy=greedy,
-                                    inline=True)
+        future = model.engine.submit(token_ids, mm_inputs, cache_salt, on_finish=on_finish, greedy=greedy,
+                                     inline=True, prompt_logprobs=prompt_logprobs, logprobs_mode=self.logprobs_mode)
         if future.done():
             activity.mark("prefill.engine_done")
             return future.result()
@@ -221,47 +291,54 @@ class PrefillService:
         except ConnectorError:
             pass  # the TTL removes it
 
-    def _check_ids(self, token_ids: list[int]) -> None:
+    @staticmethod
+    def _check_ids(model: PrefillModel, token_ids: list[int]) -> None:
         # An id past the embedding table would fail inside the forward as an internal error.
-        bad = next((t for t in token_ids if not 0 <= t < self.lm.vocab_size), None)
+        bad = next((t for t in token_ids if not 0 <= t < model.lm.vocab_size), None)
         if bad is not None:
-            raise InvalidRequest(f"token id {bad} is out of range [0, {self.lm.vocab_size})",
+            raise InvalidRequest(f"token id {bad} is out of range [0, {model.lm.vocab_size})",
                                  code="invalid_token_id")
 
-    def _load_embeddings(self, items: list[PrefillItem], ec_params: dict[str, Any],
+    def _load_embeddings(self, model: PrefillModel, items: list[PrefillItem], ec_params: dict[str, Any],
                          views: contextlib.ExitStack) -> list[MultiModalInput]:
         inputs = []
         for item in items:
-            extras = self._entry(item, ec_params, views)
+            extras = self._entry(model, item, ec_params, views)
             embedding = extras.pop("embedding")  # the rest (e.g. Qwen3-VL deepstack) goes to the adapter
             inputs.append(MultiModalInput(item.modality, item.offset, item.length, _metadata(item), embedding,
                                           mm_hash=item.mm_hash, extras=extras))
         return inputs
 
-    def _inline(self, kwargs: Item, ref: MmRef | None) -> dict[str, Any]:
+    def _inline(self, model: PrefillModel, kwargs: Item, ref: MmRef | None) -> dict[str, Any]:
         """Encoded here; an item by handle is read from the mm store (the same handle encode would read)."""
-        assert self.inline is not None
+        assert model.inline is not None
         if ref is None:
-            return self.inline.entry(kwargs)
+            return model.inline.entry(kwargs)
         if self.mm_store is None:
             raise InvalidRequest("this prefill reads no mm store: send kwargs_data inline", code="no_mm_store")
         try:
             with open_item(self.mm_store, kwargs, ref) as full:
-                return self.inline.entry(full)
+                return model.inline.entry(full)
         except ConnectorError as exc:
             raise as_epd_error(exc, "mm") from None
 
-    def _entry(self, item: PrefillItem, ec_params: dict[str, Any], views: contextlib.ExitStack) -> dict[str, Any]:
+    def _entry(self, model: PrefillModel, item: PrefillItem, ec_params: dict[str, Any],
+               views: contextlib.ExitStack) -> dict[str, Any]:
         """The item's EC entry: a view of the EC store by handle (open until `views` closes); without a handle,
-        the entry encode stored under the item's mm_hash; encoded here only when it is in neither."""
+        the entry encode stored under the item's mm_hash by these weights; encoded here only when it is in
+        neither."""
         handle = ec_params.get(item.mm_hash)
         if not isinstance(handle, dict):
-            handle = self._by_hash(item.mm_hash)
-        if not isinstance(handle, dict) and item.kwargs is not None and self.inline is not None:
-            return self._inline(item.kwargs, item.kwargs_ref)
+            handle = self._by_hash(item.mm_hash, model.version)
+        if not isinstance(handle, dict) and item.kwargs is not None and model.inline is not None:
+            return self._inline(model, item.kwargs, item.kwargs_ref)
         if not isinstance(handle, dict):
             raise as_epd_error(EntryMissing(f"ec_transfer_params has no handle for mm_hash {item.mm_hash} and the "
                                             "EC store has no entry under it: encode it first"), "ec")
+        made = ec_key_version(str(handle.get("key", "")))
+        if made and model.version and made != model.version:   # an embedding of other weights: never mixed in
+            raise Conflict(f"the embedding of {item.mm_hash} was made by weight version {made!r}, this prefill "
+                           f"serves {model.version!r}", code="weight_version_mismatch")
         try:
             extras = dict(views.enter_context(self.ec_store.view(handle)))
             if "embedding" not in extras:
@@ -273,13 +350,13 @@ class PrefillService:
             raise InvalidRequest(f"bad EC handle for {item.mm_hash}: {exc}", code="invalid_ec_handle") from None
 
 
-    def _by_hash(self, mm_hash: str) -> dict[str, Any] | None:
-        """The handle of the entry encode stored for `mm_hash` under this model (a Redis store: any encoder's; a
-        shm consumer sees none), or None."""
+    def _by_hash(self, mm_hash: str, version: str = "") -> dict[str, Any] | None:
+        """The handle of the entry encode stored for `mm_hash` under this model and weight version (a Redis
+        store: any encoder's; a shm consumer sees none), or None."""
         if not self.model_id:
             return None
         try:
-            handle = self.ec_store.lookup(ec_key(self.model_id, mm_hash))
+            handle = self.ec_store.lookup(ec_key(self.model_id, mm_hash, version))
         except ConnectorError as exc:
             raise as_epd_error(exc, "ec") from None
         EC_BY_HASH.labels("found" if handle is not None else "absent").inc()

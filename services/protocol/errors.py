@@ -70,6 +70,14 @@ class RequestTimeout(EpdError):
     )
 
 
+class Conflict(EpdError):
+    """The request does not fit the state the server is in (another weight version, an update running)."""
+
+    status, type, grpc_code, default_code = (
+        409, "conflict_error", grpc.StatusCode.FAILED_PRECONDITION, "conflict"
+    )
+
+
 class Unavailable(EpdError):
     status, type, grpc_code, default_code = (
         503, "service_unavailable", grpc.StatusCode.UNAVAILABLE, "unavailable"
@@ -94,7 +102,7 @@ class InternalError(EpdError):
 
 _BY_GRPC = {
     cls.grpc_code: cls
-    for cls in (InvalidRequest, NotFound, Overloaded, Unavailable, DeadlineExceeded, Aborted)
+    for cls in (InvalidRequest, NotFound, Overloaded, Unavailable, DeadlineExceeded, Aborted, Conflict)
 }
 
 

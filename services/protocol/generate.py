@@ -130,13 +130,16 @@ class GenerateRequest(ProtocolModel):
 class GenerateChoice(ProtocolModel):
     """Generated tokens of one choice; in a stream chunk, the delta since the last event."""
 
-    index: int = Field(default=0, description="Choice index (always 0: n is 1).")
+    index: int = Field(default=0, description="Choice index: the sample (0..n-1).")
     token_ids: list[int] = Field(default_factory=list, description="Generated token ids (or the delta).")
     finish_reason: FinishReason | None = Field(
         default=None, description="Why generation ended; null while running.")
     logprobs: Any = Field(default=None, description="Logprobs when requested, else null.")
     stop_reason: int | str | None = Field(
         default=None, description="Matched stop token id or string, if any.")
+    weight_versions: list[dict[str, Any]] | None = Field(
+        default=None, description="vLLM's spans [{version, start, end}] over the output token indexes: the weights "
+        "that sampled them (a streamed choice: on its final chunk only).")
 
 
 class GenerateResponse(ProtocolModel):
@@ -145,8 +148,8 @@ class GenerateResponse(ProtocolModel):
     request_id: str = Field(description="'generate-tokens-<id>', see response_id().")
     model: str | None = Field(default=None, description="Served model name.")
     created: int = Field(default_factory=now_s, description="Unix seconds.")
-    choices: list[GenerateChoice] = Field(default_factory=list, description="One choice.")
-    usage: Usage = Field(default_factory=lambda: Usage(), description="Token counts.")
+    choices: list[GenerateChoice] = Field(default_factory=list, description="One choice per sample.")
+    usage: Usage = Field(default_factory=lambda: Usage(), description="Token counts (all samples).")
     kv_transfer_params: TransferParams | None = Field(
         default=None, description="From prefill: what decode carries.")
     ec_transfer_params: TransferParams | None = Field(
@@ -155,6 +158,9 @@ class GenerateResponse(ProtocolModel):
     prompt_token_ids: list[int] | None = Field(default=None, description="With return_token_ids (vLLM).")
     mm_placeholders: dict[str, Any] | None = Field(default=None, description="With return_token_ids (vLLM).")
     metrics: dict[str, Any] | None = Field(default=None, description="Per-request metrics, when asked (vLLM).")
+    prompt_logprobs: list[dict[str, Any] | None] | None = Field(
+        default=None, description="With sampling_params.prompt_logprobs (vLLM): per prompt token (null for the "
+        "first) {token id: {logprob, rank, decoded_token}}, the prompt's token first, then the top n.")
 
 
 class GenerateStreamChunk(ProtocolModel):

@@ -67,6 +67,11 @@ class TokenLogprob:
                             decode(self.token_id), tuple(decode(t) for t in self.top_ids))
 
 
+def as_token_ids(entries: Sequence[TokenLogprob]) -> list[TokenLogprob]:
+    """The records without their texts: answered as 'token_id:<id>' (vLLM's return_tokens_as_token_ids)."""
+    return [TokenLogprob(e.token_id, e.logprob, e.rank, e.top_ids, e.top_logprobs) for e in entries]
+
+
 def dumps_list(entries: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
     return [e.to_json() for e in entries]
 
@@ -102,9 +107,14 @@ def generate_logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
                                           for t, v, r, _ in _engine_order(e)]} for e in entries]}
 
 
-def text_logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+def text_logprobs(entries: Sequence[TokenLogprob], as_ids: bool = False) -> dict[str, Any]:
     """Generate's output_mode 'text' (vLLM's _create_text_logprobs): OpenAI's chat shape (token strings, bytes),
-    `top_logprobs` in generate's engine order (the sampled candidate first, max(n, 1) entries)."""
+    `top_logprobs` in generate's engine order (the sampled candidate first, max(n, 1) entries).  `as_ids`
+    (--return-tokens-as-token-ids): every token 'token_id:<id>' with no bytes, as vLLM answers it."""
+    if as_ids:
+        return {"content": [{"token": f"token_id:{e.token_id}", "logprob": floor(e.logprob), "bytes": None,
+                             "top_logprobs": [{"token": f"token_id:{t}", "logprob": floor(v), "bytes": None}
+                                              for t, v, _, _ in _engine_order(e)]} for e in entries]}
     return {"content": [{**_candidate(_text(e), e.logprob),
                          "top_logprobs": [_candidate(s, v) for _, v, _, s in _engine_order(e)]} for e in entries]}
 
@@ -128,8 +138,16 @@ def _candidate(text: str, logprob: float) -> dict[str, Any]:
     return {"token": text, "logprob": floor(logprob), "bytes": list(text.encode("utf-8", errors="replace"))}
 
 
-def chat_logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
-    """OpenAI chat: {"content": [{token, logprob, bytes, top_logprobs: the n most likely, sorted}]}."""
+def chat_logprobs(entries: Sequence[TokenLogprob], as_ids: bool = False) -> dict[str, Any]:
+    """OpenAI chat: {"content": [{token, logprob, bytes, top_logprobs: the n most likely, sorted}]}.  `as_ids`
+    (return_tokens_as_token_ids): tokens 'token_id:<id>'; as vLLM answers them, a sampled token's bytes stay its
+    text's, a top entry's are its placeholder's."""
+    if as_ids:
+        return {"content": [{"token": f"token_id:{e.token_id}", "logprob": floor(e.logprob),
+                             "bytes": list(_text(e).encode("utf-8", errors="replace")),
+                             "top_logprobs": [_candidate(f"token_id:{t}", v)
+                                              for t, v in zip(e.top_ids, e.top_logprobs, strict=True)]}
+                            for e in entries]}
     return {"content": [{**_candidate(_text(e), e.logprob),
                          "top_logprobs": [_candidate(_top_text(e, i), v) for i, v in enumerate(e.top_logprobs)]}
                         for e in entries]}

@@ -16,6 +16,7 @@ from services.protocol.common import ProtocolModel, TokenId, TransferParams
 from services.protocol.generate import CacheSalt, StreamOptions
 from services.protocol.parsing import validate_model
 from services.protocol.sampling import (
+    Logprobs,
     MaxTokens,
     MinP,
     MinTokens,
@@ -29,12 +30,13 @@ from services.protocol.sampling import (
     Temperature,
     TopK,
     TopP,
+    check_greedy_n,
 )
 
 Role = Literal["system", "user", "assistant", "tool"]
 _SAMPLING_NAMES = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
                    "min_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty", "n",
-                   "skip_special_tokens", "include_stop_str_in_output")
+                   "skip_special_tokens", "include_stop_str_in_output", "prompt_logprobs")
 
 
 MAX_UUID_CHARS = 1024
@@ -111,7 +113,14 @@ class _OpenAISampling(ProtocolModel):
     seed: Seed | None = Field(default=None, description="Sampling seed.")
     stop: StopStrings | None = Field(default=None, description="Stop string or strings.")
     stop_token_ids: StopTokenIds | None = Field(default=None, description="Token ids that stop generation.")
-    n: NumChoices = Field(default=1, description="Only 1 is supported.")
+    n: NumChoices = Field(default=1, description="Choices: samples of one prompt (one render, encode and prefill).")
+    best_of: int | None = Field(default=None, ge=1, description="vLLM 0.32 has no best_of (its SamplingParams "
+                                "dropped it): only null or n is accepted.")
+    prompt_logprobs: Logprobs | None = Field(default=None, description="vLLM: top logprobs per prompt token "
+                                             "(0..20), answered as prompt_logprobs; not with stream.")
+    return_tokens_as_token_ids: bool | None = Field(default=None, description="vLLM: logprobs name tokens "
+                                                    "'token_id:<id>' (null: the server's "
+                                                    "--return-tokens-as-token-ids).")
     presence_penalty: Penalty | None = Field(default=None, description="-2..2.")
     frequency_penalty: Penalty | None = Field(default=None, description="-2..2.")
     repetition_penalty: RepetitionPenalty | None = Field(default=None, description="> 0.")
@@ -134,6 +143,12 @@ class _OpenAISampling(ProtocolModel):
         limit = self._max_tokens()
         if limit is not None and self.min_tokens is not None and self.min_tokens > limit:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({limit})")
+        check_greedy_n(self.n, self.temperature)
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be null or equal to n ({self.n}): vLLM 0.32 dropped "
+                             "best_of; ask for n samples and rank them yourself")
+        if self.prompt_logprobs is not None and self.stream:   # vLLM's rule and message
+            raise ValueError("prompt_logprobs: `prompt_logprobs` are not available when `stream=True`.")
         return self
 
     def _max_tokens(self) -> int | None:

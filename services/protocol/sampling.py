@@ -15,13 +15,22 @@ from pydantic import AfterValidator, BeforeValidator, Field, field_validator, mo
 from services.protocol.common import INT32_MAX, INT64_MAX, INT64_MIN, ProtocolModel, TokenId
 from services.protocol.logprobs import MAX_LOGPROBS
 
+MAX_N = 128   # samples per request; a decode instance further holds at most --decode-slots + --decode-queue
+
 
 def _check_n(value: int) -> int:
-    if value > 1:
-        raise ValueError("n > 1 is not supported")
-    if value < 1:
-        raise ValueError("must be 1")
+    if not 1 <= value <= MAX_N:
+        raise ValueError(f"must be between 1 and {MAX_N}, got {value}")
     return value
+
+
+GREEDY_BELOW = 1e-5   # vLLM's _SAMPLING_EPS: a lower temperature is greedy
+
+
+def check_greedy_n(n: int, temperature: float | None) -> None:
+    """vLLM's rule and words: n greedy samples would all be the same sample."""
+    if n > 1 and temperature is not None and temperature < GREEDY_BELOW:
+        raise ValueError(f"n must be 1 when using greedy sampling, got {n}.")
 
 
 def _check_top_k(value: int) -> int:
@@ -34,6 +43,10 @@ def _check_logprobs(value: int) -> int:
     if not 0 <= value <= MAX_LOGPROBS:  # vLLM: -1 means the whole vocabulary, which is more than max_logprobs
         raise ValueError(f"must be between 0 and {MAX_LOGPROBS} (max_logprobs), got {value}")
     return value
+
+
+def _bool_as_one(value: Any) -> Any:
+    return 1 if value is True else value   # vLLM: logprobs / prompt_logprobs True means 1
 
 
 def _as_stop_list(value: Any) -> Any:
@@ -57,7 +70,7 @@ Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 StopStrings = Annotated[list[str], BeforeValidator(_as_stop_list), AfterValidator(_check_stop)]
 StopTokenIds = list[TokenId]
 MinTokens = Annotated[int, Field(ge=0, le=INT32_MAX)]
-Logprobs = Annotated[int, AfterValidator(_check_logprobs)]
+Logprobs = Annotated[int, BeforeValidator(_bool_as_one), AfterValidator(_check_logprobs)]
 RepetitionPenalty = Annotated[float, Field(gt=0)]
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 NumChoices = Annotated[int, AfterValidator(_check_n)]
@@ -79,11 +92,15 @@ class SamplingParams(ProtocolModel):
     ignore_eos: bool = Field(default=False, description="Keep generating past the EOS token.")
     min_tokens: MinTokens = Field(default=0, description="Tokens to generate before EOS or stops may end it.")
     logprobs: Logprobs | None = Field(default=None, description="Top logprobs per output token, 0..20.")
+    prompt_logprobs: Logprobs | None = Field(default=None, description="Top logprobs per prompt token, 0..20 "
+                                             "(computed by prefill; the first prompt token has none).")
     repetition_penalty: RepetitionPenalty = Field(
         default=1.0, description="Penalty (> 0) on repeated tokens.")
     presence_penalty: Penalty = Field(default=0.0, description="-2..2 penalty on tokens already present.")
     frequency_penalty: Penalty = Field(default=0.0, description="-2..2 penalty scaled by token frequency.")
-    n: NumChoices = Field(default=1, description="Choices per request; only 1 is supported.")
+    n: NumChoices = Field(default=1, description=f"Samples of the prompt (1..{MAX_N}): one render, encode and "
+                          "prefill; decode forks them from the prompt's KV (sample i of a seeded request draws "
+                          "with seed + i).")
     extra_args: dict[str, Any] | None = Field(
         default=None, description="Free-form extras (older callers nest "
         "kv_transfer_params / ec_transfer_params here).")
@@ -117,6 +134,7 @@ class SamplingParams(ProtocolModel):
     def _min_within_max(self) -> SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        check_greedy_n(self.n, self.temperature)
         return self
 
     @property

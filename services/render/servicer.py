@@ -60,7 +60,8 @@ def to_response(prompt: RenderedPrompt, max_model_len: int,
                                    kwargs_data=encode_item(i.kwargs_item), mm_metadata=encode_item(i.metadata_item))
                  for i in prompt.items]
     reply = pb.RenderResponse(request_id=prompt.request_id, token_ids=prompt.token_ids, items=items,
-                              sampling_params_json=sampling_json(prompt, max_model_len), model=prompt.model)
+                              sampling_params_json=sampling_json(prompt, max_model_len), model=prompt.model,
+                              max_model_len=max_model_len)
     if prompt.cache_salt is not None:
         reply.cache_salt = prompt.cache_salt
     return reply

@@ -8,7 +8,7 @@ from typing import Any
 from services.rpc.v1 import epd_pb2 as pb
 
 _OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
-             "presence_penalty", "frequency_penalty", "logprobs")
+             "presence_penalty", "frequency_penalty", "logprobs", "n", "prompt_logprobs")
 _PLAIN = ("ignore_eos", "min_tokens", "skip_special_tokens", "include_stop_str_in_output")
 
 

@@ -248,7 +248,7 @@ def serve(config: EpdConfig) -> int:
                          **lease.get(child.instance_id, {})}
                 spawn(child, config, {"EPD_MODEL": model_path, "EPD_SERVED_MODEL_NAME": served_id, **extra})
             wait_ready(batch, config.server.host, deadline)
-        spawn(coordinator, config, {"EPD_SERVED_MODEL_NAME": config.checkpoint.served_model_id(),
+        spawn(coordinator, config, {"EPD_MODEL": model_path, "EPD_SERVED_MODEL_NAME": served_id,
                                     **{f"EPD_{r.upper()}_URLS": _urls(roles, r)
                                        for r in ("render", "encode", "prefill", "decode")},
                                     **{f"EPD_{r.upper()}_HTTP_URLS": _http_urls(roles, r, config.server.host)

@@ -23,7 +23,7 @@ import torch
 from services.generation.params import DecodeParams
 from services.protocol.logprobs import TokenLogprob
 from services.sampling.penalties import PenaltyState
-from services.sampling.token_logprobs import gather
+from services.sampling.token_logprobs import gather, is_raw, scores
 
 _MASK64 = (1 << 64) - 1
 
@@ -88,30 +88,40 @@ class RowSampling:
 
 
 class Sampler:
-    """Samples one token per row of a [B, vocab] logits batch."""
+    """Samples one token per row of a [B, vocab] logits batch; logprobs in `logprobs_mode` (token_logprobs.py)."""
 
-    def __init__(self, seed: int | None = None) -> None:
+    def __init__(self, seed: int | None = None, logprobs_mode: str = "raw_logprobs") -> None:
         self._rng = random.Random(seed if seed is not None else int.from_bytes(os.urandom(8), "little"))
+        self.logprobs_mode = logprobs_mode
 
     def sample(self, logits: torch.Tensor, rows: Sequence[RowSampling], inplace: bool = False) -> list[int]:
         """Token ids for every row; does not call `record` (the caller does, once it keeps the token).
 
         `inplace=True` lets penalties and suppression write into `logits` (the engine's own tensor).
-        Rows whose params ask for logprobs get them in `row.logprobs`, from the raw logits.
+        Rows whose params ask for logprobs get them in `row.logprobs`: from the raw logits (raw modes) or the
+        adjusted ones the token was drawn from (processed modes).
         """
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} requests")
         wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
-        raw = logits[wanted] if wanted else None  # a copy (index list), taken before any in-place adjustment
-        tokens = self._tokens(logits, rows, inplace)
-        if raw is not None:
-            records = gather(raw, [tokens[i] for i in wanted], [rows[i].params.logprobs or 0 for i in wanted])
+        raw = is_raw(self.logprobs_mode)
+        before = logits[wanted] if wanted and raw else None  # a copy (index list), taken before any adjustment
+        tokens, adjusted = self._tokens(logits, rows, inplace)
+        if wanted:
+            values = scores(before if before is not None else adjusted[wanted], [rows[i].params for i in wanted],
+                            self.logprobs_mode)
+            records = gather(values, [tokens[i] for i in wanted], [rows[i].params.logprobs or 0 for i in wanted])
             for i, record in zip(wanted, records, strict=True):
                 rows[i].logprobs = record
         return tokens
 
-    def _tokens(self, logits: torch.Tensor, rows: Sequence[RowSampling], inplace: bool) -> list[int]:
+    def _tokens(self, logits: torch.Tensor, rows: Sequence[RowSampling],
+                inplace: bool) -> tuple[list[int], torch.Tensor]:
+        """The tokens, and the logits after penalties and suppression (what temperature and the masks act on)."""
         logits = _adjusted(logits, rows, inplace)
+        return self._draw(logits, rows), logits
+
+    def _draw(self, logits: torch.Tensor, rows: Sequence[RowSampling]) -> list[int]:
         greedy = [i for i, row in enumerate(rows) if row.params.is_greedy]
         if len(greedy) == len(rows):
             return greedy_argmax(logits).tolist()
@@ -247,8 +257,9 @@ def sample_first(logits: torch.Tensor, params: DecodeParams, index: int = 0,
 
 def sample_first_logprobs(logits: torch.Tensor, params: DecodeParams, index: int = 0,
                           eos_token_ids: Sequence[int] = (), prompt_token_ids: Sequence[int] | None = None,
-                          sampler: Sampler | None = None) -> tuple[int, TokenLogprob | None]:
+                          sampler: Sampler | None = None,
+                          logprobs_mode: str = "raw_logprobs") -> tuple[int, TokenLogprob | None]:
     """`sample_first`, and the token's logprobs when `params.logprobs` asks for them (else None)."""
     row = RowSampling(params, eos_token_ids, prompt_token_ids, index=index)
-    token = (sampler or Sampler()).sample(logits.reshape(1, -1), [row])[0]
+    token = (sampler or Sampler(logprobs_mode=logprobs_mode)).sample(logits.reshape(1, -1), [row])[0]
     return token, row.take_logprobs()

@@ -110,7 +110,7 @@ def test_ec_entry_missing_encodes_again_then_prefills():
     bench, ctx = run(scenario)
     assert len(bench.encode.requests) == 2 and len(bench.prefill.requests) == 2
     assert json.loads(bench.prefill.requests[1].ec_transfer_params_json) == {"h0": {"n": 2}}
-    assert bench.cluster.ec_handles.get("h0") == b'{"n": 2}'
+    assert bench.cluster.ec_handles.get("base|h0") == b'{"n": 2}'   # keyed by weight version too
     assert retries(bench) == {("prefill", "ec_entry_missing"): 1.0}
 
 

@@ -89,7 +89,7 @@ def _start_both(model_dir: str) -> tuple[Server, RunningCluster]:
     thread = threading.Thread(target=run_vllm, daemon=True)  # an interrupted run exits; atexit stops vLLM
     thread.start()
     try:
-        started["epd"] = start_cluster("--model", model_dir, "--max-model-len", "4096", timeout=900)
+        started["epd"] = start_cluster("--model", model_dir, timeout=900)   # 4096: the checkpoint says so
     except BaseException as exc:  # noqa: BLE001
         errors.append(exc)
     try:

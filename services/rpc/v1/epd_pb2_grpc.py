@@ -483,3 +483,204 @@ class DecodeService:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class WeightsServiceStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Stage = channel.unary_unary(
+                '/services.rpc.v1.WeightsService/Stage',
+                request_serializer=services_dot_rpc_dot_v1_dot_epd__pb2.StageWeightsRequest.SerializeToString,
+                response_deserializer=services_dot_rpc_dot_v1_dot_epd__pb2.WeightsInfo.FromString,
+                _registered_method=True)
+        self.Commit = channel.unary_unary(
+                '/services.rpc.v1.WeightsService/Commit',
+                request_serializer=services_dot_rpc_dot_v1_dot_epd__pb2.WeightVersionRequest.SerializeToString,
+                response_deserializer=services_dot_rpc_dot_v1_dot_epd__pb2.WeightsInfo.FromString,
+                _registered_method=True)
+        self.Discard = channel.unary_unary(
+                '/services.rpc.v1.WeightsService/Discard',
+                request_serializer=services_dot_rpc_dot_v1_dot_epd__pb2.WeightVersionRequest.SerializeToString,
+                response_deserializer=services_dot_rpc_dot_v1_dot_epd__pb2.WeightsInfo.FromString,
+                _registered_method=True)
+        self.Info = channel.unary_unary(
+                '/services.rpc.v1.WeightsService/Info',
+                request_serializer=services_dot_rpc_dot_v1_dot_epd__pb2.WeightVersionRequest.SerializeToString,
+                response_deserializer=services_dot_rpc_dot_v1_dot_epd__pb2.WeightsInfo.FromString,
+                _registered_method=True)
+
+
+class WeightsServiceServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Stage(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Commit(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Discard(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Info(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_WeightsServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Stage': grpc.unary_unary_rpc_method_handler(
+                    servicer.Stage,
+                    request_deserializer=services_dot_rpc_dot_v1_dot_epd__pb2.StageWeightsRequest.FromString,
+                    response_serializer=services_dot_rpc_dot_v1_dot_epd__pb2.WeightsInfo.SerializeToString,
+            ),
+            'Commit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Commit,
+                    request_deserializer=services_dot_rpc_dot_v1_dot_epd__pb2.WeightVersionRequest.FromString,
+                    response_serializer=services_dot_rpc_dot_v1_dot_epd__pb2.WeightsInfo.SerializeToString,
+            ),
+            'Discard': grpc.unary_unary_rpc_method_handler(
+                    servicer.Discard,
+                    request_deserializer=services_dot_rpc_dot_v1_dot_epd__pb2.WeightVersionRequest.FromString,
+                    response_serializer=services_dot_rpc_dot_v1_dot_epd__pb2.WeightsInfo.SerializeToString,
+            ),
+            'Info': grpc.unary_unary_rpc_method_handler(
+                    servicer.Info,
+                    request_deserializer=services_dot_rpc_dot_v1_dot_epd__pb2.WeightVersionRequest.FromString,
+                    response_serializer=services_dot_rpc_dot_v1_dot_epd__pb2.WeightsInfo.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'services.rpc.v1.WeightsService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('services.rpc.v1.WeightsService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class WeightsService:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Stage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/services.rpc.v1.WeightsService/Stage',
+            services_dot_rpc_dot_v1_dot_epd__pb2.StageWeightsRequest.SerializeToString,
+            services_dot_rpc_dot_v1_dot_epd__pb2.WeightsInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Commit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/services.rpc.v1.WeightsService/Commit',
+            services_dot_rpc_dot_v1_dot_epd__pb2.WeightVersionRequest.SerializeToString,
+            services_dot_rpc_dot_v1_dot_epd__pb2.WeightsInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Discard(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/services.rpc.v1.WeightsService/Discard',
+            services_dot_rpc_dot_v1_dot_epd__pb2.WeightVersionRequest.SerializeToString,
+            services_dot_rpc_dot_v1_dot_epd__pb2.WeightsInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Info(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/services.rpc.v1.WeightsService/Info',
+            services_dot_rpc_dot_v1_dot_epd__pb2.WeightVersionRequest.SerializeToString,
+            services_dot_rpc_dot_v1_dot_epd__pb2.WeightsInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

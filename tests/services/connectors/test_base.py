@@ -37,6 +37,14 @@ def test_keys_are_scoped():
         ec_key("", "h")
 
 
+def test_keys_are_scoped_by_weight_version():
+    from services.connectors.ec import ec_key_version
+
+    assert ec_key("m", "h", "base") != ec_key("m", "h", "step-1") != ec_key("m", "h")
+    assert [ec_key_version(ec_key("m", "h", v)) for v in ("base", "step-1", "")] == ["base", "step-1", ""]
+    assert "|step-1|" in kv_key("r", "step-1") and kv_key("r", "step-1") != kv_key("r", "step-1")
+
+
 def test_package_import_is_light():
     code = ("import sys, services.connectors; "
             "print(sorted(m for m in ('torch', 'numpy', 'redis') if m in sys.modules))")

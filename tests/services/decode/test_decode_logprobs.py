@@ -83,3 +83,60 @@ def test_openai_shapes():
 
 def test_records_round_trip_as_json():
     assert loads_list([SAMPLED_THIRD.to_json()]) == [SAMPLED_THIRD]
+
+
+def _vllm_processed(row: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """vLLM's CPU sampler, written out: temperature, then min_p, then top-k, then top-p (sorted ascending)."""
+    x = row.clone() / temperature
+    probs = x.softmax(-1)
+    x[probs < min_p * probs.max()] = float("-inf")
+    x[x < x.topk(top_k).values[-1]] = float("-inf")
+    values, order = x.sort()
+    drop = values.softmax(-1).cumsum(-1) <= 1 - top_p
+    drop[-1] = False
+    x[order[drop]] = float("-inf")
+    return x
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"])
+def test_logprobs_modes_report_vllms_values(mode):
+    logits = _logits(2, seed=9)
+    params = [DecodeParams(temperature=0.7, top_k=50, top_p=0.9, min_p=0.01, seed=1, logprobs=5,
+                           repetition_penalty=1.3),
+              DecodeParams(temperature=0, logprobs=3)]
+    rows = [RowSampling(params[0], prompt_token_ids=[int(logits[0].argmax())]), RowSampling(params[1])]
+    tokens = Sampler(logprobs_mode=mode).sample(logits.clone(), rows, inplace=True)
+    penalized = logits[0].clone()
+    top = int(logits[0].argmax())
+    penalized[top] = penalized[top] / 1.3 if penalized[top] > 0 else penalized[top] * 1.3
+    expected = {"raw_logprobs": [torch.log_softmax(logits[0], -1), torch.log_softmax(logits[1], -1)],
+                "raw_logits": [logits[0], logits[1]],
+                "processed_logits": [_vllm_processed(penalized, 0.7, 50, 0.9, 0.01), logits[1]],
+                "processed_logprobs": [torch.log_softmax(_vllm_processed(penalized, 0.7, 50, 0.9, 0.01), -1),
+                                       torch.log_softmax(logits[1], -1)]}[mode]
+    for row, token, want in zip(rows, tokens, expected, strict=True):
+        record = row.take_logprobs()
+        assert record.token_id == token
+        assert record.logprob == pytest.approx(float(want[token]), abs=1e-5)
+        values, ids = want.topk(len(record.top_ids))
+        assert record.top_ids == tuple(ids.tolist())
+        assert record.top_logprobs == pytest.approx(values.tolist(), abs=1e-5)
+        assert record.rank == int((want >= want[token]).sum())
+    assert mode.startswith("raw") or float(expected[0][tokens[0]]) > float("-inf")   # drawn from what is kept
+
+
+def test_tokens_as_ids_follow_vllms_shapes():
+    """return_tokens_as_token_ids: chat keeps a sampled token's text bytes (vLLM reads them from its decoded
+    token), top entries and completions carry the placeholder; generate's text mode has no bytes at all."""
+    from services.protocol.logprobs import as_token_ids, text_logprobs
+
+    [chat] = chat_logprobs([SAMPLED_THIRD], as_ids=True)["content"]
+    assert (chat["token"], chat["bytes"]) == ("token_id:7", [99])
+    assert [(t["token"], t["bytes"]) for t in chat["top_logprobs"]] == [
+        (f"token_id:{i}", list(f"token_id:{i}".encode())) for i in (4, 9, 7)]
+    done = completion_logprobs(as_token_ids([SAMPLED_THIRD]))
+    assert done["tokens"] == ["token_id:7"] and set(done["top_logprobs"][0]) == {"token_id:7", "token_id:4",
+                                                                                "token_id:9"}
+    [text] = text_logprobs([SAMPLED_THIRD], as_ids=True)["content"]
+    assert (text["token"], text["bytes"]) == ("token_id:7", None)
+    assert [t["token"] for t in text["top_logprobs"]] == ["token_id:7", "token_id:4", "token_id:9"]

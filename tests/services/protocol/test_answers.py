@@ -87,7 +87,8 @@ def test_generate_collect_and_stream():
     builder = GenerateAnswer("generate-tokens-x", "m", 3, StreamOptions(continuous_usage_stats=True), created=7)
     whole = asyncio.run(builder.collect(_source(DELTAS)))
     assert json.loads(whole.model_dump_json())["choices"] == [
-        {"index": 0, "token_ids": [5, 6, 7, 8], "finish_reason": "stop", "logprobs": None, "stop_reason": 8}]
+        {"index": 0, "token_ids": [5, 6, 7, 8], "finish_reason": "stop", "logprobs": None, "stop_reason": 8,
+         "weight_versions": None}]
     events = _frames(builder, DELTAS)
     assert [e["choices"][0]["token_ids"] for e in events[:3]] == [[5], [6, 7], [8]]
     assert [e["usage"]["completion_tokens"] for e in events[:3]] == [1, 3, 4]  # continuous usage
@@ -111,7 +112,8 @@ def test_generate_text_mode_whole_has_text_and_chat_shaped_logprobs():
     assert body["output_mode"] == "text" and body["usage"]["completion_tokens"] == 2
     [choice] = body["choices"]
     assert {k: v for k, v in choice.items() if k != "logprobs"} == {
-        "index": 0, "token_ids": [5, 6], "finish_reason": "stop", "stop_reason": "!", "text": "Hello"}
+        "index": 0, "token_ids": [5, 6], "finish_reason": "stop", "stop_reason": "!", "text": "Hello",
+        "weight_versions": None}
     assert choice["logprobs"] == {"content": [
         {"token": "Hel", "logprob": -0.5, "bytes": [72, 101, 108],
          "top_logprobs": [{"token": "Hel", "logprob": -0.5, "bytes": [72, 101, 108]},
@@ -136,8 +138,10 @@ def test_generate_text_mode_streams_text_deltas_even_without_ids():
     plain = _frames(GenerateAnswer("generate-tokens-x", "m", 3, StreamOptions(), created=7),
                     [OutputDelta([5], "Hel"), OutputDelta([], "lo"), OutputDelta([], "", "stop")])
     assert [c["choices"][0] for c in plain[:2]] == [
-        {"index": 0, "token_ids": [5], "finish_reason": None, "logprobs": None, "stop_reason": None},
-        {"index": 0, "token_ids": [], "finish_reason": "stop", "logprobs": None, "stop_reason": None}]
+        {"index": 0, "token_ids": [5], "finish_reason": None, "logprobs": None, "stop_reason": None,
+         "weight_versions": None},
+        {"index": 0, "token_ids": [], "finish_reason": "stop", "logprobs": None, "stop_reason": None,
+         "weight_versions": None}]
     assert plain[0]["output_mode"] == "tokens" and len(plain) == 4
 
 
@@ -145,6 +149,7 @@ def test_generate_tokens_mode_bytes_are_unchanged():
     whole = asyncio.run(GenerateAnswer("generate-tokens-x", "m", 3, created=7).collect(_source(DELTAS)))
     assert whole.model_dump_json() == (
         '{"request_id":"generate-tokens-x","model":"m","created":7,"choices":[{"index":0,"token_ids":[5,6,7,8],'
-        '"finish_reason":"stop","logprobs":null,"stop_reason":8}],"usage":{"prompt_tokens":3,'
+        '"finish_reason":"stop","logprobs":null,"stop_reason":8,"weight_versions":null}],"usage":{"prompt_tokens":3,'
         '"completion_tokens":4,"total_tokens":7},"kv_transfer_params":null,"ec_transfer_params":null,'
-        '"output_mode":"tokens","prompt_token_ids":null,"mm_placeholders":null,"metrics":null}')
+        '"output_mode":"tokens","prompt_token_ids":null,"mm_placeholders":null,"metrics":null,'
+        '"prompt_logprobs":null}')

@@ -134,8 +134,9 @@ def test_full_render_answer_round_trips():
     assert parse_model(GenerateRequest, request.model_dump()) == request
 
 
-def test_n_refused_through_generate():
-    assert "n > 1 is not supported" in _error(_request(sampling_params={"n": 2}))
+def test_n_checked_through_generate():
+    assert "n: must be between 1 and 128, got 129" in _error(_request(sampling_params={"n": 129}))
+    assert parse_model(GenerateRequest, _request(sampling_params={"n": 8})).sampling_params.n == 8
 
 
 def test_response_id():
@@ -152,10 +153,11 @@ def test_response_shapes():
                                 kv_transfer_params={"handle": "x"})
     body = json.loads(response.model_dump_json())
     assert set(body) == {"request_id", "model", "created", "choices", "usage", "kv_transfer_params",
-                         "ec_transfer_params", "output_mode", "prompt_token_ids", "mm_placeholders", "metrics"}
+                         "ec_transfer_params", "output_mode", "prompt_token_ids", "mm_placeholders", "metrics",
+                         "prompt_logprobs"}
     assert body["output_mode"] == "tokens"  # vLLM's discriminator (GenerateTokensResponse)
     assert body["choices"] == [{"index": 0, "token_ids": [1, 2], "finish_reason": "length", "logprobs": None,
-                                "stop_reason": None}]
+                                "stop_reason": None, "weight_versions": None}]
     assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
     assert parse_model(GenerateResponse, response.model_dump_json()) == response
     with pytest.raises(InvalidRequest, match="finish_reason: must be 'stop', 'length', 'abort' or 'error'"):

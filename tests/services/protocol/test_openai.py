@@ -85,7 +85,12 @@ def test_chat_defaults_leave_server_defaults():
 
 
 @pytest.mark.parametrize(("fields", "expected"), [
-    ({"n": 2}, "n: n > 1 is not supported"),
+    ({"n": 0}, "n: must be between 1 and 128, got 0"),
+    ({"n": 2, "temperature": 0}, "n must be 1 when using greedy sampling, got 2."),
+    ({"n": 2, "best_of": 3}, "best_of (3) must be null or equal to n (2): vLLM 0.32 dropped best_of; ask for n "
+                             "samples and rank them yourself"),
+    ({"prompt_logprobs": 2, "stream": True}, "prompt_logprobs: `prompt_logprobs` are not available when "
+                                             "`stream=True`."),
     ({"temperature": -1}, "temperature: must be >= 0.0"),
     ({"max_completion_tokens": 0}, "max_completion_tokens: must be >= 1"),
     ({"top_logprobs": 21}, "top_logprobs: must be <= 20"),

@@ -41,10 +41,12 @@ def test_top_k_off_values():
     assert _error({"top_k": -2}) == "top_k: must be -1 or 0 (off) or a positive integer"
 
 
-def test_n_greater_than_one_refused():
-    assert "n > 1 is not supported" in _error({"n": 2})
-    assert _error({"n": 0}) == "n: must be 1"
-    assert parse_model(SamplingParams, {"n": 1}).n == 1
+def test_n_is_between_one_and_the_cap_and_never_greedy():
+    assert _error({"n": 129}) == "n: must be between 1 and 128, got 129"
+    assert _error({"n": 0}) == "n: must be between 1 and 128, got 0"
+    assert parse_model(SamplingParams, {"n": 8}).n == 8
+    assert "n must be 1 when using greedy sampling, got 3." in _error({"n": 3, "temperature": 0})   # vLLM's words
+    assert parse_model(SamplingParams, {"n": 3, "temperature": 0.5}).n == 3
 
 
 @pytest.mark.parametrize(("body", "message"), [
@@ -73,7 +75,7 @@ def test_greedy_and_all_fields_accepted():
             "extra_args": {"x": 1}, "skip_special_tokens": False, "include_stop_str_in_output": True}
     params = parse_model(SamplingParams, body)
     carried = {"detokenize": True, "output_kind": 0, "skip_clone": False, "bad_words": [],
-               "skip_reading_prefix_cache": None}  # vLLM's render fields, defaults
+               "skip_reading_prefix_cache": None, "prompt_logprobs": None}  # vLLM's render fields, defaults
     assert params.is_greedy and params.model_dump() == {**body, "temperature": 0.0, **carried}
 
 
