@@ -140,6 +140,19 @@ class EpdConfig:
     max_images_per_request: int = _f(8, "images one request may carry")
     max_image_pixels: int = _f(16_777_216, "largest accepted image, width x height")
     max_image_bytes: int = _f(20 * 1024 * 1024, "largest accepted encoded image, bytes")
+    max_videos_per_request: int = _f(2, "videos one request may carry (each is thousands of vision tokens and "
+                                     "seconds of encoder time)")
+    max_video_bytes: int = _f(32 * 1024 * 1024, "largest accepted encoded video, bytes (a data URL or a fetched "
+                              "file); with --max-request-bytes it also bounds videos sent inline")
+    max_video_frames: int = _f(64, "frames a video may sample to (2 per second of video, as vLLM samples "
+                               "Qwen-VL videos); each decoded frame is held in render and costs its patches "
+                               "in the encoder: the bound on a video's memory and tokens")
+    max_video_duration_s: float = _f(300.0, "longest accepted video, seconds (from its headers, before any frame "
+                                     "is decoded; vLLM's default maximum)")
+    max_video_frame_pixels: int = _f(1920 * 1088, "largest accepted video frame, width x height (from the "
+                                     "headers, before decoding)")
+    video_decode_timeout_s: float = _f(30.0, "deadline to decode one video in a render worker; a worker past "
+                                       "it is replaced and the request answered 400")
     allowed_media_domains: str = _f("", "comma-separated hosts image URLs may point to (empty: any public host)")
     allow_private_media_urls: bool = _f(False, "allow image URLs on loopback/private networks (tests, in-cluster)")
     media_timeout_s: float = _f(10.0, "deadline to fetch one image URL")
@@ -242,13 +255,15 @@ class EpdConfig:
         for name in ("encode_instances", "prefill_instances", "decode_instances", "decode_slots",
                      "max_model_len", "ec_capacity_mb", "kv_capacity_mb", "kv_cache_mb", "mm_capacity_mb",
                      "max_images_per_request", "max_image_pixels", "max_image_bytes", "encode_max_batch_tokens",
+                     "max_video_bytes", "max_video_frames", "max_video_frame_pixels",
                      "max_inflight_requests", "prefill_max_queue", "encode_max_queue", "max_num_batched_tokens"):
             _check(getattr(self, name) >= 1, f"{name} must be >= 1")
         _check(min(self.prefix_cache_mb, self.render_workers, self.render_cache_mb) >= 0,
                "prefix_cache_mb, render_workers, render_cache_mb must be >= 0")
         _check(all(0 <= p < 65536 for p in (self.port, self.grpc_port, self.http_port)), "ports must be in 0..65535")
+        _check(self.max_videos_per_request >= 0, "max_videos_per_request must be >= 0 (0: no videos)")
         for name in ("request_timeout_s", "media_timeout_s", "ttft_timeout_s", "stream_idle_timeout_s",
-                     "max_request_timeout_s", "body_read_timeout_s"):
+                     "max_request_timeout_s", "body_read_timeout_s", "max_video_duration_s", "video_decode_timeout_s"):
             _check(getattr(self, name) > 0, f"{name} must be > 0")
         _check(self.max_request_bytes >= 1024, "max_request_bytes must be >= 1024")
         _check(self.instance_forget_after_s > 0, "instance_forget_after_s must be > 0")

@@ -10,6 +10,11 @@ wait for the engine as futures (no thread each), so items of every request in
 flight batch together; the EC put runs while the engine already runs the next
 batch (on the event loop when small, services.connectors.wiring.run_op;
 else in a thread).
+
+A video is stored by frame group (frame_groups.py): only the groups not stored yet are encoded
+(each an item of its own, so they batch with everything else waiting), and the answer is a composite
+handle listing every group's entry; `epd_encode_frame_groups_total{result}` counts groups found and
+encoded.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from prometheus_client import Counter
 from services import activity
 from services.admission import Admission
 from services.connectors.base import ConnectorError, TensorStore
-from services.connectors.ec import ec_key
+from services.connectors.ec import composite_handle, ec_key
 from services.connectors.mm import MmRef, open_item
 from services.connectors.wiring import as_epd_error, run_op
 from services.owned_metrics import OwnedGauges
@@ -33,11 +38,14 @@ from services.protocol.errors import DeadlineExceeded, InvalidRequest
 from services.protocol.items import Item
 from services.protocol.tensors import to_torch
 
+from . import frame_groups
 from .engine import EncodeEngine
 
 log = logging.getLogger(__name__)
 ITEMS = Counter("epd_encode_items", "Items requested, by result (encoded | cache_hit)", ["result"])
 MM_BYTES = Counter("epd_encode_mm_bytes_received", "Multimodal bytes (kwargs_data + mm_metadata) received")
+GROUPS = Counter("epd_encode_frame_groups", "Video frame groups requested, by result (cache_hit: found in the EC "
+                 "store, not encoded again | encoded)", ["result"])
 GAUGES = {
     "epd_ec_store_bytes": ("Bytes held by this instance's EC store", lambda s: s.store.stats().bytes_used),
     "epd_ec_store_entries": ("Entries held by this instance's EC store", lambda s: s.store.stats().entries),
@@ -62,19 +70,24 @@ class EncodeService:
         self.engine, self.store, self.model_id, self.timeout_s = engine, store, model_id, timeout_s
         self.mm_store = mm_store  # where items sent by handle are read
         self._inflight: dict[str, asyncio.Future[EncodedResult]] = {}
+        self._groups_inflight: dict[str, asyncio.Future[dict]] = {}   # group key -> its handle, while encoded
+        self.videos = frame_groups.VideoIndex()
         self.admission = Admission("encode", max_queue)  # items waiting for or in the tower
         self.gauges = OwnedGauges(self, GAUGES)  # read at scrape time: evictions and expiry show at once
 
     async def encode(self, mm_hash: str, item: Item | None, ref: MmRef | None = None) -> EncodedResult:
         """The item's EC handle; `item` is the skeleton when `ref` says where its tensors are."""
         key = ec_key(self.model_id, mm_hash)
-        handle = self._lookup(key)
+        handle = self._lookup(key) or self._stored_video(mm_hash)
         if handle is not None:
             ITEMS.labels("cache_hit").inc()
             return EncodedResult(mm_hash, handle, True)
         if item is None:
             raise InvalidRequest(f"item {mm_hash}: no kwargs_data and not in the encoder cache",
                                  code="missing_kwargs_data")
+        if frame_groups.is_video(item) and getattr(self.engine.vision, "frame_groups_independent", False):
+            with self.admission.admit():
+                return await self._encode_video(mm_hash, item, ref)
         pending = self._inflight.get(key)
         if pending is not None:  # another request is encoding this item right now: not encoded twice
             ITEMS.labels("cache_hit").inc()
@@ -92,6 +105,95 @@ class EncodeService:
             raise
         finally:
             del self._inflight[key]
+
+    def _stored_video(self, mm_hash: str) -> dict | None:
+        """A video this encoder stored, when every one of its groups is still in the store."""
+        keys = self.videos.get(mm_hash)
+        if keys is None:
+            return None
+        handles = [self._lookup(k) for k in keys]
+        if any(h is None for h in handles):
+            return None
+        GROUPS.labels("cache_hit").inc(len(handles))
+        return composite_handle(handles, self.engine.vision.token_dims)  # type: ignore[arg-type]
+
+    async def _encode_video(self, mm_hash: str, item: Item, ref: MmRef | None) -> EncodedResult:
+        """The video's groups: those stored are looked up, the others encoded (once, also when several requests
+        ask at once) and stored; the answer is the composite of their handles, in order."""
+        try:
+            with self._opened(item, ref) as full:
+                tensors = {name: to_torch(elem.data) for name, elem in full.items() if elem.data is not None}
+                nbytes = int(tensors[frame_groups.PIXELS].nbytes)
+                groups = await run_op(self.store, nbytes, frame_groups.split, self.model_id, tensors)
+                handles = await self._group_handles(groups)
+        except ConnectorError as exc:
+            raise as_epd_error(exc, "mm") from None
+        self.videos.put(mm_hash, tuple(g.key for g in groups))
+        encoded = any(h[1] for h in handles)
+        ITEMS.labels("encoded" if encoded else "cache_hit").inc()
+        return EncodedResult(mm_hash, composite_handle([h[0] for h in handles], self.engine.vision.token_dims),
+                             not encoded)
+
+    async def _group_handles(self, groups: list[frame_groups.FrameGroup]) -> list[tuple[dict, bool]]:
+        """(handle, encoded here) per group, in order; the new ones go to the engine together."""
+        found: dict[str, tuple[dict, bool]] = {}
+        waiting: dict[str, asyncio.Future[dict]] = {}
+        mine: dict[str, frame_groups.FrameGroup] = {}
+        for group in groups:
+            if group.key in found or group.key in waiting or group.key in mine:
+                continue   # the same frames twice in one video: one entry
+            handle = self._lookup(group.key)
+            if handle is not None:
+                found[group.key] = (handle, False)
+            elif group.key in self._groups_inflight:
+                waiting[group.key] = self._groups_inflight[group.key]
+            else:
+                mine[group.key] = group
+                self._groups_inflight[group.key] = asyncio.get_running_loop().create_future()
+        GROUPS.labels("cache_hit").inc(len(found) + len(waiting))
+        try:
+            found.update(await self._store_groups(list(mine.values())))
+        finally:
+            for key in mine:
+                future = self._groups_inflight.pop(key)
+                if key in found:
+                    future.set_result(found[key][0])
+                else:
+                    future.set_exception(InvalidRequest("encoding a shared frame group failed", code="encode_failed"))
+                    future.exception()
+        for key, future in waiting.items():
+            found[key] = (await asyncio.shield(future), False)
+        return [found[group.key] for group in groups]
+
+    async def _store_groups(self, groups: list[frame_groups.FrameGroup]) -> dict[str, tuple[dict, bool]]:
+        """Encode the groups in one engine submission and store each entry."""
+        if not groups:
+            return {}
+        entries = await self._forward_many([g.tensors for g in groups])
+        GROUPS.labels("encoded").inc(len(groups))
+        out = {}
+        for group, entry in zip(groups, entries, strict=True):
+            try:
+                handle = await run_op(self.store, sum(t.nbytes for t in entry.values()), self.store.put, group.key,
+                                      entry)
+            except ConnectorError as exc:
+                raise as_epd_error(exc, "ec") from None
+            out[group.key] = (handle, True)
+        return out
+
+    async def _forward_many(self, items: list[dict]) -> list[dict]:
+        inline = self.engine.run_inline(items)
+        if inline is not None:
+            return inline
+        futures = self.engine.submit(items)
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return [await asyncio.wrap_future(f) for f in futures]
+        except TimeoutError:
+            for future in futures:
+                future.cancel()
+            raise DeadlineExceeded(f"encoding {len(items)} frame group(s) did not finish in {self.timeout_s} s") \
+                from None
 
     def _lookup(self, key: str) -> dict | None:
         try:

@@ -13,6 +13,7 @@ logger = logging.getLogger(__name__)
 
 
 async def build(config: EpdConfig) -> RoleServer:
+    from services.connectors.ec import FrameGroupReader
     from services.connectors.wiring import open_store
     from services.decode.judge import FirstTokenJudge
     from services.models import fused_rope
@@ -38,7 +39,8 @@ async def build(config: EpdConfig) -> RoleServer:
     engine = PrefillEngine(lm, max_num_batched_tokens=config.max_num_batched_tokens,
                            prefix_cache_mb=config.prefix_cache_mb, lm_head_screen=config.lm_head_screen)
     logger.info("prefill engine: %s", engine.screen_report.line())
-    ec_store = open_store(config, "ec", producer=False)
+    # a video's embeddings come as frame groups (a composite handle): read as one entry
+    ec_store = FrameGroupReader(open_store(config, "ec", producer=False))
     kv_store = open_store(config, "kv")
     inline = InlineEncoder(adapter, path, config.device, config.dtype) if config.prefill_inline_encode else None
     mm_store = open_store(config, "mm", producer=False) if inline is not None else None  # inline items by handle

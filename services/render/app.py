@@ -28,7 +28,11 @@ def media_policy(config: EpdConfig) -> MediaPolicy:
 def limits(config: EpdConfig) -> RenderLimits:
     return RenderLimits(max_images_per_request=config.max_images_per_request,
                         max_image_pixels=config.max_image_pixels, max_image_bytes=config.max_image_bytes,
-                        max_model_len=config.max_model_len)
+                        max_model_len=config.max_model_len, max_videos_per_request=config.max_videos_per_request,
+                        max_video_bytes=config.max_video_bytes, max_video_frames=config.max_video_frames,
+                        max_video_duration_s=config.max_video_duration_s,
+                        max_video_frame_pixels=config.max_video_frame_pixels,
+                        video_decode_timeout_s=config.video_decode_timeout_s)
 
 
 def render_workers(config: EpdConfig) -> int:
@@ -41,7 +45,7 @@ async def build(config: EpdConfig) -> RoleServer:
 
     path = resolve_model(config.model)
     service = RenderService(path, config.served_model_id(), media_policy(config), limits(config),
-                            num_workers=render_workers(config), cache_mb=config.render_cache_mb)
+                            num_workers=render_workers(config), cache_mb=config.render_cache_mb, dtype=config.dtype)
     if service.workers is not None:
         await asyncio.to_thread(service.workers.warm_up)  # each worker loads the image processor now
     mm_store = open_store(config, "mm")  # processed images, read by encode by handle
