@@ -12,7 +12,8 @@ for images).  The arrays, in vLLM's key order:
 - `timestamps` (Qwen3-VL) the mean time in seconds of each frame group's first and last frame;
 - `pixel_values_videos` [groups*h*w, C*T*P*P] uint8 (flat).
 
-`ProcessedImage.info` carries the mm_hash and, for Qwen3-VL, the timestamps the prompt spells out.
+`ProcessedImage.info` carries the mm_hash, the sampling metadata (transformers' VideoMetadata fields) and,
+for Qwen3-VL, the timestamps the prompt spells out.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ class VideoProcessor:
         metadata = hf_metadata(settings.loader, source, found)
         pixels, grid = video_patches(frames, settings)
         arrays: dict[str, np.ndarray] = {}
-        info: dict[str, object] = {"mm_hash": video_hash(data, frames, metadata, self.hash_model_id)}
+        info: dict[str, object] = {"mm_hash": video_hash(data, frames, metadata, self.hash_model_id),
+                                   "metadata": {k: v for k, v in metadata.items() if k != "do_sample_frames"}}
         if settings.timestamps:
             stamps = timestamps(metadata, settings.temporal_patch_size)
             arrays["timestamps"] = np.array(stamps, dtype=np.float64)
