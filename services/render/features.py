@@ -61,9 +61,14 @@ def _wire(key: str, array: np.ndarray, dtype: str) -> Nested:
         return [float(v) for v in array.reshape(-1)]
     if key in _MODEL_DTYPE_KEYS and dtype == "bfloat16":
         return to_bfloat16(array)
-    if key in _MODEL_DTYPE_KEYS:
-        return np.ascontiguousarray(array, dtype=np.dtype(dtype))
-    return np.ascontiguousarray(array)
+    return _contiguous(array, np.dtype(dtype) if key in _MODEL_DTYPE_KEYS else array.dtype)
+
+
+def _contiguous(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """C-contiguous in `dtype`, keeping a scalar's shape () (np.ascontiguousarray makes it (1,))."""
+    if array.flags.c_contiguous and array.dtype == dtype:
+        return array
+    return np.array(array, dtype=dtype, order="C")
 
 
 def to_bfloat16(array: np.ndarray) -> RawTensor:

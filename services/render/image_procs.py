@@ -276,13 +276,16 @@ class WorkerProcesses:
         # Not cancelled with its caller: the reply is read (and the slot freed) by _on_reply regardless.
         if timeout_s is None:
             return await asyncio.shield(done)
+        if not worker.ready:   # a fresh worker loads its processors first: that is not the job's time
+            timeout_s += START_TIMEOUT_S
         try:
             async with asyncio.timeout(timeout_s):
                 return await asyncio.shield(done)
         except TimeoutError:
             if not done.done() and done in worker.pending:
                 log.error("a render worker ran a %s job past %.1f s; replacing it", kind, timeout_s)
-                _settle(done, InvalidRequest(f"processing the {kind} took longer than {timeout_s:g} s",
+                _settle(done, InvalidRequest(f"processing the {kind} did not finish within its deadline "
+                                             f"({timeout_s:g} s): the render worker was replaced",
                                              code=f"{kind}_decode_timeout"))
                 self._replace(worker)   # its other job, if any, fails as a dead worker's (503, retried)
             return await asyncio.shield(done)

@@ -190,5 +190,6 @@ def _fps(stream: Any) -> float:
 
 
 def _reason(exc: Exception) -> str:
-    text = str(exc).split(":", 2)[-1].strip() if str(exc) else type(exc).__name__
-    return text[:200] or type(exc).__name__
+    """FFmpeg's own words for the failure (never the bytes or a path)."""
+    text = getattr(exc, "strerror", None) or type(exc).__name__
+    return str(text)[:200]

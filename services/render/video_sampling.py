@@ -50,7 +50,7 @@ def qwen2_indices(source: SourceInfo, temporal_patch_size: int) -> list[int]:
     count = min(max(count, MIN_FRAMES), most, total)
     count = math.floor(count / temporal_patch_size) * temporal_patch_size
     if count <= 0:
-        raise InvalidRequest(f"video has {total} frame(s); the model needs at least {temporal_patch_size}",
+        raise InvalidRequest(f"video has {total} frame(s) to show; the model needs at least {temporal_patch_size}",
                              code=INVALID)
     return arange_indices(total, count)
 
