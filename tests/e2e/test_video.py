@@ -112,3 +112,44 @@ def test_the_same_frames_in_another_file_encode_nothing(served):
            [("video", again), ("text", "Look.")])
     after = _groups(cluster)
     assert (after["encoded"] - before["encoded"], after["cache_hit"] - before["cache_hit"]) == (0, GROUPS[family])
+
+
+def test_the_render_answer_and_content_parts_give_the_same_tokens(served):
+    """vLLM's scale-out paths: render's /v1/chat/completions/render answer posted unchanged to
+    /inference/v1/generate, and token ids + a content_parts video_url sent to the same route."""
+    family, cluster, reference = served
+    data = _clip(family, recording=5)
+    parts = [video_part(data), {"type": "text", "text": "Describe."}]
+    chat = {"messages": [{"role": "user", "content": parts}], "max_tokens": MAX_TOKENS, "temperature": 0}
+    want = _ask(cluster, parts)
+    with cluster.client() as client:
+        rendered = client.post(cluster.http_urls("render")[0] + "/v1/chat/completions/render", json=chat).json()
+        assert list(rendered["features"]["mm_hashes"]) == ["video"]
+        by_render = client.post("/inference/v1/generate", json=rendered)
+        template = reference.processor.apply_chat_template(
+            [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "Describe."}]}],
+            add_generation_prompt=True, tokenize=False)
+        ids = reference.tokenizer(template)["input_ids"]
+        by_parts = client.post("/inference/v1/generate", json={
+            "token_ids": ids, "content_parts": [{"type": "video_url", "url": video_part(data)["video_url"]["url"]}],
+            "sampling_params": {"max_tokens": MAX_TOKENS, "temperature": 0}})
+    for reply in (by_render, by_parts):
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["token_ids"] == want
+
+
+def test_bad_videos_are_400s_naming_the_problem_and_the_cluster_serves_on(served):
+    family, cluster, _ = served
+    data = _clip(family, recording=6)
+    cases = {"truncated": (data[:len(data) // 2], "invalid_video"),
+             "not a video": (b"RIFF" + bytes(64), "unsupported_video"),
+             "one frame": (clip(1, 64, 64, fps=2.0), "invalid_video")}
+    for name, (bad, code) in cases.items():
+        body = {"messages": [{"role": "user", "content": [video_part(bad), {"type": "text", "text": "?"}]}],
+                "max_tokens": 2}
+        with cluster.client() as client:
+            reply = client.post("/v1/chat/completions", json=body)
+        assert reply.status_code == 400, (name, reply.text)
+        error = reply.json()["error"]
+        assert error["code"] == code and error["message"].startswith("video 0: "), (name, error)
+    assert len(_ask(cluster, [video_part(data), {"type": "text", "text": "Still there?"}])) == MAX_TOKENS
