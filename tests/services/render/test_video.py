@@ -206,3 +206,16 @@ def test_second_per_grid_ts_is_the_sampled_frames_period():
         assert list(item.metadata_item) == ["video_grid_thw", "second_per_grid_ts"]
     finally:
         service.close()
+
+
+def test_a_qwen3_video_placeholder_marks_its_timestamps_as_no_embedding(services):
+    from services.render.answer_format import RenderChatRequest, formatted
+
+    service = services["qwen3_vl"]
+    rendered = _render(service, video_part(clip(4, fps=2.0)))
+    request = RenderChatRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "return_is_embed": True})
+    body = formatted(rendered.to_generate_request(), request, (151655, 151656))
+    [place] = body["features"]["mm_placeholders"]["video"]
+    span = body["token_ids"][place["offset"]:place["offset"] + place["length"]]
+    assert place["is_embed"] == [t == 151656 for t in span] and sum(place["is_embed"]) == 2 * 49
+    assert place["is_embed"][0] is False   # "<" of "<0.2 seconds>"
