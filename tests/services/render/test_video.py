@@ -213,7 +213,8 @@ def test_a_qwen3_video_placeholder_marks_its_timestamps_as_no_embedding(services
 
     service = services["qwen3_vl"]
     rendered = _render(service, video_part(clip(4, fps=2.0)))
-    request = RenderChatRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "return_is_embed": True})
+    request = RenderChatRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
+                                                "return_is_embed": True})
     body = formatted(rendered.to_generate_request(), request, (151655, 151656))
     [place] = body["features"]["mm_placeholders"]["video"]
     span = body["token_ids"][place["offset"]:place["offset"] + place["length"]]
