@@ -23,6 +23,7 @@ import fractions
 import io
 import threading
 from functools import lru_cache
+from typing import cast
 
 import numpy as np
 
@@ -52,7 +53,8 @@ def encode_clip(count: int, width: int, height: int, fps: float = 2.0, *, record
         options = dict(INTRA_H264[1]) if codec == INTRA_H264[0] else {}
     buffer = io.BytesIO()
     with av.open(buffer, "w", format=container) as out:
-        stream = out.add_stream(codec, rate=fractions.Fraction(fps).limit_denominator(1001), options=options)
+        stream = cast("av.VideoStream", out.add_stream(codec, rate=fractions.Fraction(fps).limit_denominator(1001),
+                                                       options=options))
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         for index in range(start, start + count):
             picture = av.VideoFrame.from_ndarray(frame(recording, index, width, height), format="rgb24")

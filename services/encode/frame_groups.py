@@ -72,7 +72,7 @@ def group_hash(rows: torch.Tensor, h: int, w: int) -> str:
     """The content hash of one group: its pixel rows (dtype, shape, bytes) and grid."""
     digest = blake3(_DOMAIN)
     digest.update(f"|{str(rows.dtype)}|{list(rows.shape)}|{[1, h, w]}|".encode())
-    digest.update(memoryview(rows.contiguous().numpy()).cast("B"))
+    digest.update(rows.contiguous().numpy().data)
     return "fg-" + digest.hexdigest()
 
 
