@@ -65,9 +65,12 @@ def _renders(peers, case: str) -> tuple[dict, dict]:
 def test_epd_video_render_equals_vllm_render(peers, case):
     vllm, epd = _renders(peers, case)
     assert epd["token_ids"] == vllm["token_ids"]
-    for key in ("mm_hashes", "mm_placeholders", "mm_metadata"):
+    for key in ("mm_hashes", "mm_placeholders"):
         assert epd["features"][key] == vllm["features"][key], key
-    assert _item_maps(epd["features"]["kwargs_data"]) == _item_maps(vllm["features"]["kwargs_data"])
+    # Decoded, not as bytes: a video's item has several keys, whose order in vLLM's items follows a set's (its
+    # hash seed, one per vLLM process: tests/interop/test_vllm_interop.py, `_item_maps`).
+    for key in ("mm_metadata", "kwargs_data"):
+        assert _item_maps(epd["features"][key]) == _item_maps(vllm["features"][key]), key
     assert "video" in vllm["features"]["mm_hashes"]
 
 
