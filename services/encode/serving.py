@@ -78,7 +78,9 @@ class EncodeService:
     async def encode(self, mm_hash: str, item: Item | None, ref: MmRef | None = None) -> EncodedResult:
         """The item's EC handle; `item` is the skeleton when `ref` says where its tensors are."""
         key = ec_key(self.model_id, mm_hash)
-        handle = self._lookup(key) or self._stored_video(mm_hash)
+        handle = self._lookup(key)
+        if handle is None and self.videos.get(mm_hash) is not None:   # a video stored here: its groups, looked up
+            handle = await run_op(self.store, 0, self._stored_video, mm_hash)
         if handle is not None:
             ITEMS.labels("cache_hit").inc()
             return EncodedResult(mm_hash, handle, True)
@@ -139,10 +141,12 @@ class EncodeService:
         found: dict[str, tuple[dict, bool]] = {}
         waiting: dict[str, asyncio.Future[dict]] = {}
         mine: dict[str, frame_groups.FrameGroup] = {}
+        keys = list(dict.fromkeys(group.key for group in groups))
+        stored = await run_op(self.store, 0, lambda: {k: self._lookup(k) for k in keys})  # Redis: off the loop
         for group in groups:
             if group.key in found or group.key in waiting or group.key in mine:
                 continue   # the same frames twice in one video: one entry
-            handle = self._lookup(group.key)
+            handle = stored[group.key]
             if handle is not None:
                 found[group.key] = (handle, False)
             elif group.key in self._groups_inflight:
