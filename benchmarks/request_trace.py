@@ -11,14 +11,9 @@ the median of each segment between consecutive events, each marked compute (insi
 not.  The sum of the medians is not the median TTFT (medians do not add), but each row is that segment's
 own typical cost.
 
-The path is the critical one.  Encode, prefill and decode calls are opened ahead of their inputs
-(coordinator/ahead.py): their handlers start (`Encode.in`, `Prefill.in`, `Decode.in`) while the stage before
-computes, and the coordinator's own step marks from render's end on fall beside the path, since the answer
-before each call goes on to it as it arrives.  Decode's marks are beside the path too: the first token goes
-to the client from prefill's answer while decode reads the KV (services/decode/judge.py); and so is prefill's
-copy of the KV into the store, made once its answer is out (docs/architecture.md).  Those marks
-(OFF_PATH) are left out of the path and reported on their own: how long before its inputs each call opened
-ahead was there.
+Every hop is one whole call on the one path (coordinator -> role -> coordinator), so the path is every
+request's: render, encode, prefill and decode in turn, each role's handler between the coordinator's step
+start and end.
 
     python -m benchmarks.request_trace            # 40 requests, tiny model; docs block refreshed
     python -m benchmarks.request_trace --quick    # 6 requests, docs untouched
@@ -44,12 +39,6 @@ from benchmarks.procs import running, start_epd
 
 COMPUTE = ("render", "encode", "prefill")
 CLIENT_SEND, CLIENT_FIRST = "client.send", "client.first_token"
-# Beside the critical path: calls opened ahead start there, and the coordinator's steps that relay answers on.
-OFF_PATH = ("Encode.in", "Prefill.in", "Decode.in", "coordinator.render.end", "coordinator.encode.start",
-            "coordinator.encode.end", "coordinator.prefill.start", "coordinator.prefill.end",
-            "coordinator.decode.start", "Decode.inputs", "decode.kv_open.start", "decode.kv_open.end", "Decode.first",
-            "prefill.kv_put.start", "prefill.kv_put.end")
-AHEAD = (("Encode.in", "Encode.inputs"), ("Prefill.in", "Prefill.inputs"), ("Decode.in", "Decode.inputs"))
 
 
 async def _send(url: str, bodies: list[bytes]) -> list[tuple[int, int]]:
@@ -83,24 +72,8 @@ def paths(events: list[tuple[int, str]], windows: list[tuple[int, int]]) -> list
     return out
 
 
-def ahead_of_inputs(requests: list[list[tuple[int, str]]]) -> dict[str, float]:
-    """Per call opened ahead: the median time (us) from its handler's start to its inputs' arrival."""
-    out = {}
-    for opened, inputs in AHEAD:
-        gaps = []
-        for path in requests:
-            seen = {name: at for at, name in reversed(path)}   # each name's first time
-            if opened in seen and inputs in seen:
-                gaps.append((seen[inputs] - seen[opened]) / 1e3)
-        if gaps:
-            out[opened.split(".")[0]] = statistics.median(gaps)
-    return out
-
-
 def segments(requests: list[list[tuple[int, str]]]) -> dict[str, Any]:
     """The most common path and the median of each of its segments (us); compute rows flagged."""
-    ahead = ahead_of_inputs(requests)
-    requests = [[(at, name) for at, name in path if name not in OFF_PATH] for path in requests]
     shapes = Counter(tuple(name for _, name in path) for path in requests)
     shape, count = shapes.most_common(1)[0]
     chosen = [path for path in requests if tuple(name for _, name in path) == shape]
@@ -115,7 +88,7 @@ def segments(requests: list[list[tuple[int, str]]]) -> dict[str, Any]:
             open_compute = None
         rows.append({"from": start, "to": end, "median_us": gap, "compute": compute})
     ttft = statistics.median((path[-1][0] - path[0][0]) / 1e3 for path in chosen)
-    return {"rows": rows, "requests": len(requests), "on_path": count, "ttft_us": ttft, "ahead_us": ahead,
+    return {"rows": rows, "requests": len(requests), "on_path": count, "ttft_us": ttft,
             "compute_us": sum(r["median_us"] for r in rows if r["compute"]),
             "other_us": sum(r["median_us"] for r in rows if not r["compute"])}
 
@@ -130,10 +103,6 @@ def markdown(result: dict[str, Any], command: str, where: dict[str, Any]) -> str
     for row in result["rows"]:
         lines.append(f"| {row['from']} | {row['to']} | {row['median_us']:,.0f} | "
                      f"{'compute' if row['compute'] else ''} |")
-    if result.get("ahead_us"):
-        lines += ["", "Calls opened ahead of their inputs (beside the path): " + "; ".join(
-            f"{call} started {us / 1e3:.2f} ms before its inputs came" for call, us in result["ahead_us"].items())
-            + "."]
     return "\n".join(lines)
 
 

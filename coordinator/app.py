@@ -147,7 +147,7 @@ class CoordinatorApp:
         rendered, encoded and prefilled (whose KV would then wait for its TTL).
         """
         per_instance = self.config.decode_slots + self.config.decode_queue
-        healthy = len(self.cluster.decode.healthy()) if hasattr(self.cluster, "decode") else 0
+        healthy = len(self.cluster.decode.pool.healthy()) if hasattr(self.cluster, "decode") else 0
         if healthy and len(self.inflight) >= healthy * per_instance:
             return (f"the decode instances are full ({healthy} x {per_instance} slots + queue); "
                     "retry later")

@@ -1,4 +1,10 @@
-"""gRPC calls to role pools with deadlines, passive health and failover.
+"""The typed role clients: each role's instances behind the calls the steps make, with deadlines, passive health
+and failover.
+
+Steps talk to `RenderClient`, `EncodeClient`, `PrefillClient` (here) and `DecodeClient` (decode_stream.py),
+never to a transport: an instance's stub is gRPC over TCP, or the same methods over the same-host fast lane
+(services/rpc/fastlane_client.py), and both fail the same way (grpc.aio.AioRpcError with the role's epd
+error code in the trailing metadata).
 
 A call carries what is left of the request's deadline and the request id
 (metadata `x-request-id`).  Transport failures (UNAVAILABLE, a broken
@@ -17,7 +23,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
@@ -30,12 +36,10 @@ from services.protocol.errors import (
     Unavailable,
     from_grpc,
 )
+from services.rpc.v1 import epd_pb2 as pb
 
 from .context import RequestContext
 from .routing.pool import Instance, InstancePool
-
-if TYPE_CHECKING:
-    from .ahead import Ahead
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -122,19 +126,17 @@ def pick_next(pool: InstancePool, key: str | None, tried: set[str], refused: Ove
 
 
 async def with_failover(pool: InstancePool, ctx: RequestContext, what: str,
-                        attempt: Callable[[Instance], Awaitable[T]], key: str | None = None,
-                        first: Instance | None = None) -> tuple[T, Instance]:
+                        attempt: Callable[[Instance], Awaitable[T]], key: str | None = None) -> tuple[T, Instance]:
     """The one failover loop: run `attempt` on one instance after another until one answers.
 
     `attempt` raises grpc.aio.AioRpcError for a failed call; a transport failure marks the instance
     down and tries the next, a refusal (Overloaded) tries the next without marking it down, any other
-    error is the request's own and is raised as the typed error the role sent.  `first`: the instance
-    to try first (a call opened ahead of its inputs is there: coordinator/ahead.py).
+    error is the request's own and is raised as the typed error the role sent.
     """
     tried: set[str] = set()
     refused: Overloaded | None = None
     while True:
-        instance = first if first is not None and not tried else pick_next(pool, key, tried, refused)
+        instance = pick_next(pool, key, tried, refused)
         tried.add(instance.address)
         try:
             result = await attempt(instance)
@@ -152,24 +154,47 @@ async def with_failover(pool: InstancePool, ctx: RequestContext, what: str,
         return result, instance
 
 
-async def call_unary(pool: InstancePool, ctx: RequestContext, method: str, request: Any | Callable[[], Any],
-                     key: str | None = None, ahead: Ahead | None = None, inputs: Callable[[], Any] | None = None,
-                     relay: Any = None) -> tuple[Any, Instance]:
-    """Call `method` on one instance of the pool, failing over on transport failures and refusals.  With
-    `ahead` (the call opened ahead of its inputs), the first attempt sends it `inputs()`; `request` (or the
-    function that builds it) is the whole call any other attempt makes.  `relay`: where a fast-lane call's
-    answer goes on to as it arrives (services.rpc.fastlane_client.Relay)."""
-    async def attempt(instance: Instance) -> Any:
-        if ahead is not None and not ahead.used and instance is ahead.instance:
-            assert inputs is not None
-            try:
-                return await ahead.take(inputs).answer()
-            finally:
-                ahead.end()
-        whole = request() if callable(request) else request
-        extra = {"relay": relay} if relay is not None and hasattr(instance.stub, "open_ahead") else {}
-        with pool.track(instance):
-            return await getattr(instance.stub, method)(whole, timeout=ctx.time_left(), metadata=call_metadata(ctx),
-                                                        **extra)
+class RoleClient:
+    """One role's pool of instances; a unary call goes to one of them, failing over (`with_failover`)."""
 
-    return await with_failover(pool, ctx, method, attempt, key, ahead.instance if ahead is not None else None)
+    def __init__(self, pool: InstancePool) -> None:
+        self.pool = pool
+
+    async def _unary(self, ctx: RequestContext, method: str, request: Any,
+                     key: str | None = None) -> tuple[Any, Instance]:
+        async def attempt(instance: Instance) -> Any:
+            with self.pool.track(instance):
+                return await getattr(instance.stub, method)(request, timeout=ctx.time_left(),
+                                                            metadata=call_metadata(ctx))
+
+        return await with_failover(self.pool, ctx, method, attempt, key)
+
+
+class RenderClient(RoleClient):
+    async def chat(self, ctx: RequestContext, body: bytes) -> tuple[pb.RenderResponse, Instance]:
+        """An OpenAI chat request body -> token ids, items and sampling."""
+        request = pb.RenderChatRequest(request_id=ctx.request_id, chat_request_json=body)
+        return await self._unary(ctx, "RenderChat", request)
+
+    async def completion(self, ctx: RequestContext, body: bytes) -> tuple[pb.RenderResponse, Instance]:
+        request = pb.RenderCompletionRequest(request_id=ctx.request_id, completion_request_json=body)
+        return await self._unary(ctx, "RenderCompletion", request)
+
+    async def content_parts(self, ctx: RequestContext,
+                            request: pb.RenderContentPartsRequest) -> tuple[pb.RenderResponse, Instance]:
+        return await self._unary(ctx, "RenderContentParts", request)
+
+
+class EncodeClient(RoleClient):
+    async def encode(self, ctx: RequestContext, item: pb.MultiModalItem) -> tuple[pb.EncodedItem, Instance]:
+        """One item encoded (or found stored) by one encoder, chosen by its mm_hash."""
+        request = pb.EncodeRequest(request_id=ctx.request_id, items=[item])
+        reply, instance = await self._unary(ctx, "Encode", request, key=item.mm_hash)
+        if len(reply.items) != 1 or reply.items[0].mm_hash != item.mm_hash:
+            raise InternalError(f"encode answered {len(reply.items)} items for one", code="encode_incomplete")
+        return reply.items[0], instance
+
+
+class PrefillClient(RoleClient):
+    async def prefill(self, ctx: RequestContext, request: pb.PrefillRequest) -> tuple[pb.PrefillResponse, Instance]:
+        return await self._unary(ctx, "Prefill", request)

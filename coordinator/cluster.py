@@ -20,6 +20,8 @@ from services.grpc_tls import channel_credentials, channel_options
 from services.owned_metrics import OwnedGauges
 from services.rpc.v1 import epd_pb2_grpc as rpc
 
+from .clients import EncodeClient, PrefillClient, RenderClient
+from .decode_stream import DecodeClient
 from .metrics import CoordinatorMetrics
 from .routing.pool import InstancePool
 
@@ -67,14 +69,15 @@ class Cluster:
 
     @property
     def pools(self) -> list[InstancePool]:
-        return [self.render, self.encode, self.prefill, self.decode]
+        return [self.render.pool, self.encode.pool, self.prefill.pool, self.decode.pool]
 
     def start(self) -> None:
-        """Connect the pools; must run inside the serving event loop (grpc.aio channels bind to it)."""
-        self.render = self._pool("render", rpc.RenderServiceStub)
-        self.encode = self._pool("encode", rpc.EncodeServiceStub)
-        self.prefill = self._pool("prefill", rpc.PrefillServiceStub)
-        self.decode = self._pool("decode", rpc.DecodeServiceStub)
+        """Connect the pools behind each role's typed client; must run inside the serving event loop (grpc.aio
+        channels bind to it)."""
+        self.render = RenderClient(self._pool("render", rpc.RenderServiceStub))
+        self.encode = EncodeClient(self._pool("encode", rpc.EncodeServiceStub))
+        self.prefill = PrefillClient(self._pool("prefill", rpc.PrefillServiceStub))
+        self.decode = DecodeClient(self._pool("decode", rpc.DecodeServiceStub))
         for pool in self.pools:
             pool.start_probing()
         self.mm_store = open_store(self.config, "mm", producer=False)

@@ -24,11 +24,7 @@ clears what a missing entry made stale before it runs steps again.
 | inline_items     | encode step                     | prefill step                              |
 | prefill          | prefill step; cleared by recovery | decode step, answers (prompt tokens)    |
 | decode_stream    | decode step                     | pipeline.stream                           |
-| ahead            | encode, prefill, decode steps (open_ahead) | the same steps; pipeline (cancels the unused) |
-| relays           | render, encode, prefill steps (their call) | the next step's open_ahead (the answer goes on) |
-| reserved         | encode step (open_ahead)        | prefill step's open_ahead (where encode forwards) |
-| running          | pipeline                        | pipeline (calls open ahead only while a step waits) |
-| while_waiting    | http entry (the answer's first event) | pipeline (runs it once a step waits, after render) |
+| resumed          | pipeline.stream (decode died mid-stream) | prefill, decode steps (tokens the client has) |
 | recovered        | pipeline (recovery policy)      | pipeline (each recovery runs once)        |
 | failovers        | failover loop (clients.py)      | logs, tests                               |
 | failed_on        | failover loop (clients.py)      | failover loop: the retry budget           |
@@ -42,21 +38,24 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
+from services.protocol.answers import OutputDelta
 from services.protocol.errors import DeadlineExceeded
 from services.protocol.generate import GenerateRequest
 from services.rpc.v1 import epd_pb2 as pb
 
-if TYPE_CHECKING:
-    from services.rpc.fastlane_client import Relay
-
-    from .ahead import Ahead, Reserved
-    from .decode_stream import DecodeStream
-
 Kind = Literal["chat", "completion", "generate"]
+
+
+class OpenStream(Protocol):
+    """An open decode call (decode_stream.DecodeStream): its answer deltas, and closing it."""
+
+    def chunks(self) -> AsyncIterator[OutputDelta]: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -78,12 +77,8 @@ class RequestContext:
     ec_handles: dict[str, bytes] = field(default_factory=dict)
     inline_items: set[str] = field(default_factory=set)   # mm_hashes prefill encodes itself
     prefill: pb.PrefillResponse | None = None
-    decode_stream: DecodeStream | None = None
-    ahead: dict[str, Ahead] = field(default_factory=dict)   # step name -> its call opened ahead of its inputs
-    running: str = ""                                     # the step Pipeline.prepare is running now
-    relays: dict[str, Relay] = field(default_factory=dict)  # step -> where its one call's answer goes on to
-    reserved: dict[str, Reserved] = field(default_factory=dict)  # step -> where the call before forwards to
-    while_waiting: list[Callable[[], None]] = field(default_factory=list)  # work for a wait after render
+    decode_stream: OpenStream | None = None
+    resumed: list[int] = field(default_factory=list)      # output token ids the client has, when resuming
     recovered: set[str] = field(default_factory=set)      # error codes the pipeline already recovered from
     failovers: int = 0
     failed_on: list[str] = field(default_factory=list)   # instances this request made fail (transport level)

@@ -53,16 +53,8 @@ class CoordinatorMetrics:
         self.inflight = Gauge("epd_coordinator_inflight_requests", "Generation requests running now")
         self.rejected = Counter("epd_coordinator_rejected_requests",
                                 "Requests refused with 429 before any work, by reason", ["reason"])
-        self.ahead_calls = Counter("epd_coordinator_ahead_calls", "Calls opened ahead of their inputs "
-                                   "(coordinator/ahead.py) by role and outcome: opened, forwarded (the role "
-                                   "before sent its answer on itself), relayed (the coordinator sent the answer "
-                                   "before on as it arrived), used (the step sent its inputs), cancelled "
-                                   "(not used: an earlier step failed, a recovery ran, the client left)",
-                                   ["role", "outcome"])
-        self.first_chunks = Counter("epd_coordinator_first_chunks", "First tokens sent from prefill's answer "
-                                    "before decode's stream had its own first chunk, by how that chunk compared: "
-                                    "same, different (the request then ends with an error), missing (decode "
-                                    "failed before it)", ["outcome"])
+        self.resumed = Counter("epd_coordinator_resumed_streams", "Answers whose decode instance failed mid-stream "
+                               "and that went on on another one (the prompt and the tokens sent prefilled again)")
         self.cancelled = Counter("epd_coordinator_cancelled_requests",
                                  "Requests cancelled by reason (disconnect, abort)", ["reason"])
 

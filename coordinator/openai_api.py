@@ -61,15 +61,8 @@ class OpenAIApi:
         ctx = self.context(request, kind, raw, body)
         request_id_var.set(ctx.request_id)
         timing = RequestTiming(arrived, time.monotonic()) if self.config.enable_per_request_metrics else None
-        # A chat stream's first event (the role chunk: id, model, created) is built while a stage computes, for
-        # the render answer it was built from; the rest of the answer (usage: prefill's prompt tokens) after.
-        ahead: list[tuple[object, bytes | None]] = []
-        if ctx.stream:
-            ctx.while_waiting.append(lambda: ahead.append((ctx.rendered, openai_answer(ctx).prebuild().role_event)))
         await self.pipeline.prepare(ctx)
         deltas, built = self.pipeline.stream(ctx), openai_answer(ctx, timing)
-        if ahead and ahead[0][0] is ctx.rendered:
-            built.role_event = ahead[0][1]
         headers = {"X-Request-Id": ctx.label}
         if ctx.stream:
             return StreamingResponse(built.sse(deltas), media_type=SSE_MEDIA_TYPE, headers=headers)

@@ -1,23 +1,23 @@
 """The ordered pipeline: generate input -> render -> encode -> prefill -> decode (opened), then the stream.
 
-One straight line: `prepare` runs the steps in order over one RequestContext;
-each step reads and writes only its rows of the context table (context.py)
-and never calls another step.  What happens when a stage finds an entry gone
-is one policy, here (RECOVERIES): the error code names the step to run again
-from and what to forget first, and each code is recovered from once per
-request; failover between instances of one role is the one loop in
-clients.py, inside a step.
+One straight line, the same at every load and over every transport: `prepare` runs the steps in order over
+one RequestContext; each step reads and writes only its rows of the context table (context.py) and never
+calls another step.  What happens when a stage finds an entry gone is one policy, here (RECOVERIES): the
+error code names the step to run again from and what to forget first, and each code is recovered from once
+per request; failover between instances of one role is the one loop in clients.py, inside a step.
 
-While a step waits for its role, the later steps may open their calls ahead
-of their inputs (Step.open_ahead, coordinator/ahead.py); every one not used
-is cancelled when `prepare` ends or a recovery runs.
+A decode instance that fails after the answer started is one more recovery (`stream`): the prompt and the
+tokens the client has are prefilled again and decode goes on from the last of them on another instance
+(ctx.resumed), so the client's answer goes on with no gap, no repeated token and no error; greedy and
+seeded answers are the same as an undisturbed run's (decode judges the resumed tokens again and seeded draws
+depend only on (seed, index): services/decode/sampler.py).  Each resume costs the request one retry of its
+transport budget (--max-retries), like any failover.
 
 Adding a step is one file in steps/ and one line in STEPS.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -31,6 +31,7 @@ from services.protocol.errors import EpdError, InternalError
 from . import inflight
 from .cluster import Cluster
 from .context import RequestContext
+from .decode_stream import DecodeFailed
 from .steps.base import Step
 from .steps.decode import DecodeStep
 from .steps.encode import EncodeStep
@@ -83,61 +84,21 @@ class Pipeline:
     async def prepare(self, ctx: RequestContext) -> None:
         """Run every step up to the decode stream's first chunk; each records its own timing."""
         inflight.bind(ctx.request_id, ctx.label, ctx.principal)  # POST /abort_requests can cancel it from now on
-        loop = asyncio.get_running_loop()
-        index = 0
-        try:
-            while index < len(self.steps):
-                step = self.steps[index]
-                activity.mark(f"coordinator.{step.name}.start")
-                ctx.running = step.name
-                if index + 1 < len(self.steps):
-                    loop.call_soon(self._open_ahead, ctx, index)  # runs once the step waits (its call sent)
-                try:
-                    await step.execute(ctx)
-                except EpdError as exc:
-                    self.cancel_ahead(ctx)   # opened from the context as it was: a recovery changes it
-                    index = self._recover(step, ctx, exc)
-                    continue
-                activity.mark(f"coordinator.{step.name}.end")
-                if step.name in ctx.timings:
-                    self.cluster.metrics.stage_seconds.labels(step.name).observe(ctx.timings[step.name])
-                index += 1
-        finally:
-            ctx.running = ""
-            self.cancel_ahead(ctx)
+        await self._run(ctx, 0)
 
-    def _open_ahead(self, ctx: RequestContext, index: int) -> None:
-        """The later steps' calls, opened ahead of their inputs while the step at `index` waits
-        (coordinator/ahead.py); nothing when that step is over already (it had nothing to wait for)."""
-        if ctx.running != self.steps[index].name:
-            return
-        if self._ahead_pays():
-            for step in self.steps[index + 1:]:
-                try:
-                    step.open_ahead(ctx)
-                except Exception:  # noqa: BLE001 - a callback: the step makes a whole call instead
-                    log.exception("opening the %s call ahead failed", step.name)
-        if ctx.rendered is not None and ctx.while_waiting:   # the route's own work for after the first token
-            work, ctx.while_waiting = ctx.while_waiting, []
-            for do in work:
-                try:
-                    do()
-                except Exception:  # noqa: BLE001 - a callback: the route does it after the first token instead
-                    log.exception("work ahead of the first token failed")
-
-    def _ahead_pays(self) -> bool:
-        """One request at a time a call opened ahead takes its hand-offs off the request's path; under load the
-        stages' waits overlap other requests' work anyway, and its extra frames and handler steps (the CPU per
-        request `python -m benchmarks.overhead --compare-ref` reports) would only cost throughput."""
-        limit = self.cluster.config.ahead_max_inflight
-        running = inflight.running_now()
-        return limit > 0 and (running is None or running <= limit)
-
-    @staticmethod
-    def cancel_ahead(ctx: RequestContext) -> None:
-        for ahead in ctx.ahead.values():
-            ahead.cancel()
-        ctx.ahead.clear()
+    async def _run(self, ctx: RequestContext, index: int) -> None:
+        while index < len(self.steps):
+            step = self.steps[index]
+            activity.mark(f"coordinator.{step.name}.start")
+            try:
+                await step.execute(ctx)
+            except EpdError as exc:
+                index = self._recover(step, ctx, exc)
+                continue
+            activity.mark(f"coordinator.{step.name}.end")
+            if step.name in ctx.timings:
+                self.cluster.metrics.stage_seconds.labels(step.name).observe(ctx.timings[step.name])
+            index += 1
 
     def _recover(self, step: Step, ctx: RequestContext, exc: EpdError) -> int:
         """The index to run from after `exc`, or `exc` raised again when it is not (or no longer) recoverable."""
@@ -150,18 +111,38 @@ class Pipeline:
         return self._index(recovery.rerun_from)
 
     async def stream(self, ctx: RequestContext) -> AsyncIterator[OutputDelta]:
-        """The decode stream `prepare` opened, as answer deltas; records TTFT and the decode time."""
+        """The decode stream `prepare` opened, as answer deltas, resumed on another decode instance if the one
+        serving it fails; records TTFT and the decode time."""
         if ctx.decode_stream is None:
             raise InternalError("the pipeline was not prepared", code="internal_error")
         started, first = time.perf_counter(), True
+        sent: list[int] = []
         try:
-            async for delta in ctx.decode_stream.chunks():
-                if first:
-                    activity.mark("coordinator.first_delta")
-                    self.cluster.metrics.ttft_seconds.observe(time.monotonic() - ctx.started)
-                    first = False
-                yield delta
+            while True:
+                try:
+                    async for delta in ctx.decode_stream.chunks():
+                        if first:
+                            activity.mark("coordinator.first_delta")
+                            self.cluster.metrics.ttft_seconds.observe(time.monotonic() - ctx.started)
+                            first = False
+                        sent.extend(delta.token_ids)
+                        yield delta
+                    return
+                except DecodeFailed as exc:
+                    await self._resume(ctx, sent, exc)
         finally:
-            ctx.decode_stream.close()
+            if ctx.decode_stream is not None:
+                ctx.decode_stream.close()
             ctx.timings["decode"] = ctx.timings.get("decode_first_chunk", 0.0) + time.perf_counter() - started
             self.cluster.metrics.stage_seconds.labels("decode").observe(ctx.timings["decode"])
+
+    async def _resume(self, ctx: RequestContext, sent: list[int], failure: DecodeFailed) -> None:
+        """Prefill the prompt and `sent` but its last token again, then open decode from that token (another
+        instance: the failed one is marked down).  Within a fresh first-token bound, inside the total one."""
+        log.warning("request %s: %s; resuming after %d tokens", ctx.label, failure.message, len(sent))
+        self.cluster.metrics.resumed.inc()
+        ctx.resumed = list(sent)
+        ctx.prefill, ctx.decode_stream = None, None
+        ctx.recovered.discard(KV_MISSING_CODE)   # the new KV entry may be recovered from once too
+        ctx.deadline = min(ctx.total_deadline, time.monotonic() + self.cluster.config.ttft_timeout_s)
+        await self._run(ctx, self._index("prefill"))

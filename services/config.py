@@ -22,8 +22,9 @@ from .grpc_tls import check_files
 CONNECTORS = ("shm", "redis")
 DEVICES_PREFIXES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
-DEMO_ALIASES = {"demo": "epd-demo-qwen2-vl", "epd-demo-qwen2-vl": "epd-demo-qwen2-vl",
-                "demo-medium": "epd-demo-qwen2-vl-medium"}
+# The built-in demo models: alias -> (the size services/models/demo.py builds, the model id clients send).
+DEMO_ALIASES = {"demo": ("tiny", "epd-demo-qwen2-vl"), "epd-demo-qwen2-vl": ("tiny", "epd-demo-qwen2-vl"),
+                "demo-medium": ("medium", "epd-demo-qwen2-vl-medium")}
 LINEAR_KERNELS = ("auto", "panel", "prepacked", "default")   # services.models.prepack.MODES (checked by a test)
 ATTENTION_KERNELS = ("auto", "c", "torch")          # services.decode.attention.KERNELS (checked by a test)
 DECODE_STEPS = ("auto", "eager", "compiled")        # services.decode.compiled.STEP_MODES (checked by a test)
@@ -227,11 +228,10 @@ class EpdConfig:
                           "given it require client certificates signed by it (mTLS)")
     grpc_tls_server_name: str = _f("", "the name the roles' certificates carry, checked by the coordinator instead "
                                    "of the dialled host (pods are dialled by IP)", roles="coordinator")
-    fast_lane: bool = _f(True, "same-host calls between the coordinator and the roles over a Unix socket instead "
-                         "of gRPC (plaintext gRPC to loopback addresses only; docs/architecture.md)")
+    fast_lane: bool = _f(True, "same-host calls between the coordinator and the roles over a private Unix socket "
+                         "instead of gRPC (plaintext gRPC to loopback addresses only; docs/architecture.md); off: "
+                         "every call over gRPC, e.g. to compare the two or where no private socket folder exists")
     event_loop: str = _f("uvloop", "the event loop of every epd process: uvloop | asyncio (the standard library's)")
-    ahead_max_inflight: int = _f(2, "open calls ahead of their inputs (docs/architecture.md) while the coordinator "
-                                 "runs at most this many requests; 0: never", roles="coordinator")
 
     def __post_init__(self) -> None:
         for name, allowed in (("ec_connector", CONNECTORS), ("kv_connector", CONNECTORS), ("dtype", DTYPES),
@@ -308,7 +308,7 @@ class EpdConfig:
         if self.served_model_name:
             return self.served_model_name
         if self.model in DEMO_ALIASES:
-            return DEMO_ALIASES[self.model]
+            return DEMO_ALIASES[self.model][1]
         return os.path.basename(os.path.normpath(self.model)) if os.path.isdir(self.model) else self.model
 
     def urls(self, role: str) -> list[str]:

@@ -77,7 +77,7 @@ def run(role: str, config: EpdConfig) -> int:
         try:
             await serve(role_server, config.host, grpc_port, http_port, config.log_level, config.shutdown_grace_s,
                         keys=config.role_api_keys(), grpc_host=config.grpc_host, tls=server_credentials(config),
-                        fast_lane=config.fast_lane)
+                        fast_lane=config.fast_lane, instance_id=config.instance_id)
         finally:
             if announcer is not None:
                 await announcer.stop()

@@ -23,11 +23,9 @@ import os
 import random
 import signal
 import socket
-import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -40,6 +38,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .auth import KeySet, protect
+from .private_dir import private_dir
 from .readiness import Readiness
 from .rpc.fastlane_server import FastLaneServer
 
@@ -95,16 +94,15 @@ _MIN_PORT, _SPAN = 10000, 12000
 _HANDED_OUT: set[int] = set()
 _RNG = random.SystemRandom()   # not the global generator, which a test or a library may have seeded
 CLAIM_TTL_S = 600.0   # how long a port handed out by one process is not handed out by another
-CLAIM_DIR = Path(tempfile.gettempdir()) / f"epd-port-claims-{os.getuid()}"
 _MAX_CLAIMS = 512     # past this many claim files, the stale ones are removed (bounded directory)
 
 
 def _claim(port: int) -> bool:
     """Claim `port` across this user's processes: False while another process's claim is fresh.  Where the
     claim directory cannot be used (a read-only temp dir), True: this process's own bookkeeping remains."""
-    path = CLAIM_DIR / str(port)
     try:
-        CLAIM_DIR.mkdir(mode=0o700, exist_ok=True)
+        folder = private_dir("epd-port-claims")   # another user's folder is refused: never theirs to steer
+        path = folder / str(port)
         for _ in range(2):
             try:
                 os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
@@ -125,14 +123,15 @@ def _claim(port: int) -> bool:
 
 def _prune_claims() -> None:
     try:
-        names = os.listdir(CLAIM_DIR)
+        folder = private_dir("epd-port-claims")
+        names = os.listdir(folder)
         if len(names) <= _MAX_CLAIMS:
             return
         now = time.time()
         for name in names:
             with contextlib.suppress(OSError):
-                if now - (CLAIM_DIR / name).stat().st_mtime >= CLAIM_TTL_S:
-                    (CLAIM_DIR / name).unlink()
+                if now - (folder / name).stat().st_mtime >= CLAIM_TTL_S:
+                    (folder / name).unlink()
     except OSError:
         pass
 
@@ -206,7 +205,7 @@ def _address(host: str, port: int) -> str:
 
 async def serve(role: RoleServer, host: str, grpc_port: int, http_port: int, log_level: str = "info",
                 grace_s: float = SHUTDOWN_GRACE_S, keys: KeySet | None = None, grpc_host: str = "",
-                tls: grpc.ServerCredentials | None = None, fast_lane: bool = True) -> None:
+                tls: grpc.ServerCredentials | None = None, fast_lane: bool = True, instance_id: str = "") -> None:
     server = grpc.aio.server(options=SERVER_OPTIONS)
     role.register_grpc(server)
     health_servicer = health.aio.HealthServicer()
@@ -218,9 +217,14 @@ async def serve(role: RoleServer, host: str, grpc_port: int, http_port: int, log
     await server.start()
     # The same methods over a Unix socket for a coordinator on this host (services/rpc/fastlane.py); not
     # beside TLS, whose peers expect their transport to be authenticated.
-    fast = FastLaneServer.from_registration(role.register_grpc, bound) if tls is None and fast_lane else None
+    fast = FastLaneServer.from_registration(role.register_grpc, bound, instance_id or str(os.getpid())) \
+        if tls is None and fast_lane else None
     if fast is not None:
-        await fast.start()
+        try:
+            await fast.start()
+        except OSError as exc:   # e.g. the socket folder is not private (services/private_dir.py): gRPC only
+            log.error("%s: no fast lane (%s); the coordinator reaches this role over gRPC", role.name, exc)
+            fast = None
     await _set_serving(health_servicer, readiness.ready)
     http = _QuietServer(uvicorn.Config(build_http_app(role, readiness, keys), host=host, port=http_port,
                                        log_level="warning", lifespan="off", access_log=False,   # never printed

@@ -9,10 +9,17 @@ from __future__ import annotations
 import hashlib
 import itertools
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeVar
 
-if TYPE_CHECKING:
-    from .pool import Instance
+
+class Candidate(Protocol):
+    """What a policy reads of an instance (routing/pool.py's Instance)."""
+
+    address: str
+    inflight: int
+
+
+Instance = TypeVar("Instance", bound=Candidate)
 
 
 class Policy(ABC):

@@ -87,6 +87,7 @@ class InstancePool:
         for index, address in enumerate(addresses):
             self.add(address, urls[index] if index < len(urls) else "", registered=False)
         self._probe_task: asyncio.Task | None = None
+        self._closing: set[asyncio.Task] = set()   # removed instances' channels, closing after their grace
 
     # ---- membership ---------------------------------------------------------------------------
 
@@ -119,9 +120,12 @@ class InstancePool:
         if self.metrics is not None:
             self.metrics.forget_instance(self.role, address)
         log.warning("%s %s removed: %s", self.role, address, reason)
-        # Calls still running on it finish (or hit their deadline) before the channel closes.
-        asyncio.get_running_loop().create_task(instance.channel.close(grace=30.0))
-        asyncio.get_running_loop().create_task(close_stub(instance.stub, grace_s=30.0))
+        # Calls still running on it finish (or hit their deadline) before the channel closes; the closing tasks are
+        # the pool's (held until done: a task nobody references can be collected mid-way).
+        for closing in (instance.channel.close(grace=30.0), close_stub(instance.stub, grace_s=30.0)):
+            task = asyncio.get_running_loop().create_task(closing)
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
         return True
 
     # ---- routing ------------------------------------------------------------------------------

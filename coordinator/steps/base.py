@@ -1,10 +1,11 @@
 """The step contract: one stage of the pipeline over a RequestContext.
 
 A step is built with the cluster and never calls another step; it reads and
-sets only its rows of the RequestContext table (context.py).  A step that
-does not apply (or already has its result) returns at once.  Steps raise
-typed EpdErrors: the pipeline's recovery policy handles missing entries,
-the HTTP entry maps the rest to a status once.
+sets only its rows of the RequestContext table (context.py) and reaches its
+role through the cluster's typed client (clients.py), never a transport.  A
+step that does not apply (or already has its result) returns at once.  Steps
+raise typed EpdErrors: the pipeline's recovery policy handles missing
+entries, the HTTP entry maps the rest to a status once.
 """
 
 from __future__ import annotations
@@ -26,8 +27,3 @@ class Step(ABC):
 
     @abstractmethod
     async def execute(self, ctx: RequestContext) -> None: ...
-
-    def open_ahead(self, ctx: RequestContext) -> None:
-        """While an earlier step waits: open this step's call ahead of its inputs where it can, into
-        ctx.ahead[self.name] (coordinator/ahead.py).  Most steps cannot; never waits."""
-        return None

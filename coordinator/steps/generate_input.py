@@ -39,7 +39,6 @@ from services.protocol.serialization import decode_item, encode_item
 from services.rpc.convert import dumps, sampling_to_pb
 from services.rpc.v1 import epd_pb2 as pb
 
-from ..clients import call_unary
 from ..context import RequestContext
 from .base import Step
 
@@ -138,7 +137,7 @@ class GenerateInputStep(Step):
                                                content_parts_json=dumps(parts))
         if req.cache_salt is not None:  # a part's uuid is scoped by it (services/render/uuid_scope.py)
             request.cache_salt = req.cache_salt
-        reply, instance = await call_unary(self.cluster.render, ctx, "RenderContentParts", request)
+        reply, instance = await self.cluster.render.content_parts(ctx, request)
         ctx.instances["render"] = instance.address
         self.cluster.metrics.mm_payload_bytes.labels("render").inc(sum(len(i.kwargs_data) for i in reply.items))
         return reply

@@ -9,8 +9,7 @@ the vision tower, prefill's inline encoder).  Over a run (after - before):
     hit ratio = (known + cache_hit) / items
 
 Encode's own counters (`epd_encode_items_total{result="cache_hit"|"encoded"}`)
-count what it was asked, which may include images the coordinator knew (a call
-opened ahead gets render's whole answer: docs/architecture.md), so they give
+count only what it was asked (not the images the coordinator knew), so they give
 the ratio only where the coordinator's counters were not given (an older
 coordinator: items = `epd_coordinator_ec_known_hits_total` +
 `epd_coordinator_encode_calls_total`, hits = known + cache_hit; no coordinator:

@@ -36,11 +36,6 @@ class EntryMissing(ConnectorError):
     """The entry is not stored: never written, evicted, expired, released or its segment is gone."""
 
 
-class EntryNotReady(EntryMissing):
-    """The handle names an entry reserved ahead of its payload (`TensorStore.reserve`) that is still being
-    written: ask again shortly.  A reader that does not wait treats it as missing."""
-
-
 class EntryCorrupt(ConnectorError):
     """The entry or the handle does not match: header, dtype, shape, length or checksum."""
 
@@ -115,22 +110,6 @@ def check_key(key: str) -> str:
     return key
 
 
-class Reservation(ABC):
-    """An entry reserved by `TensorStore.reserve`: its `handle` may be handed out at once; exactly one of
-    `publish` and `abort` ends it (a second call does nothing)."""
-
-    handle: dict[str, Any]
-
-    @abstractmethod
-    def publish(self, fill: Callable[[dict[str, torch.Tensor]], None]) -> int:
-        """`fill` writes every element into views of the entry, which then becomes readable; the bytes written.
-        If `fill` raises, the entry is given back (readers then get EntryMissing) and the error raised."""
-
-    @abstractmethod
-    def abort(self) -> None:
-        """Give the entry back unwritten (readers then get EntryMissing)."""
-
-
 class TensorStore(ABC):
     """Named groups of tensors under a key; a small JSON-serializable handle loads them from any process
     that reaches the backend."""
@@ -159,12 +138,6 @@ class TensorStore(ABC):
         tensors = {name: torch.empty(shape, dtype=dtype) for name, (dtype, shape) in specs.items()}
         fill(tensors)
         return self.put(key, tensors)
-
-    def reserve(self, key: str, specs: dict[str, TensorSpec]) -> Reservation | None:
-        """An entry's handle before its payload: room for one tensor per spec under `key`, readable once
-        `Reservation.publish(fill)` wrote it (a reader before that gets EntryNotReady); None where the backend
-        cannot name an entry before it holds it (the caller then uses `put_into`)."""
-        return None
 
     @abstractmethod
     def lookup(self, key: str) -> dict[str, Any] | None:

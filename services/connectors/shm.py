@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any
 
 from services.connectors.base import (
     ConnectorError,
-    Reservation,
     StoreConfig,
     StoreStats,
     TensorSpec,
@@ -101,16 +100,6 @@ class ShmTensorStore(TensorStore):
             return entry.length
 
         return self._fill_and_publish(entry, [], fill_views)
-
-    def reserve(self, key: str, specs: dict[str, TensorSpec]) -> Reservation | None:
-        """The entry's handle now, its payload later (`_Reserved.publish`); None with checksums on (the handle
-        carries the checksum of a payload not written yet)."""
-        if self.config.verify_checksum:
-            return None
-        check_key(key)
-        planned, length = plan_specs(specs)
-        entry = self._reserve(key, planned, length)
-        return _Reserved(self, entry, self._handle(entry, []))
 
     def _reserve(self, key: str, specs: list[Any], length: int, extra: int = 0,
                  keep: list[Any] | None = None) -> PoolEntry:
@@ -220,22 +209,3 @@ def _share_cuda(name: str, t: torch.Tensor) -> dict[str, Any]:
     from services.connectors.cuda_ipc import share
 
     return share(name, t)
-
-
-class _Reserved(Reservation):
-    def __init__(self, store: ShmTensorStore, entry: PoolEntry, handle: dict[str, Any]) -> None:
-        self._store, self._entry, self.handle = store, entry, handle
-        self._ended = False
-
-    def publish(self, fill: Callable[[dict[str, torch.Tensor]], None]) -> int:
-        if self._ended:
-            return 0
-        self._ended = True
-        self._store._fill_views(self._entry, fill)
-        return self._entry.length
-
-    def abort(self) -> None:
-        if not self._ended:
-            self._ended = True
-            with self._store._lock:
-                self._store._ensure_pool().abort(self._entry)

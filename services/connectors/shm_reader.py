@@ -25,10 +25,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from services.connectors.base import EntryCorrupt, EntryMissing, EntryNotReady
+from services.connectors.base import EntryCorrupt, EntryMissing
 from services.connectors.codec import TensorSpec, byte_view, crc_of, key_hash, specs_from, tensor_at
 from services.connectors.shm_fence import ensure as ensure_fence
-from services.connectors.shm_layout import HAS_CRC, READY, SLOT_MAGIC, WRITING, Layout, SlotHeader
+from services.connectors.shm_layout import HAS_CRC, READY, SLOT_MAGIC, Layout, SlotHeader
 from services.connectors.shm_segment import Segment, attach_segment, producer_gone
 
 if TYPE_CHECKING:
@@ -160,8 +160,6 @@ class ShmReader:
         if h.magic != SLOT_MAGIC:
             raise EntryCorrupt(f"slot header of {ref.key!r} in {ref.segment} is damaged")
         if h.gen != ref.gen or h.state != READY:
-            if not after and h.gen == ref.gen and layout.state(seg.mm, ref.slot) == WRITING:
-                raise EntryNotReady(f"entry {ref.key!r} is reserved and still being written")
             raise EntryMissing(f"entry {ref.key!r} was freed, evicted or overwritten")
         if not after and h.expires_at <= time.monotonic():
             raise EntryMissing(f"entry {ref.key!r} expired")

@@ -14,8 +14,9 @@ aborts, and admits waiting requests into free rows (FIFO, at most `num_slots` ro
 A step is one paged forward for all active rows (services/decode/paged_forward.py); a row's
 attention reads only its own blocks, so a step costs the sum of the rows' lengths.  Active
 requests occupy rows 0..n-1; a leaving request's row is filled by the last one (its block
-table row moves, its KV does not).  An exception in a step fails the active requests
-(finish_reason "error") and the engine carries on.
+table row moves, its KV does not).  An exception in a step is put down to the rows that cause it:
+the step runs again for each row alone, and only a row that fails alone ends (finish_reason "error");
+the others take the tokens their own steps gave and carry on.
 
 Memory: one `BlockPool` of `kv_cache_bytes`.  A request reserves ceil((prompt_len + max_tokens
 - 1) / block_size) blocks at `reserve` and holds only the blocks its tokens fill; running and
@@ -29,6 +30,7 @@ means exactly that much.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -89,6 +91,7 @@ class DecodeEngine:
         self._rows: list[DecodeRequest] = []
         self._closed = False
         self._steps = self._tokens = self._finished = 0
+        self._poison = os.environ.get("EPD_FAKE_DECODE_POISON", "")   # FAKE (tests only): see _forward
         self._thread = threading.Thread(target=self._run, name="decode-engine", daemon=True)
         self._thread.start()
 
@@ -117,18 +120,19 @@ class DecodeEngine:
     def open(self, request_id: str, kv: torch.Tensor | RequestBlocks, prompt_len: int, rope_delta: int,
              first_token: int, params: DecodeParams | None = None,
              on_event: Callable[[DecodeEvent], None] | None = None, prompt_token_ids: Sequence[int] | None = None,
-             loaded: bool = False) -> DecodeRequest:
+             loaded: bool = False, resumed: Sequence[int] = ()) -> DecodeRequest:
         """`submit` in two halves, for a caller that loads the KV after the first token is out: the request
         is registered and its first token emitted now, on reserved (not yet loaded) blocks; `start` queues
         it for steps once the blocks hold the prompt (or `fail` ends it).  Until then it takes no row, and an
         abort ends it only at `start`/`fail`, so its blocks are never freed while the caller writes them.
         If the first token ends the request (`request.finished`), the blocks are already released and
-        nothing must be loaded."""
+        nothing must be loaded.  `resumed`: the output tokens a client already has (their last is `first_token`,
+        the KV holds the prompt and the others): judged again, not emitted; the first event is the next token."""
         params = params or DecodeParams()
         blocks = kv if isinstance(kv, RequestBlocks) else None
         try:
             request = self._build(request_id, kv, prompt_len, rope_delta, first_token, params, on_event,
-                                  prompt_token_ids, loaded)
+                                  prompt_token_ids, loaded, len(resumed))
             blocks = request.blocks
             with self._cond:
                 self._check_accept(request_id)
@@ -141,7 +145,12 @@ class DecodeEngine:
         # its event never waits for the step the worker thread is in the middle of (up to one TPOT).
         # Under the lock: an abort of this id cannot end the request while its first token is judged.
         with self._cond:
-            self._emit_token(request, request.first_token)
+            if resumed:
+                final = request.replay(resumed)
+                if final is not None:
+                    self._end(request, final)
+            else:
+                self._emit_token(request, request.first_token)
         return request
 
     def start(self, request: DecodeRequest) -> None:
@@ -223,7 +232,7 @@ class DecodeEngine:
         self.close()
 
     def _max_tokens(self, prompt_len: int, params: DecodeParams) -> int:
-        budget = token_budget(prompt_len, params, self.max_model_len)   # the rule prefill's judge uses too
+        budget = token_budget(prompt_len, params, self.max_model_len)
         if budget is not None:
             return budget
         if not 1 <= prompt_len < self.max_model_len:
@@ -233,8 +242,8 @@ class DecodeEngine:
 
     def _build(self, request_id: str, kv: torch.Tensor | RequestBlocks, prompt_len: int, rope_delta: int,
                first_token: int, params: DecodeParams, on_event: Callable[[DecodeEvent], None] | None,
-               prompt_token_ids: Sequence[int] | None, loaded: bool = True) -> DecodeRequest:
-        max_tokens = self._max_tokens(prompt_len, params)
+               prompt_token_ids: Sequence[int] | None, loaded: bool = True, num_resumed: int = 0) -> DecodeRequest:
+        max_tokens = self._max_tokens(prompt_len - max(0, num_resumed - 1), params)   # from the original prompt
         if not 0 <= first_token < self.lm.vocab_size:
             raise InvalidRequest(f"first_token {first_token} is outside the vocabulary")
         blocks = kv if isinstance(kv, RequestBlocks) else self._load(kv, prompt_len, params)
@@ -331,18 +340,41 @@ class DecodeEngine:
 
     def _step(self) -> None:
         rows = self._rows
+        lengths = [r.blocks.num_tokens for r in rows]
         try:
-            tokens = self._runner.step([r.last_token for r in rows], [r.rope_delta for r in rows],
-                                       [r.blocks for r in rows], [r.sampling for r in rows])
-        except Exception as exc:
-            logger.exception("decode step failed; failing %d requests", len(rows))
-            self._fail_all(f"decode step failed: {type(exc).__name__}")
-            return
+            tokens: list[int | None] = list(self._forward(rows))
+        except Exception:
+            logger.exception("decode step of %d rows failed; running each row alone", len(rows))
+            tokens = self._isolate(rows, lengths)
         self._steps += 1
         done = [row for row, (request, token) in enumerate(zip(rows, tokens, strict=True))
-                if self._emit_token(request, token) is not None]
+                if token is None or self._emit_token(request, token) is not None]
         for row in reversed(done):   # descending: a moved (last) row is never one still to release
             self._release(row)
+
+    def _forward(self, rows: list[DecodeRequest]) -> list[int]:
+        if self._poison and any(self._poison in r.request_id for r in rows):   # FAKE: tests poison a step
+            raise RuntimeError("FAKE decode step fault (EPD_FAKE_DECODE_POISON)")
+        return self._runner.step([r.last_token for r in rows], [r.rope_delta for r in rows],
+                                 [r.blocks for r in rows], [r.sampling for r in rows])
+
+    def _isolate(self, rows: list[DecodeRequest], lengths: list[int]) -> list[int | None]:
+        """A failed step run again one row at a time (in row 0, its table placed there), each row's KV first
+        cut back to what it held before the step: a row that fails alone ends with an error (None), the rest
+        get their tokens.  Every row's table is placed back in its own row afterwards."""
+        tokens: list[int | None] = []
+        for request, length in zip(rows, lengths, strict=True):
+            request.blocks.truncate(length)
+            self._runner.place(0, request.blocks)
+            try:
+                tokens.append(self._forward([request])[0])
+            except Exception as exc:  # noqa: BLE001 - this row's own failure: it alone ends
+                logger.exception("decode step of request %s failed on its own", request.request_id)
+                self._end(request, request.end(FINISH_ERROR, f"decode step failed: {type(exc).__name__}"))
+                tokens.append(None)
+        for row, request in enumerate(rows):
+            self._runner.place(row, request.blocks)
+        return tokens
 
     def _emit_token(self, request: DecodeRequest, token: int) -> DecodeEvent | None:
         """Accept and emit one token; returns the final event if the request ended."""

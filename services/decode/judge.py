@@ -1,22 +1,17 @@
-"""How an output token is judged: token-level stop, its text, stop strings.  One rule for decode and prefill.
+"""How an output token is judged: token-level stop, its text, stop strings, and the output's token budget.
 
-Decode judges every token of a request this way (`DecodeRequest.accept`).  Prefill judges the first token,
-which it sampled, the same way when the coordinator asks (`PrefillRequest.first_chunk`): the coordinator can
-then send the first token to the client as soon as prefill answers, while decode reads the KV
-(docs/architecture.md, "The first token leaves with prefill's answer").  Both build their judge here, from
-the same sampling params, EOS ids, token budget and tokenizer, so the two first chunks are the same chunk;
-the coordinator checks that they are (`epd_coordinator_first_chunks_total`).
+Decode judges every token of a request this way (`DecodeRequest.accept`), and judges again the tokens a
+resumed request's client already has (`DecodeRequest.replay`), so its stop state and text go on exactly where
+the failed instance left them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-from services.decode.detokenizer import IncrementalDetokenizer, decode_function
+from services.decode.detokenizer import IncrementalDetokenizer
 from services.decode.params import DecodeParams
 from services.decode.stop import FINISH_STOP, StopChecker
-from services.decode.stream import DecodeEvent
 
 
 class OutputJudge:
@@ -49,21 +44,3 @@ def token_budget(prompt_len: int, params: DecodeParams, max_model_len: int) -> i
         return None
     max_tokens = params.max_tokens or max_model_len - prompt_len
     return max_tokens if prompt_len + max_tokens <= max_model_len else None
-
-
-class FirstTokenJudge:
-    """Prefill's side: the first token's event as decode's first event will be (no logprobs: those stay decode's)."""
-
-    def __init__(self, tokenizer: Any, eos_token_ids: Sequence[int], max_model_len: int) -> None:
-        self.tokenizer, self.eos_token_ids, self.max_model_len = tokenizer, tuple(eos_token_ids), max_model_len
-        self._decoders: dict[bool, Callable[[list[int]], str]] = {
-            skip: decode_function(tokenizer, skip) for skip in (True, False)}
-
-    def first_event(self, request_id: str, token_id: int, prompt_len: int, params: DecodeParams) -> DecodeEvent | None:
-        """The event, or None where prefill does not judge (logprobs asked, or a budget decode would refuse)."""
-        budget = token_budget(prompt_len, params, self.max_model_len)
-        if params.logprobs is not None or budget is None:
-            return None
-        detokenizer = IncrementalDetokenizer(self.tokenizer, decode=self._decoders[params.skip_special_tokens])
-        text, finish, reason = OutputJudge(params, self.eos_token_ids, budget, detokenizer).judge(token_id, 1)
-        return DecodeEvent(request_id, [token_id], text, finish, reason, 1)

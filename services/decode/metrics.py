@@ -17,7 +17,7 @@ from prometheus_client import Gauge
 
 if TYPE_CHECKING:
     from .block_pool import PoolStats
-    from .engine import DecodeEngine
+    from .compiled import StepReport
 
 
 @dataclass(frozen=True)
@@ -74,11 +74,10 @@ ENGINE_GAUGES: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
 _INFO: dict[str, Gauge] = {}
 
 
-def export_info(engine: DecodeEngine) -> None:
+def export_info(stats: EngineStats, report: StepReport) -> None:
     """`epd_decode_attention_kernel_info{kernel}` and `epd_decode_step_mode_info{mode}`: 1 for what runs;
     per batch bucket `epd_decode_step_bucket_info{bucket, mode}` (1), the start-up timings
     `epd_decode_step_startup_ms{bucket, mode}` (auto only) and `epd_decode_step_compile_seconds{bucket}`."""
-    stats = engine.stats()
     for name, label, value in (("epd_decode_attention_kernel_info", "kernel", stats.attention_kernel),
                                ("epd_decode_step_mode_info", "mode", stats.step_mode)):
         info = _gauge(name, f"Decode {label} in use (1)", [label])
@@ -88,7 +87,7 @@ def export_info(engine: DecodeEngine) -> None:
     timings = _gauge("epd_decode_step_startup_ms", "Start-up timing of one decode step per bucket and mode",
                      ["bucket", "mode"])
     compile_s = _gauge("epd_decode_step_compile_seconds", "Wall time of compiling one bucket's graph", ["bucket"])
-    for bucket, result in engine.step_report.buckets.items():
+    for bucket, result in report.buckets.items():
         buckets.labels(str(bucket), result.mode).set(1)
         for mode, ms in (("eager", result.eager_ms), ("compiled", result.compiled_ms)):
             if ms is not None:

@@ -56,6 +56,16 @@ class DecodeRequest:
         record = self.sampling.take_logprobs()  # None for the first token (prefill sampled it) and when not asked
         return self._event([token_id], text, finish, reason, logprobs=None if record is None else [record])
 
+    def replay(self, token_ids: Sequence[int]) -> DecodeEvent | None:
+        """Take tokens a client already has (a resumed request): judged as `accept` judges them, so the stop
+        state, the held text and the counts go on where they were, but not emitted.  Should they end the
+        request after all, the final event (with no tokens: the client has them) is returned."""
+        for token_id in token_ids:
+            event = self.accept(token_id)
+            if event.finished:
+                return self._event([], "", event.finish_reason, event.stop_reason)
+        return None
+
     def end(self, finish_reason: str, error: str | None = None) -> DecodeEvent:
         """The final event of a request that ends from outside (abort, error, shutdown)."""
         return self._event([], "", finish_reason, None, error)

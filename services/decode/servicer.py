@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import grpc
 
-from services.protocol.errors import InternalError, InvalidRequest
+from services.protocol.errors import InternalError
 from services.protocol.logprobs import dumps_list
 from services.rpc.convert import dumps, loads, sampling_from_pb
 from services.rpc.handlers import rpc_method, rpc_stream
-from services.rpc.inputs_follow import check_can_follow, inputs_that_follow
 from services.rpc.v1 import epd_pb2 as pb
 from services.rpc.v1 import epd_pb2_grpc as rpc
 
-from .serving import RESERVED, DecodeService
+from .serving import DecodeService
 from .stream import DecodeEvent
 
 
@@ -33,24 +32,10 @@ class DecodeServicer(rpc.DecodeServiceServicer):
 
     @rpc_stream
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
-        if request.inputs_follow_ms:   # opened ahead: prefill's answer comes as the inputs
-            check_can_follow(context, "Decode")
-
-            async def kv_params() -> dict:
-                answer = await inputs_that_follow(context, request.inputs_follow_ms, pb.PrefillResponse, "Decode")
-                if answer.prompt_tokens != request.prompt_tokens:
-                    raise InvalidRequest(f"the prefill answer has {answer.prompt_tokens} prompt tokens, the call "
-                                         f"said {request.prompt_tokens}", code="invalid_kv_transfer_params")
-                return loads(answer.kv_transfer_params_json)
-        else:
-            kv_params = loads(request.kv_transfer_params_json)
-        events = self.service.decode(request.request_id, kv_params, sampling_from_pb(request.sampling),
-                                     list(request.prompt_token_ids), prompt_len=request.prompt_tokens or None,
-                                     announce_reserved=request.ack_reserved)
+        events = self.service.decode(request.request_id, loads(request.kv_transfer_params_json),
+                                     sampling_from_pb(request.sampling), list(request.prompt_token_ids),
+                                     resumed=list(request.resumed_token_ids))
         async for event in events:
-            if event is RESERVED:
-                yield pb.DecodeChunk(reserved=True)
-                continue
             if event.finish_reason == "error":
                 raise InternalError(event.error or "decode failed", code="decode_error")
             yield to_chunk(event, request.prompt_tokens)

@@ -24,7 +24,7 @@ from prometheus_client import Counter
 
 from services import activity
 from services.compute_threads import helper_executor
-from services.connectors.base import ConnectorError, EntryNotReady, TensorStore
+from services.connectors.base import ConnectorError, TensorStore
 from services.connectors.wiring import as_epd_error, runs_inline
 from services.owned_metrics import OwnedGauges
 from services.protocol.errors import InvalidRequest
@@ -45,8 +45,6 @@ _POLL_S = 0.005   # how often a request waiting for KV room looks again
 
 FINISHED = Counter("epd_decode_requests_finished", "Decode requests by finish reason", ["reason"])
 TOKENS = Counter("epd_decode_tokens", "Output tokens produced")
-NOT_READY_WAITS_S = (0.001,) * 20 + (0.005,) * 16   # ~0.1 s for a reserved KV entry to be written (EntryNotReady)
-RESERVED = DecodeEvent("")   # `decode(announce_reserved=True)`'s first event: the blocks are reserved, nothing else
 GAUGES = {
     **{name: (doc, lambda s, read=read: read(s.engine.stats())) for name, (doc, read) in ENGINE_GAUGES.items()},
     "epd_kv_store_bytes_copied_total": ("Payload bytes the KV store reader copied (gets; views none)",
@@ -82,7 +80,7 @@ class DecodeService:
         self._copies = helper_executor(2)  # large KV copies (threads that run torch on one thread)
         # Read at scrape time: an aborted request's row and blocks show free as soon as the engine let them go.
         self.gauges = OwnedGauges(self, GAUGES)
-        export_info(engine)
+        export_info(engine.stats(), engine.step_report)
 
     @property
     def num_waiting_for_kv(self) -> int:
@@ -91,37 +89,29 @@ class DecodeService:
 
     async def decode(self, request_id: str, kv_params: Any, sampling: dict[str, Any],
                      prompt_token_ids: list[int] | None = None,
-                     prompt_len: int | None = None, announce_reserved: bool = False) -> AsyncIterator[DecodeEvent]:
-        """`kv_params` may be a coroutine function (a call opened ahead, services/rpc/inputs_follow.py): the
-        request's blocks are then reserved for `prompt_len` tokens first, and the entry is opened once the
-        parameters came and name that same length.  `announce_reserved`: the first event is RESERVED, as soon
-        as the blocks are (DecodeRequest.ack_reserved)."""
+                     resumed: list[int] | None = None) -> AsyncIterator[DecodeEvent]:
+        """The request's events, the first token's first.  `resumed`: the output tokens the client already has
+        (its decode instance died): the KV holds the prompt and all but the last of them, which is the first
+        token; they are judged again without being sent, and the stream starts with the next token."""
         params = decode_params(sampling)
-        later = kv_params if callable(kv_params) else None
-        if later is None:
-            handle, prompt_len, rope_delta, first_token = _transfer_fields(kv_params)
-        elif prompt_len is None or prompt_len <= 0:
-            raise InvalidRequest("a decode call opened ahead must say its prompt_tokens", code="invalid_prompt_tokens")
+        handle, prompt_len, rope_delta, first_token = _transfer_fields(kv_params)
+        if resumed:
+            first_token = resumed[-1]
+        budget_len = prompt_len - max(0, len(resumed or ()) - 1)   # the original prompt: the token budget's base
+        if budget_len < 1:
+            raise InvalidRequest(f"{len(resumed or ())} resumed tokens for a KV of {prompt_len}",
+                                 code="invalid_kv_transfer_params")
         self._check_room()  # before the KV is loaded (and released): a full instance leaves it for another
-        blocks = await self._reserve(prompt_len, params)
+        blocks = await self._reserve(budget_len, params)
         views = contextlib.ExitStack()
         try:
-            if announce_reserved:
-                yield RESERVED
-            if later is not None:
-                kv_params = await later()
-                handle, got_len, rope_delta, first_token = _transfer_fields(kv_params)
-                if got_len != prompt_len:
-                    raise InvalidRequest(f"kv_transfer_params name {got_len} prompt tokens, the call said {prompt_len}",
-                                         code="invalid_kv_transfer_params")
-                self._check_room()  # again: requests may have come while the inputs were on their way
             # The entry is opened and checked before anything is emitted: a missing or malformed one is a typed
             # error the coordinator can act on (kv_entry_missing: prefill again), not a stream that breaks.
             activity.mark("decode.kv_open.start")
             kv = await self._open_entry(handle, prompt_len, views)
             activity.mark("decode.kv_open.end")
             request = self.engine.open(request_id, blocks, prompt_len, rope_delta, first_token, params,
-                                       prompt_token_ids=prompt_token_ids or None)
+                                       prompt_token_ids=prompt_token_ids or None, resumed=resumed or ())
         except BaseException:
             with contextlib.suppress(ConnectorError):
                 views.close()
@@ -131,7 +121,8 @@ class DecodeService:
         loading = asyncio.ensure_future(self._load_then_start(request, handle, kv, views))
         self._loading.add(loading)
         loading.add_done_callback(self._loading.discard)
-        texts = _LogprobTexts(self.engine.tokenizer, kv_params, first_token) if params.logprobs is not None else None
+        texts = _LogprobTexts(self.engine.tokenizer, kv_params, first_token, bool(resumed)) \
+            if params.logprobs is not None else None
         finished = False
         try:
             async for event in request.stream.events():
@@ -158,11 +149,6 @@ class DecodeService:
         try:
             if not self.kv_store.local:
                 return await asyncio.to_thread(open_checked)
-            for wait_s in NOT_READY_WAITS_S:   # an entry its prefill answered before copying it in is near
-                try:
-                    return open_checked()
-                except EntryNotReady:
-                    await asyncio.sleep(wait_s)
             return open_checked()
         except ConnectorError as exc:
             raise as_epd_error(exc, "kv") from None
@@ -239,9 +225,10 @@ class _LogprobTexts:
     """Gives a request's events their logprobs records with token texts; the first token's record (sampled by
     prefill) comes from kv_transfer_params["first_logprobs"] (vLLM's -9999.0 sentinel when prefill sent none)."""
 
-    def __init__(self, tokenizer: Any, kv_params: dict, first_token: int) -> None:
+    def __init__(self, tokenizer: Any, kv_params: dict, first_token: int, resumed: bool = False) -> None:
         raw = kv_params.get("first_logprobs")
-        self.first: TokenLogprob | None = (TokenLogprob.from_json(raw) if isinstance(raw, dict)
+        self.first: TokenLogprob | None = (None if resumed   # the client has the first token's record already
+                                           else TokenLogprob.from_json(raw) if isinstance(raw, dict)
                                            else TokenLogprob(first_token, FLOOR, 0))
         whole = decode_function(tokenizer, False)
         self.decode: Callable[[int], str] = lambda token_id: whole([token_id])

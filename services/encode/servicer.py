@@ -2,9 +2,7 @@
 
 An item with kwargs_ref_json comes by handle: kwargs_data is its skeleton and the
 tensors are read from the mm store (services.connectors.mm).  Large inline items
-are decoded in a worker thread, not on the event loop.  A call opened ahead of its
-inputs (`inputs_follow_ms`, services/rpc/inputs_follow.py) gets render's answer as
-them and encodes each of its images once.
+are decoded in a worker thread, not on the event loop.
 """
 
 from __future__ import annotations
@@ -18,7 +16,6 @@ from services.protocol.items import Item
 from services.protocol.serialization import decode_item
 from services.rpc.convert import dumps
 from services.rpc.handlers import rpc_method
-from services.rpc.inputs_follow import check_can_follow, inputs_that_follow
 from services.rpc.v1 import epd_pb2 as pb
 from services.rpc.v1 import epd_pb2_grpc as rpc
 
@@ -32,10 +29,6 @@ class EncodeServicer(rpc.EncodeServiceServicer):
     @rpc_method
     async def Encode(self, request: pb.EncodeRequest, context: grpc.aio.ServicerContext):
         wanted = list(request.items)
-        if request.inputs_follow_ms:   # opened ahead: render's answer comes as the inputs, each image once
-            check_can_follow(context, "Encode")
-            rendered = await inputs_that_follow(context, request.inputs_follow_ms, pb.RenderResponse, "Encode")
-            wanted = list({i.mm_hash: i for i in rendered.items}.values())
         MM_BYTES.inc(sum(len(i.kwargs_data) + len(i.mm_metadata) for i in wanted))
         items = [await _decode(i.kwargs_data) for i in wanted]
         refs = [MmRef.from_json(i.kwargs_ref_json) if i.kwargs_ref_json else None for i in wanted]

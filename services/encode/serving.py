@@ -1,7 +1,10 @@
 """Encode's core: kwargs items -> EC entries (embedding + family extras) in the EC store -> handles.
 
 An item whose mm_hash is already stored is not encoded again (counted as a
-cache hit); concurrent requests for the same item share one encode.  An item
+cache hit); concurrent requests for the same item share one encode, which runs
+as this service's own task: a request that leaves (cancelled, its client gone)
+stops waiting for it without cancelling it for the others, and the embedding is
+stored for the next request either way.  An item
 that comes by handle (render's mm store, services.connectors.mm) is read as
 zero-copy views kept open through the forward, so the tower's own input copy
 is the only copy of its pixels; an entry evicted meanwhile fails the item
@@ -69,7 +72,7 @@ class EncodeService:
                  max_queue: int = 256, mm_store: TensorStore | None = None) -> None:
         self.engine, self.store, self.model_id, self.timeout_s = engine, store, model_id, timeout_s
         self.mm_store = mm_store  # where items sent by handle are read
-        self._inflight: dict[str, asyncio.Future[EncodedResult]] = {}
+        self._inflight: dict[str, asyncio.Task[EncodedResult]] = {}   # key -> the one encode of that item running
         self._groups_inflight: dict[str, asyncio.Future[dict]] = {}   # group key -> its handle, while encoded
         self.videos = frame_groups.VideoIndex()
         self.admission = Admission("encode", max_queue)  # items waiting for or in the tower
@@ -87,26 +90,25 @@ class EncodeService:
         if item is None:
             raise InvalidRequest(f"item {mm_hash}: no kwargs_data and not in the encoder cache",
                                  code="missing_kwargs_data")
-        if frame_groups.is_video(item) and getattr(self.engine.vision, "frame_groups_independent", False):
-            with self.admission.admit():
-                return await self._encode_video(mm_hash, item, ref)
-        pending = self._inflight.get(key)
-        if pending is not None:  # another request is encoding this item right now: not encoded twice
+        task = self._inflight.get(key)
+        if task is not None:  # another request is encoding this item right now: not encoded twice
             ITEMS.labels("cache_hit").inc()
-            return await asyncio.shield(pending)
-        future: asyncio.Future[EncodedResult] = asyncio.get_running_loop().create_future()
-        self._inflight[key] = future
-        try:
-            with self.admission.admit():
-                result = await self._encode(key, mm_hash, item, ref)
-            future.set_result(result)
-            return result
-        except BaseException as exc:
-            future.set_exception(exc)
-            future.exception()  # mark retrieved: waiters (if any) re-raise it themselves
-            raise
-        finally:
+        else:
+            admitted = self.admission.admit()
+            admitted.__enter__()   # refused (Overloaded) at once when full; held until the encode ends
+            by_groups = frame_groups.is_video(item) and getattr(self.engine.vision, "frame_groups_independent", False)
+            work = self._encode_video(mm_hash, item, ref) if by_groups else self._encode(key, mm_hash, item, ref)
+            task = asyncio.get_running_loop().create_task(work)
+            self._inflight[key] = task
+            task.add_done_callback(lambda done: self._ended(key, done, admitted))
+        return await asyncio.shield(task)   # leaving stops this request's wait, never the encode
+
+    def _ended(self, key: str, task: asyncio.Task, admitted: contextlib.AbstractContextManager) -> None:
+        if self._inflight.get(key) is task:
             del self._inflight[key]
+        admitted.__exit__(None, None, None)
+        if not task.cancelled():
+            task.exception()   # retrieved: every waiter re-raises it itself (none may be left)
 
     def _stored_video(self, mm_hash: str) -> dict | None:
         """A video this encoder stored, when every one of its groups is still in the store."""

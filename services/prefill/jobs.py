@@ -41,7 +41,6 @@ class PrefillJob:
     cache_salt: str | None
     future: Future = field(default_factory=Future)
     inputs: PrefillInputs | None = None
-    early: PrefillInputs | None = None               # made before the embeddings came (PrefillEngine.early)
     keys: list[bytes] = field(default_factory=list)  # prefix keys of the prompt's full blocks
     blocks: list[int] = field(default_factory=list)
     num_cached: int = 0    # leading tokens whose KV came from the prefix cache

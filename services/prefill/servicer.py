@@ -5,12 +5,10 @@ from __future__ import annotations
 import grpc
 
 from services.connectors.mm import MmRef
-from services.decode.servicer import to_chunk
 from services.protocol.errors import InvalidRequest
 from services.protocol.serialization import decode_item
 from services.rpc.convert import dumps, loads, sampling_from_pb
 from services.rpc.handlers import rpc_method
-from services.rpc.inputs_follow import check_can_follow, inputs_that_follow
 from services.rpc.v1 import epd_pb2 as pb
 from services.rpc.v1 import epd_pb2_grpc as rpc
 
@@ -37,25 +35,14 @@ class PrefillServicer(rpc.PrefillServiceServicer):
     @rpc_method
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext):
         MM_BYTES.inc(sum(len(i.kwargs_data) + len(i.mm_metadata) for i in request.items))
-        if request.inputs_follow_ms:   # opened ahead: the handles come once encode answered
-            check_can_follow(context, "Prefill")
-
-            async def ec_params() -> dict:
-                encoded = await inputs_that_follow(context, request.inputs_follow_ms, pb.EncodeResponse, "Prefill")
-                return _checked_handles(request, {i.mm_hash: loads(i.handle_json) for i in encoded.items})
-        else:
-            ec_params = _checked_handles(request, loads(request.ec_transfer_params_json) or {})
+        ec_params = _checked_handles(request, loads(request.ec_transfer_params_json) or {})
         salt = request.cache_salt if request.HasField("cache_salt") else None
         outcome = await self.service.prefill(request.request_id, list(request.token_ids),
                                              items_from_pb(list(request.items)), ec_params,
-                                             sampling_from_pb(request.sampling), salt, request.first_chunk,
-                                             getattr(context, "after_reply", None))
-        answer = pb.PrefillResponse(request_id=request.request_id, first_token_id=outcome.first_token_id,
-                                    kv_transfer_params_json=dumps(outcome.kv_transfer_params),
-                                    prompt_tokens=outcome.prompt_tokens, cached_tokens=outcome.cached_tokens)
-        if outcome.first_event is not None:   # the chunk decode's stream will start with (services/decode/judge.py)
-            answer.first_chunk.CopyFrom(to_chunk(outcome.first_event, outcome.prompt_tokens))
-        return answer
+                                             sampling_from_pb(request.sampling), salt)
+        return pb.PrefillResponse(request_id=request.request_id, first_token_id=outcome.first_token_id,
+                                  kv_transfer_params_json=dumps(outcome.kv_transfer_params),
+                                  prompt_tokens=outcome.prompt_tokens, cached_tokens=outcome.cached_tokens)
 
 
 def _checked_handles(request: pb.PrefillRequest, ec_params: dict) -> dict:

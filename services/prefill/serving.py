@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
-from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -25,15 +23,13 @@ from prometheus_client import Counter
 
 from services import activity
 from services.admission import Admission
-from services.connectors.base import ConnectorError, Reservation, TensorStore
+from services.connectors.base import ConnectorError, TensorStore
 from services.connectors.kv import kv_key
 from services.connectors.mm import MmRef, open_item
-from services.connectors.wiring import INLINE_BYTES, as_epd_error
-from services.decode.judge import FirstTokenJudge
+from services.connectors.wiring import as_epd_error
 from services.decode.params import DecodeParams
 from services.decode.params_from import decode_params
 from services.decode.sampler import sample_first_logprobs
-from services.decode.stream import DecodeEvent
 from services.models.base import LanguageModel, MultiModalInput
 from services.owned_metrics import OwnedGauges
 from services.protocol.errors import InvalidRequest
@@ -41,7 +37,7 @@ from services.protocol.items import Item
 from services.protocol.logprobs import TokenLogprob
 from services.protocol.tensors import to_torch
 
-from .engine import Early, PrefillEngine
+from .engine import PrefillEngine
 from .inline_encode import InlineEncoder
 from .jobs import HeldPrefill, release_when_done
 
@@ -83,61 +79,32 @@ class PrefillOutcome:
     prompt_tokens: int
     cached_tokens: int
     first_logprobs: TokenLogprob | None = None  # when sampling asked for logprobs
-    first_event: DecodeEvent | None = None      # the first token as decode judges it, when asked (judge.py)
 
 
 class PrefillService:
     def __init__(self, engine: PrefillEngine, lm: LanguageModel, ec_store: TensorStore, kv_store: TensorStore,
                  instance_id: str, max_queue: int = 32, inline: InlineEncoder | None = None,
-                 mm_store: TensorStore | None = None, first_judge: FirstTokenJudge | None = None) -> None:
+                 mm_store: TensorStore | None = None) -> None:
         self.engine, self.lm, self.instance_id = engine, lm, instance_id
-        self.first_judge = first_judge  # answers the first token's chunk too (PrefillRequest.first_chunk)
         self.ec_store, self.kv_store, self.mm_store = ec_store, kv_store, mm_store
         self.inline = inline
+        self._puts: set[asyncio.Future] = set()   # remote KV puts running in threads
         self.admission = Admission("prefill", max_queue)
         # Read at scrape time, so entries that decode released or that expired show at once.
         self.gauges = OwnedGauges(self, GAUGES)
 
     async def prefill(self, request_id: str, token_ids: list[int], items: list[PrefillItem],
-                      ec_params: dict[str, Any] | Callable[[], Awaitable[dict[str, Any]]], sampling: dict[str, Any],
-                      cache_salt: str | None, judge_first: bool = False,
-                      after_reply: Callable[[Callable[[bool], None]], None] | None = None) -> PrefillOutcome:
-        """Refused at once (Overloaded) while `max_queue` prefills are already running or waiting.  `ec_params`
-        may be a coroutine function (a call opened ahead: services/rpc/inputs_follow.py): the request is checked
-        first, then it waits for them, outside the queue (the coordinator bounds how many requests it runs).
-        `judge_first`: the outcome carries the first token's event as decode will judge it, where this prefill
-        has a judge and the request is one it judges (services/decode/judge.py).  `after_reply` (the fast lane's
-        `context.after_reply`): a small KV entry is reserved and its handle answered at once, the copy into it
-        left for after the answer (`_put_kv`)."""
+                      ec_params: dict[str, Any], sampling: dict[str, Any], cache_salt: str | None) -> PrefillOutcome:
+        """Refused at once (Overloaded) while `max_queue` prefills are already running or waiting."""
         params = decode_params(sampling)
         self._check_ids(token_ids)
-        early = None
-        if callable(ec_params):   # meanwhile: the text's embeddings, the positions, the prefix keys
-            early = self._early(token_ids, items, cache_salt)
-            ec_params = await ec_params()
         with self.admission.admit():
-            outcome = await self._prefill(request_id, token_ids, items, ec_params, params, cache_salt, early,
-                                          after_reply)
-        if judge_first and self.first_judge is not None:
-            outcome.first_event = self.first_judge.first_event(request_id, outcome.first_token_id,
-                                                               outcome.prompt_tokens, params)
-        return outcome
-
-    def _early(self, token_ids: list[int], items: list[PrefillItem], cache_salt: str | None) -> Early | None:
-        """The prompt's early inputs, or None (a prompt the engine will refuse: it says why, as for any)."""
-        try:
-            placed = [MultiModalInput(i.modality, i.offset, i.length, _metadata(i), None,  # type: ignore[arg-type]
-                                      mm_hash=i.mm_hash) for i in items]
-            return self.engine.early(token_ids, placed, cache_salt)
-        except Exception:  # noqa: BLE001 - the whole path (PrefillEngine.submit) raises the request's error
-            return None
+            return await self._prefill(request_id, token_ids, items, ec_params, params, cache_salt)
 
     async def _prefill(self, request_id: str, token_ids: list[int], items: list[PrefillItem],
-                       ec_params: dict[str, Any], params: DecodeParams, cache_salt: str | None,
-                       early: Early | None = None, after_reply: Any = None) -> PrefillOutcome:
+                       ec_params: dict[str, Any], params: DecodeParams, cache_salt: str | None) -> PrefillOutcome:
         key = kv_key(request_id)
-        held = await self._forward(token_ids, items, ec_params, cache_salt, key, params.plain_greedy, early,
-                                   after_reply)
+        held = await self._forward(token_ids, items, ec_params, cache_salt, key, params.plain_greedy)
         if not self.kv_store.local:
             await self._put_remote(key, held)
         if held.kv_error is not None:
@@ -163,8 +130,7 @@ class PrefillService:
         return PrefillOutcome(first, params_out, held.num_prompt_tokens, held.num_cached_tokens, logprobs)
 
     async def _forward(self, token_ids: list[int], items: list[PrefillItem], ec_params: dict[str, Any],
-                       cache_salt: str | None, key: str, greedy: bool = False,
-                       early: Early | None = None, after_reply: Any = None) -> HeldPrefill:
+                       cache_salt: str | None, key: str, greedy: bool = False) -> HeldPrefill:
         """The prompt through the engine with each embedding read as a zero-copy view of the EC store, kept
         open until the forward is done: the scatter into the prompt's embeddings is the one copy.  An entry
         evicted meanwhile fails the prompt (ec_entry_missing) rather than use bytes that changed under it.
@@ -180,7 +146,7 @@ class PrefillService:
                 else:
                     mm_inputs = await asyncio.to_thread(self._load_embeddings, items, ec_params, views)
                 activity.mark("prefill.ec_views.end")
-                held = await self._run_engine(token_ids, mm_inputs, cache_salt, key, greedy, early, after_reply)
+                held = await self._run_engine(token_ids, mm_inputs, cache_salt, key, greedy)
         except ConnectorError as exc:
             if held is not None:
                 held.release()
@@ -188,24 +154,16 @@ class PrefillService:
         return held
 
     async def _run_engine(self, token_ids: list[int], mm_inputs: list[MultiModalInput],
-                          cache_salt: str | None, key: str, greedy: bool = False,
-                          early: Early | None = None, after_reply: Any = None) -> HeldPrefill:
+                          cache_salt: str | None, key: str, greedy: bool = False) -> HeldPrefill:
         """Wait for the engine without holding a thread (so every waiting prompt can join a batch).  With a
         local store the engine thread puts the KV into it as soon as the prompt's last forward ends
         (`_put_kv`: a memcpy), so the result comes back with its blocks already released.  A caller that gives
         up leaves the blocks to be released, and the entry nobody will read to be deleted, when the prompt
-        finishes.  With `after_reply`, a prompt the engine runs right here (on this thread: nothing can end the
-        call meanwhile) gets its entry reserved and its handle answered at once, the copy left for after."""
-        loop_thread = threading.get_ident()
-
-        def on_finish(held: HeldPrefill) -> None:
-            defer = after_reply if threading.get_ident() == loop_thread else None
-            self._put_kv(key, held, defer)
-
-        on_finish = on_finish if self.kv_store.local else None
+        finishes."""
+        on_finish = (lambda held: self._put_kv(key, held)) if self.kv_store.local else None
         # An idle engine runs a small prompt right here (the future comes back done: no thread hand-off)
         future = self.engine.submit(token_ids, mm_inputs, cache_salt, on_finish=on_finish, greedy=greedy,
-                                    inline=True, early=early)
+                                    inline=True)
         if future.done():
             activity.mark("prefill.engine_done")
             return future.result()
@@ -222,6 +180,8 @@ class PrefillService:
         """A store that does I/O (Redis): the put runs in a thread, so the engine's next forward never waits on
         the network.  If the caller gives up meanwhile, the entry nobody will read is deleted once written."""
         put = asyncio.ensure_future(asyncio.to_thread(self._put_kv, key, held))
+        self._puts.add(put)   # held until done: a task nobody references can be collected mid-way
+        put.add_done_callback(self._puts.discard)
         try:
             await asyncio.shield(put)
         except asyncio.CancelledError:
@@ -232,40 +192,16 @@ class PrefillService:
             put.add_done_callback(drop)
             raise
 
-    def _put_kv(self, key: str, held: HeldPrefill, after_reply: Any = None) -> None:
+    def _put_kv(self, key: str, held: HeldPrefill) -> None:
         """On the engine thread (a local store) or a worker thread (`_put_remote`): the KV into the store (one
         copy from the blocks), then the blocks go back.  A store error is kept on `held` for the caller to
-        raise as a kv_* error.  With `after_reply` and an entry small enough to copy on the loop, the entry is
-        reserved now (its handle is the answer's) and filled once the answer is out (`_fill_reserved`): the
-        next role gets it after that (services/rpc/fastlane_server.py), a reader that comes first waits."""
-        reserved = None
+        raise as a kv_* error."""
         try:
-            if after_reply is not None and held.kv_nbytes <= INLINE_BYTES:
-                reserved = self.kv_store.reserve(key, held.kv_spec())
-            if reserved is not None:
-                held.kv_handle = reserved.handle
-                after_reply(lambda answered: self._fill_reserved(reserved, held, answered))
-                return
             activity.mark("prefill.kv_put.start")
             held.kv_handle = self.kv_store.put_into(key, held.kv_spec(), held.fill)
             activity.mark("prefill.kv_put.end")
         except ConnectorError as exc:
             held.kv_error = exc
-        finally:
-            if reserved is None:
-                held.release()
-
-    @staticmethod
-    def _fill_reserved(reserved: Reservation, held: HeldPrefill, answered: bool) -> None:
-        """The KV into its reserved entry once the answer is out (or the entry given back when the call ended
-        without one); the blocks go back either way."""
-        try:
-            if answered:
-                activity.mark("prefill.kv_put.start")
-                reserved.publish(held.fill)
-                activity.mark("prefill.kv_put.end")
-            else:
-                reserved.abort()
         finally:
             held.release()
 

@@ -159,14 +159,6 @@ class OpenAIAnswer:
         self.prompt_tokens, self.include_usage = prompt_tokens, include_usage
         self.prompt_token_ids = prompt_token_ids  # given: vLLM's return_token_ids (ids in the answer)
         self.timing = timing  # given: vLLM's per-request metrics in the answer (request_metrics.py)
-        self.role_event: bytes | None = None   # a chat stream's first event, built ahead (`prebuild`)
-
-    def prebuild(self) -> OpenAIAnswer:
-        """Build now what a stream sends before its first token (a chat stream's role chunk): a caller with idle
-        time before the first token (the coordinator, while the stages compute) takes it off the token's path."""
-        if self.kind == "chat" and self.role_event is None:
-            self.role_event = self._event(self.role_chunk())
-        return self
 
     # ---- pieces (derender builds its answers from these) ----------------------------------------------
 
@@ -243,7 +235,7 @@ class OpenAIAnswer:
         offset = 0  # completions' text_offset: where the next chunk's text starts
         # A chat stream's role chunk goes out in one write with the first event after it (the first token's, which
         # the coordinator already holds when the stream starts): one wake-up of the client for both.
-        held = (self.role_event or self._event(self.role_chunk())) if self.kind == "chat" else b""
+        held = self._event(self.role_chunk()) if self.kind == "chat" else b""
         try:
             async for delta in deltas:
                 completion += len(delta.token_ids)

@@ -8,8 +8,7 @@ without leaking its text.  `rpc_stream` does the same for server streams.
 
 Every call is counted in `epd_rpc_requests{method, code}` (code "ok", the epd
 error code, or "cancelled" when the caller went away) and timed in
-`epd_rpc_seconds{method}`, and ends with one log line carrying the request id.  A call opened ahead of its
-inputs (the fast lane's `next_input`) is timed without its wait for them: the metric stays the role's own time.
+`epd_rpc_seconds{method}`, and ends with one log line carrying the request id.
 """
 
 from __future__ import annotations
@@ -56,11 +55,11 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     await context.abort(err.grpc_code, message)
 
 
-def _done(method: str, started: float, code: str, context: Any = None) -> None:
+def _done(method: str, started: float, code: str) -> None:
     """The call's time, taken now; its counters and log line once the answer is on its way: recorded on the loop's
     next turn (the server writes the answer first, and the next role or the coordinator wakes for it before the
     bookkeeping runs), in this call's context (its request id)."""
-    elapsed = time.monotonic() - started - getattr(context, "waited_s", 0.0)
+    elapsed = time.monotonic() - started
     try:
         asyncio.get_running_loop().call_soon(_record, method, code, elapsed)
     except RuntimeError:   # no loop running (a servicer called directly): recorded at once
@@ -96,7 +95,7 @@ def rpc_method(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
             await _abort(context, exc)
             raise  # unreachable: abort raises
         finally:
-            _done(fn.__name__, started, code, context)
+            _done(fn.__name__, started, code)
 
     return wrapper
 
@@ -125,6 +124,6 @@ def rpc_stream(fn: Callable[..., AsyncIterator[T]]) -> Callable[..., AsyncIterat
             code = as_epd_error(exc).code
             await _abort(context, exc)
         finally:
-            _done(fn.__name__, started, code, context)
+            _done(fn.__name__, started, code)
 
     return wrapper

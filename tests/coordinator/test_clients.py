@@ -1,4 +1,5 @@
-"""call_unary against real in-process gRPC servers: failover on a dead instance, retry elsewhere when full."""
+"""The typed role clients against real in-process gRPC servers: failover on a dead instance, retry elsewhere when
+full, a request's own error raised as the role sent it."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
-from coordinator.clients import call_unary
+from coordinator.clients import EncodeClient
 from coordinator.context import RequestContext
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.routing.pool import InstancePool
@@ -57,7 +58,7 @@ async def _call(behaviours: list[str], dead_first: bool = False):
     pool = InstancePool("encode", addresses, rpc.EncodeServiceStub, policy="round_robin",
                         metrics=CoordinatorMetrics(CollectorRegistry()))
     try:
-        reply, instance = await call_unary(pool, _ctx(), "Encode", pb.EncodeRequest(request_id="r1"))
+        reply, instance = await EncodeClient(pool).encode(_ctx(), pb.MultiModalItem(mm_hash="h"))
         return reply, instance, pool, servicers, None
     except Exception as exc:  # noqa: BLE001 - the test inspects it
         return None, None, pool, servicers, exc
@@ -69,7 +70,7 @@ async def _call(behaviours: list[str], dead_first: bool = False):
 
 def test_a_dead_instance_is_marked_down_and_the_call_fails_over():
     reply, instance, pool, servicers, err = asyncio.run(_call(["ok"], dead_first=True))
-    assert err is None and reply.items[0].mm_hash == "h"
+    assert err is None and reply.mm_hash == "h"
     dead = pool.instances[0]
     assert not dead.healthy and instance is pool.instances[1]
 

@@ -157,11 +157,32 @@ def test_decode_fails_over_from_a_dead_instance_before_the_first_token():
 
     bench, ctx, body = run(scenario, dead_decode_first=True, decode_routing_policy="round_robin")
     assert body["choices"][0]["message"]["content"] == "abc" and len(bench.decode.requests) == 1
-    dead, alive = bench.cluster.decode.instances
+    dead, alive = bench.cluster.decode.pool.instances
     assert ctx.failovers == 1 and not dead.healthy and ctx.instances["decode"] == alive.address
 
 
-def test_a_decode_instance_dying_mid_stream_ends_the_stream_with_decode_failed():
+def test_a_decode_instance_dying_mid_stream_is_resumed_on_another_with_nothing_repeated_or_lost():
+    """The client's deltas are exactly an undisturbed run's; the second call names the tokens it has, and the
+    prompt is prefilled again with every token sent but the last."""
+    async def scenario(bench, pipeline):
+        bench.decode.script = ["die_mid_stream"]
+        ctx = chat_context()
+        await pipeline.prepare(ctx)
+        deltas = [(list(d.token_ids), d.text, d.finish_reason) async for d in pipeline.stream(ctx)]
+        return bench, ctx, deltas
+
+    bench, ctx, deltas = run(scenario, decode_instances=2, decode_routing_policy="round_robin")
+    assert deltas == [([5], "a", None), ([6], "b", None), ([7], "c", "length")]
+    first, resumed = bench.decode.requests
+    assert (list(first.resumed_token_ids), list(resumed.resumed_token_ids)) == ([], [5, 6])
+    assert list(bench.prefill.requests[1].token_ids) == [1, 2, 3, 4, 5, 6, 7, 8, 5]
+    assert resumed.prompt_tokens == 8 and ctx.resumed == [5, 6]
+    dead, alive = bench.cluster.decode.pool.instances
+    assert not dead.healthy and alive.healthy and (dead.inflight, alive.inflight) == (0, 0)
+    assert bench.cluster.metrics.resumed._value.get() == 1
+
+
+def test_a_mid_stream_failure_with_no_decode_instance_left_ends_the_stream_in_band():
     async def scenario(bench, pipeline):
         bench.decode.script = ["die_mid_stream"]
         ctx = chat_context()
@@ -173,8 +194,8 @@ def test_a_decode_instance_dying_mid_stream_ends_the_stream_with_decode_failed()
         return bench, seen, caught.value
 
     bench, seen, err = run(scenario)
-    assert seen == ["a"] and err.code == "decode_failed"
-    [instance] = bench.cluster.decode.instances
+    assert seen == ["a", "b"] and err.code == "decode_unavailable"
+    [instance] = bench.cluster.decode.pool.instances
     assert not instance.healthy and instance.inflight == 0
 
 
@@ -182,7 +203,7 @@ def test_the_decode_stream_frees_its_instance_and_closes_once():
     async def scenario(bench, pipeline):
         ctx = chat_context()
         await pipeline.prepare(ctx)
-        [instance] = bench.cluster.decode.instances
+        [instance] = bench.cluster.decode.pool.instances
         during = instance.inflight
         deltas = [d async for d in pipeline.stream(ctx)]
         ctx.decode_stream.close()  # again: the request's cleanup also calls it
@@ -261,38 +282,3 @@ def test_decode_request_carries_prompt_ids_only_for_penalties():
     plain, penalised = run(scenario)
     assert list(plain.prompt_token_ids) == [] and list(penalised.prompt_token_ids) == [1, 2, 3, 4, 5, 6, 7, 8]
     assert (plain.first_token_id, plain.prompt_tokens) == (5, 8)
-
-
-@pytest.mark.parametrize(("limit", "running", "opens"), [(2, 1, True), (2, 2, True), (2, 3, False), (0, 1, False),
-                                                         (2, None, True)])
-def test_calls_open_ahead_only_while_the_coordinator_runs_few_requests(limit, running, opens):
-    """--ahead-max-inflight: under load a call opened ahead saves no time and costs CPU (coordinator/ahead.py)."""
-    from prometheus_client import CollectorRegistry
-
-    from coordinator import inflight
-    from coordinator.cluster import Cluster
-    from coordinator.metrics import CoordinatorMetrics
-    from services.config import EpdConfig
-
-    registry = inflight.InflightRegistry()
-    records = [registry.open("/v1/chat/completions") for _ in range(running or 0)]
-    pipeline = Pipeline(Cluster(EpdConfig(ahead_max_inflight=limit), CoordinatorMetrics(CollectorRegistry())))
-    token = inflight.current_request.set(records[0] if records else None)
-    try:
-        assert pipeline._ahead_pays() is opens
-    finally:
-        inflight.current_request.reset(token)
-
-
-def test_work_for_after_the_first_token_runs_once_while_a_stage_computes_after_render():
-    """ctx.while_waiting (the coordinator's answer builds its first event there): run once, with the render answer
-    in hand, before the first token; never when no step waits."""
-    async def scenario(bench, pipeline):
-        ctx = chat_context()
-        seen: list[tuple[bool, bool]] = []
-        ctx.while_waiting.append(lambda: seen.append((ctx.rendered is not None, ctx.decode_stream is None)))
-        await answer(pipeline, ctx)
-        return seen, ctx.while_waiting
-
-    seen, left = run(scenario)
-    assert seen == [(True, True)] and left == []

@@ -172,23 +172,14 @@ def test_an_evicted_embedding_is_encoded_again(pool):
             assert client.post("/v1/chat/completions",
                                json=chat("x", [noise_image(448, 448, seed=seed)], max_tokens=1)).status_code == 200
         before = metric_value(coordinator_metrics(pool), "epd_coordinator_retries_total", 'reason="ec_entry_missing"')
-        cancelled = _ahead_cancelled(pool)
         again = client.post("/v1/chat/completions", json=chat("What?", [first], max_tokens=4, temperature=0))
     assert again.status_code == 200, again.text
     assert again.json()["choices"][0]["message"] == reference.json()["choices"][0]["message"]
     after = metric_value(coordinator_metrics(pool), "epd_coordinator_retries_total", 'reason="ec_entry_missing"')
     assert after == before + 1
-    # decode's call, opened ahead while the failed prefill ran, was cancelled by the recovery: its blocks are back
-    assert _ahead_cancelled(pool) == cancelled + 1
     assert metric_value(pool.metrics("decode"), "epd_decode_kv_blocks_reserved") == 0.0
     for index in range(2):
         assert metric_value(pool.metrics("encode", index), "epd_ec_store_bytes") <= 1024 * 1024
-
-
-def _ahead_cancelled(pool) -> float:
-    return sum(float(line.rpartition(" ")[2]) for line in coordinator_metrics(pool).splitlines()
-               if line.startswith("epd_coordinator_ahead_calls_total{") and 'role="decode"' in line
-               and 'outcome="cancelled"' in line)
 
 
 def _start_encoder(coordinator_url: str) -> tuple[subprocess.Popen, str]:

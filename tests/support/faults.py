@@ -158,10 +158,11 @@ class StreamLog:
         return next((r for r in reversed(reasons) if r), None)
 
 
-async def stream_chat(url: str, body: dict, log: StreamLog, timeout_s: float = 60.0) -> StreamLog:
+async def stream_chat(url: str, body: dict, log: StreamLog, timeout_s: float = 60.0,
+                      headers: dict[str, str] | None = None) -> StreamLog:
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(timeout=timeout) as session, \
-            session.post(url + "/v1/chat/completions", json={**body, "stream": True}) as reply:
+            session.post(url + "/v1/chat/completions", json={**body, "stream": True}, headers=headers) as reply:
         log.status = reply.status
         async for raw in reply.content:
             line = raw.decode().strip()

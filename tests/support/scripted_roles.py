@@ -88,8 +88,12 @@ class Prefill(rpc.PrefillServiceServicer):
                                   prompt_tokens=len(request.token_ids))
 
 
+OUTPUT = [(5, "a", ""), (6, "b", ""), (7, "c", "length")]   # every decode call's answer: (token, text, finish)
+
+
 class Decode(rpc.DecodeServiceServicer):
-    """`script`: "ok", "kv_missing" or "die_mid_stream" per call; "ok" once it runs out."""
+    """`script`: "ok", "kv_missing" or "die_mid_stream" (after two chunks) per call; "ok" once it runs out.  A
+    resumed call (resumed_token_ids) goes on after the tokens it names, as a real decode does."""
 
     def __init__(self) -> None:
         self.script: list[str] = []
@@ -102,11 +106,10 @@ class Decode(rpc.DecodeServiceServicer):
         behaviour = self.script.pop(0) if self.script else "ok"
         if behaviour == "kv_missing":
             raise NotFound("KV entry is gone", code="kv_entry_missing")
-        yield pb.DecodeChunk(token_ids=[5], text="a")
-        if behaviour == "die_mid_stream":
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "connection reset")  # no epd code: transport
-        yield pb.DecodeChunk(token_ids=[6], text="b")
-        yield pb.DecodeChunk(token_ids=[7], text="c", finish_reason="length")
+        for sent, (token, text, finish) in enumerate(OUTPUT[len(request.resumed_token_ids):]):
+            if behaviour == "die_mid_stream" and sent == 2:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "connection reset")  # no epd code: transport
+            yield pb.DecodeChunk(token_ids=[token], text=text, finish_reason=finish)
 
 
 @dataclass
@@ -120,19 +123,21 @@ class Bench:
     servers: list[grpc.aio.Server] = field(default_factory=list)
     cluster: Cluster | None = None
 
-    async def start(self, dead_decode_first: bool = False, **config: object) -> Cluster:
-        addresses = {}
-        for role, servicer, add in (("render", self.render, rpc.add_RenderServiceServicer_to_server),
-                                    ("encode", self.encode, rpc.add_EncodeServiceServicer_to_server),
-                                    ("prefill", self.prefill, rpc.add_PrefillServiceServicer_to_server),
-                                    ("decode", self.decode, rpc.add_DecodeServiceServicer_to_server)):
-            server = grpc.aio.server()
-            add(servicer, server)
-            port = free_port()
-            server.add_insecure_port(f"127.0.0.1:{port}")
-            await server.start()
-            self.servers.append(server)
-            addresses[role] = f"127.0.0.1:{port}"
+    async def start(self, dead_decode_first: bool = False, decode_instances: int = 1, **config: object) -> Cluster:
+        addresses: dict[str, str] = {}
+        for role, servicer, add, count in (
+                ("render", self.render, rpc.add_RenderServiceServicer_to_server, 1),
+                ("encode", self.encode, rpc.add_EncodeServiceServicer_to_server, 1),
+                ("prefill", self.prefill, rpc.add_PrefillServiceServicer_to_server, 1),
+                ("decode", self.decode, rpc.add_DecodeServiceServicer_to_server, decode_instances)):
+            for _ in range(count):   # several instances of a role answer from the one script
+                server = grpc.aio.server()
+                add(servicer, server)
+                port = free_port()
+                server.add_insecure_port(f"127.0.0.1:{port}")
+                await server.start()
+                self.servers.append(server)
+                addresses[role] = ",".join(filter(None, (addresses.get(role), f"127.0.0.1:{port}")))
         if dead_decode_first:
             addresses["decode"] = f"127.0.0.1:{free_port()},{addresses['decode']}"
         urls = {f"{role}_urls": address for role, address in addresses.items()}

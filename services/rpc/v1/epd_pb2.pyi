@@ -117,14 +117,12 @@ class DetokenizeResponse(_message.Message):
     def __init__(self, text: _Optional[str] = ...) -> None: ...
 
 class EncodeRequest(_message.Message):
-    __slots__ = ("request_id", "items", "inputs_follow_ms")
+    __slots__ = ("request_id", "items")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
-    INPUTS_FOLLOW_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     items: _containers.RepeatedCompositeFieldContainer[MultiModalItem]
-    inputs_follow_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[MultiModalItem, _Mapping]]] = ..., inputs_follow_ms: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[MultiModalItem, _Mapping]]] = ...) -> None: ...
 
 class EncodedItem(_message.Message):
     __slots__ = ("mm_hash", "handle_json", "cache_hit")
@@ -145,60 +143,52 @@ class EncodeResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[EncodedItem, _Mapping]]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "items", "ec_transfer_params_json", "sampling", "cache_salt", "inputs_follow_ms", "first_chunk")
+    __slots__ = ("request_id", "token_ids", "items", "ec_transfer_params_json", "sampling", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     EC_TRANSFER_PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
-    INPUTS_FOLLOW_MS_FIELD_NUMBER: _ClassVar[int]
-    FIRST_CHUNK_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     items: _containers.RepeatedCompositeFieldContainer[MultiModalItem]
     ec_transfer_params_json: bytes
     sampling: SamplingParams
     cache_salt: str
-    inputs_follow_ms: int
-    first_chunk: bool
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., items: _Optional[_Iterable[_Union[MultiModalItem, _Mapping]]] = ..., ec_transfer_params_json: _Optional[bytes] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., inputs_follow_ms: _Optional[int] = ..., first_chunk: _Optional[bool] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., items: _Optional[_Iterable[_Union[MultiModalItem, _Mapping]]] = ..., ec_transfer_params_json: _Optional[bytes] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "kv_transfer_params_json", "prompt_tokens", "cached_tokens", "first_chunk")
+    __slots__ = ("request_id", "first_token_id", "kv_transfer_params_json", "prompt_tokens", "cached_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    FIRST_CHUNK_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
     kv_transfer_params_json: bytes
     prompt_tokens: int
     cached_tokens: int
-    first_chunk: DecodeChunk
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., kv_transfer_params_json: _Optional[bytes] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., first_chunk: _Optional[_Union[DecodeChunk, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., kv_transfer_params_json: _Optional[bytes] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "kv_transfer_params_json", "sampling", "prompt_tokens", "first_token_id", "prompt_token_ids", "inputs_follow_ms", "ack_reserved")
+    __slots__ = ("request_id", "kv_transfer_params_json", "sampling", "prompt_tokens", "first_token_id", "prompt_token_ids", "resumed_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    INPUTS_FOLLOW_MS_FIELD_NUMBER: _ClassVar[int]
-    ACK_RESERVED_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     kv_transfer_params_json: bytes
     sampling: SamplingParams
     prompt_tokens: int
     first_token_id: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    inputs_follow_ms: int
-    ack_reserved: bool
-    def __init__(self, request_id: _Optional[str] = ..., kv_transfer_params_json: _Optional[bytes] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., first_token_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., inputs_follow_ms: _Optional[int] = ..., ack_reserved: _Optional[bool] = ...) -> None: ...
+    resumed_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., kv_transfer_params_json: _Optional[bytes] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., first_token_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., resumed_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens")
@@ -209,22 +199,20 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeChunk(_message.Message):
-    __slots__ = ("token_ids", "text", "finish_reason", "stop_reason", "usage", "logprobs_json", "reserved")
+    __slots__ = ("token_ids", "text", "finish_reason", "stop_reason", "usage", "logprobs_json")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_JSON_FIELD_NUMBER: _ClassVar[int]
-    RESERVED_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finish_reason: str
     stop_reason: str
     usage: Usage
     logprobs_json: bytes
-    reserved: bool
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., logprobs_json: _Optional[bytes] = ..., reserved: _Optional[bool] = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., logprobs_json: _Optional[bytes] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_ids",)

@@ -38,8 +38,8 @@ def test_frame_group_hit_ratio():
 
 
 def test_the_coordinators_count_by_source_is_the_ratio():
-    """A call opened ahead gets render's whole answer, so encode also counts (as cache hits) images the coordinator
-    knew: here 2 known, 1 from encode's cache, 3 encoded, 1 inline, while encode saw the 2 known ones too."""
+    """The coordinator counts each image once by where its embedding came from: here 2 known, 1 from encode's cache,
+    3 encoded, 1 inline; encode's own counters (3 cache hits here) do not decide the ratio when these are given."""
     samples = parse_text(EXPOSITION.replace("cache_hit\"} 5.0", "cache_hit\"} 3.0") + "\n".join(
         f'epd_coordinator_mm_items_total{{source="{source}"}} {n}'
         for source, n in (("known", 2.0), ("cache_hit", 1.0), ("encoded", 3.0), ("inline", 1.0))))

@@ -197,38 +197,3 @@ def test_reads_racing_evictions_never_return_wrong_data(make_store):
         outcomes["ok"] += 1
     writer.join(timeout=60)
     assert outcomes["ok"] > 0, outcomes
-
-
-def test_a_reserved_entry_has_its_handle_first_and_is_readable_once_published(make_store):
-    """`reserve`: the handle before the payload (prefill answers it, then copies the KV in): a reader before the
-    publish gets EntryNotReady (it may wait), after it the exact tensors, by a zero-copy view; an aborted
-    reservation is missing, not pending; publish counts the bytes it wrote, once."""
-    from services.connectors.base import EntryNotReady
-
-    producer, consumer = make_store("shm"), make_store("shm", suffix="c", preallocate=False)
-    src = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4)
-    reserved = producer.reserve("kv1", {"kv": (torch.float32, (2, 3, 4))})
-    assert json.loads(json.dumps(reserved.handle)) == reserved.handle and producer.lookup("kv1") is None
-    with pytest.raises(EntryNotReady):
-        with consumer.view(reserved.handle):
-            pass
-    copied = producer.stats().bytes_copied
-    wrote = reserved.publish(lambda views: views["kv"].copy_(src))
-    assert reserved.publish(lambda views: views["kv"].zero_()) == 0   # ended: nothing written again
-    with consumer.view(reserved.handle) as views:
-        assert torch.equal(views["kv"], src)
-    # counted as put_into counts: the entry's extent (its tensors back to back, aligned)
-    assert producer.stats().bytes_copied - copied == wrote == 128 and producer.lookup("kv1") == reserved.handle
-
-    given_back = producer.reserve("kv2", {"kv": (torch.float32, (2, 3, 4))})
-    given_back.abort()
-    with pytest.raises(EntryMissing) as missing:
-        with consumer.view(given_back.handle):
-            pass
-    assert not isinstance(missing.value, EntryNotReady)
-    failing = producer.reserve("kv3", {"kv": (torch.float32, (8,))})
-    with pytest.raises(RuntimeError):
-        failing.publish(lambda views: (_ for _ in ()).throw(RuntimeError("fill failed")))
-    with pytest.raises(EntryMissing):
-        consumer.get(failing.handle)
-    assert make_store("shm", suffix="crc", verify_checksum=True).reserve("k", {"kv": (torch.float32, (1,))}) is None

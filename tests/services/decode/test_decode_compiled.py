@@ -149,7 +149,7 @@ def test_auto_times_both_on_a_warm_cache_and_reports_them(tiny, engine, inductor
         assert result.mode == ("compiled" if faster else "eager")
         assert auto.stats().step_mode == result.mode and auto.step_report.reason == "measured"
         assert f"{ROWS}: {result.mode} eager {result.eager_ms:.2f} ms / compiled" in auto.describe()
-        export_info(auto)
+        export_info(auto.stats(), auto.step_report)
         sample = REGISTRY.get_sample_value
         assert sample("epd_decode_step_bucket_info", {"bucket": str(ROWS), "mode": result.mode}) == 1
         assert sample("epd_decode_step_startup_ms", {"bucket": str(ROWS), "mode": "compiled"}) == result.compiled_ms

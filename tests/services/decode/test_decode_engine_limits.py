@@ -167,3 +167,19 @@ def test_close_aborts_pending_requests(tiny, pre, submit):
     assert [s.wait_done(5).finish_reason for s in sinks] == ["abort", "abort"]
     with pytest.raises(EngineClosed):
         submit(engine, "late", pre, max_tokens=2)
+
+
+def test_a_step_that_fails_for_one_request_fails_that_request_alone(tiny, pre, ref, submit, monkeypatch):
+    """The step is run again row by row: the row that fails alone ends with an error, every other row's tokens
+    are exactly Hugging Face's, with no gap (FAKE: EPD_FAKE_DECODE_POISON makes any step holding a request
+    whose id names it raise, the way a real per-request fault would)."""
+    monkeypatch.setenv("EPD_FAKE_DECODE_POISON", "poison")
+    with DecodeEngine(tiny.lm, tiny.tokenizer, num_slots=4, max_model_len=256) as engine:
+        sinks = {name: submit(engine, name, pre, max_tokens=16, **GREEDY) for name in ("a", "poison-b", "c", "d")}
+        finals = {name: sink.wait_done() for name, sink in sinks.items()}
+        assert finals["poison-b"].finish_reason == "error" and "RuntimeError" in finals["poison-b"].error
+        assert sinks["poison-b"].token_ids == ref[:1]   # its first token (prefill's), then the failed step
+        assert {name: sinks[name].token_ids for name in ("a", "c", "d")} == {"a": ref, "c": ref, "d": ref}
+        assert [finals[name].finish_reason for name in ("a", "c", "d")] == ["length"] * 3
+        kv = engine.stats().kv
+        assert (kv.used_blocks, kv.reserved_blocks) == (0, 0)

@@ -13,7 +13,7 @@ import uuid
 import pytest
 
 from services.connectors import StoreConfig, create_store, wiring
-from services.decode.serving import RESERVED, DecodeService
+from services.decode.serving import DecodeService
 from services.protocol.errors import InvalidRequest, NotFound
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
@@ -168,33 +168,6 @@ def test_a_missing_entry_is_a_typed_error_before_any_token(make_engine, story, s
     assert all_back(engine)
 
 
-@pytest.mark.parametrize("published", [True, False])
-def test_an_entry_reserved_ahead_of_its_kv_is_waited_for_briefly(tiny, make_engine, story, store, published):
-    """Prefill answers a KV entry's handle before it copies the KV in (TensorStore.reserve): decode, given the
-    handle first, waits for the entry (EntryNotReady) and then decodes Hugging Face's tokens; one given back
-    instead is kv_entry_missing before any token."""
-    engine = make_engine(num_slots=2)
-    service = DecodeService(engine, store)
-    reserved = store.reserve("req|d1|x", {"kv": (story.kv.dtype, tuple(story.kv.shape))})
-    params = {"handle": reserved.handle, "num_prompt_tokens": story.prompt_len, "rope_delta": story.rope_delta,
-              "first_token_id": story.first_token}
-
-    async def main():
-        loop = asyncio.get_running_loop()
-        loop.call_later(0.01, lambda: reserved.publish(lambda views: views["kv"].copy_(story.kv)) if published
-                        else reserved.abort())
-        return await collect(service.decode("d1", params, {**GREEDY, "max_tokens": 5}))
-
-    if published:
-        assert [t for e in asyncio.run(main()) for t in e.token_ids] == tiny.reference(story, 5)
-        wait_until(lambda: store.stats().entries == 0)
-    else:
-        with pytest.raises(NotFound) as err:
-            asyncio.run(main())
-        assert err.value.code == "kv_entry_missing"
-    assert all_back(engine)
-
-
 def test_a_first_token_that_ends_the_request_copies_nothing(make_engine, story, store):
     engine = make_engine(num_slots=2)
     loads = []
@@ -210,64 +183,36 @@ def test_a_first_token_that_ends_the_request_copies_nothing(make_engine, story, 
     assert loads == [] and all_back(engine)
 
 
-@pytest.mark.parametrize("announce", [False, True])
-def test_a_call_opened_ahead_reserves_its_blocks_before_its_inputs_come(tiny, make_engine, story, store, announce):
-    """Its KV parameters are a coroutine (the INPUTS frame, services/rpc/inputs_follow.py): the blocks are reserved
-    while they are on their way, and the answer is the same as a whole call's.  With ack_reserved (`announce`) its
-    first event is RESERVED, once the blocks are (the coordinator may then send prefill's first chunk on)."""
+@pytest.mark.parametrize("sent", [1, 3, 8])
+def test_a_resumed_request_goes_on_after_the_tokens_its_client_has(tiny, make_engine, story, store, sent):
+    """The KV of the prompt and the first `sent - 1` output tokens, the `sent` tokens named as resumed: none is
+    emitted again, the next ones are Hugging Face's, counted from where the client is; a budget they already
+    used up ends at once, with no token."""
     engine = make_engine(num_slots=2)
     service = DecodeService(engine, store)
+    ref = tiny.reference(story, 8)
+    ids = tiny.chat_ids("Tell me a story about a cat.")
+    again = tiny.prefill_text(ids + ref[:sent - 1])
 
     async def main():
-        inputs = asyncio.get_running_loop().create_future()
+        return await collect(service.decode("d1", transfer(store, again), {**GREEDY, "max_tokens": 8},
+                                            resumed=ref[:sent]))
 
-        async def later():
-            return await inputs
-
-        stream = service.decode("d1", later, {**GREEDY, "max_tokens": 6}, prompt_len=story.prompt_len,
-                                announce_reserved=announce)
-        first = asyncio.ensure_future(anext(stream))
-        await asyncio.sleep(0.05)
-        reserved = engine.stats().kv.reserved_blocks
-        acked = first.done() and first.result() is RESERVED
-        inputs.set_result(transfer(store, story))
-        return reserved, acked, [await first, *await collect(stream)]
-
-    reserved, acked, events = asyncio.run(main())
-    assert reserved > 0 and acked == announce
-    assert (events[0] is RESERVED) == announce and RESERVED not in events[1:]
-    assert [t for e in events if e is not RESERVED for t in e.token_ids] == tiny.reference(story, 6)
+    events = asyncio.run(main())
+    assert [t for e in events for t in e.token_ids] == ref[sent:]
+    assert [e.completion_tokens for e in events] == (list(range(sent + 1, 9)) if sent < 8 else [8])
+    assert events[-1].finish_reason == "length"
     wait_until(lambda: store.stats().entries == 0)
     assert all_back(engine)
 
 
-def test_a_call_opened_ahead_frees_its_blocks_when_cancelled_or_given_another_prompt_length(make_engine, story,
-                                                                                            store):
-    engine = make_engine(num_slots=2)
-    service = DecodeService(engine, store)
-
-    async def never():
-        await asyncio.sleep(3600)
-
-    async def wrong_length():
-        return transfer(store, story)
+def test_resumed_tokens_that_do_not_fit_the_kv_are_refused(make_engine, story, store):
+    service = DecodeService(make_engine(num_slots=2), store)
 
     async def main():
-        stream = service.decode("d1", never, {**GREEDY, "max_tokens": 6}, prompt_len=story.prompt_len)
-        waiting = asyncio.ensure_future(anext(stream))
-        await asyncio.sleep(0.05)
-        assert engine.stats().kv.reserved_blocks > 0
-        waiting.cancel()          # the coordinator cancelled the call (an earlier stage failed)
-        with pytest.raises(asyncio.CancelledError):
-            await waiting
-        assert all_back(engine)
-        with pytest.raises(InvalidRequest) as refused:
-            await collect(service.decode("d2", wrong_length, GREEDY, prompt_len=story.prompt_len + 1))
-        return refused.value
+        return await collect(service.decode("d1", transfer(store, story), GREEDY,
+                                            resumed=[1] * (story.prompt_len + 1)))
 
-    refused = asyncio.run(main())
-    assert refused.code == "invalid_kv_transfer_params"
-    assert str(refused) == (f"kv_transfer_params name {story.prompt_len} prompt tokens, "
-                            f"the call said {story.prompt_len + 1}")
-    assert all_back(engine)
-    assert store.stats().entries == 1   # the entry is left for its TTL (or another decode): nobody released it
+    with pytest.raises(InvalidRequest) as refused:
+        asyncio.run(main())
+    assert refused.value.code == "invalid_kv_transfer_params"

@@ -1,8 +1,8 @@
-"""Prefill's judge of the first token (services/decode/judge.py) says what decode's engine says of it.
+"""The output judge (services/decode/judge.py) is the one rule decode's engine applies to every token.
 
-The coordinator sends prefill's first chunk to the client before decode's own first chunk comes; the two must be
-the same chunk.  Each case runs the real DecodeEngine on a prefilled prompt with a chosen first token and compares
-its first event with `FirstTokenJudge.first_event` for the same params: text, finish and stop reason, count."""
+Each case runs the real DecodeEngine on a prefilled prompt with a chosen first token and compares its first event
+with what an `OutputJudge` built from the same params, EOS ids, token budget and tokenizer says of that token:
+text, finish and stop reason, count.  A resumed request (services/decode/request.py `replay`) relies on it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import dataclasses
 
 import pytest
 
-from services.decode.judge import FirstTokenJudge, token_budget
+from services.decode.detokenizer import IncrementalDetokenizer, decode_function
+from services.decode.judge import OutputJudge, token_budget
 from services.decode.params import DecodeParams
 
 MAX_MODEL_LEN = 512   # the make_engine fixture's default (conftest.py)
@@ -48,27 +49,30 @@ def _cases(tiny, story):
     ]
 
 
-def test_the_first_chunk_prefill_judges_is_the_one_decode_emits(tiny, make_engine, submit, story):
-    judge = FirstTokenJudge(tiny.tokenizer, tiny.lm.eos_token_ids, MAX_MODEL_LEN)
+def _judged(tiny, token: int, prompt_len: int, params: DecodeParams) -> tuple:
+    detokenizer = IncrementalDetokenizer(tiny.tokenizer, decode=decode_function(tiny.tokenizer,
+                                                                               params.skip_special_tokens))
+    budget = token_budget(prompt_len, params, MAX_MODEL_LEN)
+    assert budget is not None
+    text, finish, reason = OutputJudge(params, tiny.lm.eos_token_ids, budget, detokenizer).judge(token, 1)
+    return [token], text, finish, reason, 1
+
+
+def test_the_engine_judges_a_token_as_the_output_judge_does(tiny, make_engine, submit, story):
     engine = make_engine(num_slots=2)
     for i, (name, token, params) in enumerate(_cases(tiny, story)):
         sink = submit(engine, f"r{i}", dataclasses.replace(story, first_token=token), temperature=0.0, **params)
         sink.wait_tokens(1)
         decoded = sink.events[0]
-        judged = judge.first_event(f"r{i}", token, story.prompt_len, DecodeParams(temperature=0.0, **params))
-        assert judged is not None, name
-        assert (judged.token_ids, judged.text, judged.finish_reason, judged.stop_reason, judged.completion_tokens) \
-            == (decoded.token_ids, decoded.text, decoded.finish_reason, decoded.stop_reason,
-                decoded.completion_tokens), name
+        judged = _judged(tiny, token, story.prompt_len, DecodeParams(temperature=0.0, **params))
+        assert judged == (decoded.token_ids, decoded.text, decoded.finish_reason, decoded.stop_reason,
+                          decoded.completion_tokens), name
         engine.abort(f"r{i}")
         sink.wait_done()
 
 
-def test_prefill_leaves_logprobs_and_refused_budgets_to_decode(tiny, story):
-    judge = FirstTokenJudge(tiny.tokenizer, tiny.lm.eos_token_ids, MAX_MODEL_LEN)
-    assert judge.first_event("r", story.first_token, story.prompt_len, DecodeParams(logprobs=0)) is None
-    too_long = DecodeParams(max_tokens=MAX_MODEL_LEN)
-    assert judge.first_event("r", story.first_token, story.prompt_len, too_long) is None
+def test_the_token_budget():
+    assert token_budget(10, DecodeParams(max_tokens=MAX_MODEL_LEN), MAX_MODEL_LEN) is None
     assert token_budget(MAX_MODEL_LEN, DecodeParams(), MAX_MODEL_LEN) is None
     assert token_budget(10, DecodeParams(), MAX_MODEL_LEN) == MAX_MODEL_LEN - 10
     assert token_budget(10, DecodeParams(max_tokens=7), MAX_MODEL_LEN) == 7

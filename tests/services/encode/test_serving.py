@@ -177,3 +177,31 @@ def test_an_idle_engine_encodes_a_small_item_on_the_loop(vision, items, store):
     assert noting.threads == [loop_thread] and engine.num_forwards == 1
     torch.testing.assert_close(store.get(result.handle)["embedding"], vision.encode([items[0][1]])[0],
                                rtol=0, atol=0)
+
+
+def test_a_request_that_leaves_does_not_cancel_the_encode_others_joined(vision, items, store):
+    """Two requests ask for one item: the first (whose call started the encode) is cancelled while the forward
+    runs; the second still gets the embedding, from the one forward, and it is stored for later requests."""
+    gated = GatedVision(vision)
+
+    async def main(engine: EncodeEngine):
+        service = EncodeService(engine, store, "m", timeout_s=30)
+        first = asyncio.ensure_future(service.encode("h0", items[0][0]))
+        await asyncio.to_thread(gated.started.wait, 10)
+        second = asyncio.ensure_future(service.encode("h0", items[0][0]))
+        await asyncio.sleep(0.05)
+        first.cancel()
+        await asyncio.sleep(0.05)
+        gated.release.set()
+        joined = await second
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        later = await service.encode("h0", items[0][0])
+        return joined, later, service.admission.inside
+
+    with EncodeEngine(gated, max_batch_tokens=100_000) as engine:
+        joined, later, inside = asyncio.run(main(engine))
+    assert not joined.cache_hit and later.cache_hit and later.handle == joined.handle
+    assert gated.batch_sizes == [1] and inside == 0
+    torch.testing.assert_close(store.get(joined.handle)["embedding"], vision.encode([items[0][1]])[0],
+                               rtol=0, atol=1e-6)

@@ -3,8 +3,6 @@ split giving exactly the tokens of HF `generate` (tiny checkpoints from services
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -15,7 +13,6 @@ from services.models.qwen2_vl import Qwen2_5_VLAdapter
 from services.models.qwen3_vl import Qwen3VLAdapter
 from services.models.registry import adapter_for
 from services.prefill.engine import PrefillEngine
-from services.prefill.prefix_cache import block_hashes
 from tests.services.models.helpers import chat, generate_reference, greedy_continue, picture, processor_inputs
 
 NEW_TOKENS = 8
@@ -194,22 +191,3 @@ def test_tiny_names_resolve_to_their_checkpoints():
     from services.models.registry import resolve_model
 
     assert resolve_model("tiny-qwen3-vl") == resolve_model("tiny-qwen3_vl") == tiny("qwen3_vl")
-
-
-@pytest.mark.parametrize("images", [1, 2])
-def test_inputs_made_before_the_embeddings_came_give_the_same_prefill(vlm, images):
-    """A prefill called ahead of its inputs makes the text's embeddings, the positions and the prefix keys while
-    the item embeddings are on their way (PrefillEngine.early): the prompt's logits and KV are the same, bit for
-    bit, as the whole path's."""
-    _, parts = vlm
-    inputs = parts.inputs(*[picture(448, 448, seed=1), picture(224, 336, seed=2)][:images])
-    token_ids = inputs["input_ids"][0].tolist()
-    items = [dataclasses.replace(item, mm_hash=f"image{n}") for n, item in enumerate(parts.mm_inputs(inputs))]
-    placed = [dataclasses.replace(item, embedding=None, extras={}) for item in items]
-    engine = PrefillEngine(parts.lm, prefix_cache_mb=1, block_size=16)
-    early = engine.early(token_ids, placed, "salt")
-    assert early.keys == block_hashes(token_ids, items, "salt", 16) and early.keys
-    with engine.submit(token_ids, items, "salt", early=early).result(120) as held:
-        logits, kv = held.first_logits.clone(), held.kv().clone()
-    whole = PrefillEngine(parts.lm, prefix_cache_mb=1, block_size=16).prefill(token_ids, items, "salt")
-    assert torch.equal(logits, whole.first_logits) and torch.equal(kv, whole.kv)

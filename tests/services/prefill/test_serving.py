@@ -182,32 +182,3 @@ def test_an_idle_engine_prefills_a_small_prompt_on_the_loop(lm, stores):
     with kv.view(outcome.kv_transfer_params["handle"]) as views:
         torch.testing.assert_close(views["kv"], engine.prefill(PROMPTS[1]).kv, rtol=0, atol=0)
     assert engine.blocks.num_free == engine.blocks.num_blocks
-
-
-@pytest.mark.parametrize("answered", [True, False])
-def test_with_after_reply_the_answer_names_an_entry_filled_after_it(lm, stores, answered):
-    """The fast lane's `context.after_reply`: a prompt the engine runs on the loop answers its KV entry's handle
-    at once and leaves the copy for after the answer (decode gets the answer after that copy; one reading before
-    waits: EntryNotReady).  Told the call ended without its answer, the entry is given back; the blocks come back
-    either way."""
-    from services.connectors.base import EntryMissing, EntryNotReady
-
-    ec, kv = stores
-    engine = PrefillEngine(lm, prefix_cache_mb=0)
-    service = PrefillService(engine, lm, ec, kv, "p0")
-    left: list = []
-    outcome = asyncio.run(service.prefill("r1", PROMPTS[0], [], {}, {"temperature": 0.0}, None,
-                                          after_reply=left.append))
-    handle = outcome.kv_transfer_params["handle"]
-    assert len(left) == 1 and engine.blocks.num_free < engine.blocks.num_blocks   # held for the copy
-    with pytest.raises(EntryNotReady):
-        kv.get(handle)
-    left[0](answered)
-    assert engine.blocks.num_free == engine.blocks.num_blocks
-    if answered:
-        with kv.view(handle) as views:
-            torch.testing.assert_close(views["kv"], engine.prefill(PROMPTS[0]).kv, rtol=0, atol=0)
-    else:
-        with pytest.raises(EntryMissing):
-            kv.get(handle)
-        assert kv.stats().bytes_used == 0

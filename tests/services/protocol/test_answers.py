@@ -43,14 +43,6 @@ def test_a_chat_streams_role_chunk_goes_out_with_its_first_token():
     assert len(writes) == len(DELTAS) + 1   # the role chunk rode on the first; [DONE] is its own
 
 
-def test_a_prebuilt_chat_stream_sends_the_same_bytes_and_builds_its_role_chunk_once(monkeypatch):
-    fresh = _writes(OpenAIAnswer("chat", "chatcmpl-x", "m", 7), DELTAS)
-    ahead = OpenAIAnswer("chat", "chatcmpl-x", "m", 7).prebuild()
-    monkeypatch.setattr(OpenAIAnswer, "role_chunk", lambda self: (_ for _ in ()).throw(AssertionError("rebuilt")))
-    assert _writes(ahead, DELTAS) == fresh
-    assert OpenAIAnswer("completion", "cmpl-x", "m", 7).prebuild().role_event is None   # completions have none
-
-
 def test_chat_collect():
     body = asyncio.run(OpenAIAnswer("chat", "chatcmpl-x", "m", 7, prompt_tokens=3).collect(_source(DELTAS)))
     assert body == {"id": "chatcmpl-x", "object": "chat.completion", "created": 7, "model": "m",

@@ -1,15 +1,21 @@
 """The fast lane (services/rpc/fastlane*.py) against gRPC, both real: one servicer served on a gRPC port and on
 its Unix socket, called through the coordinator's stub.  The servicer is a test one (DecodeService's shapes: a
 server stream and a unary call, behind the real rpc_stream / rpc_method wrappers); it notes the peer of each
-call, so every test knows which transport carried it."""
+call, so every test knows which transport carried it.  The lane's safety (a private socket folder, the peer's
+user checked at both ends, bounded frames and calls) is tried with real sockets, another user's included."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
+import subprocess
+import sys
 
 import grpc
 import pytest
 
+from services.private_dir import PrivateDirError
 from services.protocol.errors import ERROR_CODE_METADATA_KEY, InvalidRequest
 from services.rpc import fastlane
 from services.rpc.fastlane_client import FastLaneStub, fast_lane_port, with_fast_lane
@@ -19,6 +25,7 @@ from services.rpc.v1 import epd_pb2 as pb
 from services.rpc.v1 import epd_pb2_grpc as rpc
 from services.server import free_port
 
+INSTANCE = "inst1"
 METHOD = f"{pb.DESCRIPTOR.services_by_name['DecodeService'].full_name}/Abort"
 
 
@@ -64,7 +71,7 @@ class Both:
         self.port = self.server.add_insecure_port(f"127.0.0.1:{free_port()}")
         await self.server.start()
         self.fast = FastLaneServer.from_registration(
-            lambda s: rpc.add_DecodeServiceServicer_to_server(self.servicer, s), self.port)
+            lambda s: rpc.add_DecodeServiceServicer_to_server(self.servicer, s), self.port, INSTANCE)
         await self.fast.start()
         self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.port}")
         self.grpc_stub = rpc.DecodeServiceStub(self.channel)
@@ -81,7 +88,7 @@ class Both:
 
 @pytest.fixture(autouse=True)
 def socket_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv(fastlane.ENV_DIR, str(tmp_path))
+    monkeypatch.setenv(fastlane.ENV_DIR, str(tmp_path / "lane"))   # made 0700 by the first use
 
 
 async def _stream(stub, request: pb.DecodeRequest, timeout: float = 10) -> list[pb.DecodeChunk]:
@@ -192,7 +199,8 @@ def test_a_socket_that_answers_for_another_port_is_not_used(tmp_path):
     async def main() -> None:
         async with Both(Servicer()) as both:
             other = free_port()
-            fastlane.socket_path(other).symlink_to(fastlane.socket_path(both.port))  # a stale or foreign socket
+            # a stale or foreign socket: it answers HELLO for both.port
+            fastlane.socket_path(other, "old").symlink_to(fastlane.socket_path(both.port, INSTANCE))
             stub = with_fast_lane(both.grpc_stub, f"127.0.0.1:{other}", secure=False)
             assert (await stub.Abort(pb.AbortRequest(request_ids=["x"]), timeout=5)).aborted == 1
             assert both.servicer.peers[-1].startswith("ipv4:")  # HELLO named another port: gRPC carried it
@@ -228,9 +236,10 @@ def test_a_malformed_request_is_answered_internal_and_the_connection_serves_on()
 
     async def main() -> None:
         async with Both(Servicer()) as both:
-            reader, writer = await asyncio.open_unix_connection(str(fastlane.socket_path(both.port)))
+            reader, writer = await asyncio.open_unix_connection(str(fastlane.socket_path(both.port, INSTANCE)))
             size, kind, _ = fastlane.HEADER.unpack(await reader.readexactly(fastlane.HEADER.size))
-            assert kind == fastlane.HELLO and json.loads(await reader.readexactly(size)) == {"grpc_port": both.port}
+            assert kind == fastlane.HELLO
+            assert json.loads(await reader.readexactly(size)) == {"grpc_port": both.port, "instance_id": INSTANCE}
             good = fastlane.request_payload(METHOD, [("x-request-id", "r1")], 5.0,
                                             pb.AbortRequest(request_ids=["a", "b", "c"]).SerializeToString())
             kind, call_id, payload = await call(reader, writer, 7, good[:11])
@@ -242,3 +251,115 @@ def test_a_malformed_request_is_answered_internal_and_the_connection_serves_on()
             writer.close()
 
     asyncio.run(main())
+
+
+def test_the_socket_folder_must_be_this_users_alone(tmp_path, monkeypatch):
+    """A folder open to others, or a symlink to one, is refused by the role (it serves gRPC only) and by the
+    coordinator (its calls take gRPC): nobody else can place or reach a socket there."""
+    import os
+
+    open_dir = tmp_path / "open"
+    open_dir.mkdir(mode=0o777)
+    open_dir.chmod(0o777)
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "lane")
+    (tmp_path / "lane").mkdir(mode=0o700)
+    for folder in (open_dir, link):
+        monkeypatch.setenv(fastlane.ENV_DIR, str(folder))
+        with pytest.raises(PrivateDirError):
+            fastlane.socket_dir()
+        with pytest.raises(PrivateDirError):
+            asyncio.run(FastLaneServer({}, 1234, INSTANCE).start())
+    monkeypatch.setenv(fastlane.ENV_DIR, str(tmp_path / "fresh"))
+    assert os.stat(fastlane.socket_dir()).st_mode & 0o777 == 0o700
+
+
+def test_a_frame_over_the_bound_closes_the_connection_before_its_body_is_read():
+    async def main() -> bytes:
+        async with Both(Servicer()) as both:
+            reader, writer = await asyncio.open_unix_connection(str(fastlane.socket_path(both.port, INSTANCE)))
+            size, _, _ = fastlane.HEADER.unpack(await reader.readexactly(fastlane.HEADER.size))
+            await reader.readexactly(size)   # HELLO
+            writer.write(fastlane.HEADER.pack(fastlane.MAX_FRAME + 1, fastlane.REQUEST, 1))   # no body follows
+            rest = await asyncio.wait_for(reader.read(), 5)   # closed at once: EOF, not a wait for 256 MiB
+            writer.close()
+            assert (await both.stub.Abort(pb.AbortRequest(request_ids=["x"]), timeout=5)).aborted == 1
+            return rest
+
+    assert asyncio.run(main()) == b""
+
+
+def test_calls_past_the_bound_of_one_connection_are_refused_as_overloaded(monkeypatch):
+    """The role refuses them as a full role refuses (the coordinator tries another instance or answers 429)."""
+    monkeypatch.setattr(fastlane, "MAX_CALLS", 2)
+
+    async def main() -> tuple[list, grpc.aio.AioRpcError]:
+        async with Both(Servicer()) as both:
+            held = [asyncio.ensure_future(both.stub.Abort(pb.AbortRequest(request_ids=["sleep"]), timeout=5))
+                    for _ in range(2)]
+            await asyncio.sleep(0.1)
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await both.stub.Abort(pb.AbortRequest(request_ids=["x"]), timeout=5)
+            for call in held:
+                call.cancel()
+            await asyncio.gather(*held, return_exceptions=True)
+            return both.servicer.peers, caught.value
+
+    peers, err = asyncio.run(main())
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert dict(err.trailing_metadata())[ERROR_CODE_METADATA_KEY] == "overloaded"
+    assert peers == ["unix:fast-lane", "unix:fast-lane"]
+
+
+def _as_nobody(code: str) -> subprocess.Popen:
+    """A Python child running `code` (standard library only) as uid/gid 65534 (nobody): another local user.  The
+    system's python3, which that user may run (this venv's may sit under root's home)."""
+    def drop() -> None:
+        os.setgid(65534)
+        os.setuid(65534)
+
+    python = shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin") or sys.executable
+    return subprocess.Popen([python, "-I", "-c", code], preexec_fn=drop, stdout=subprocess.PIPE, text=True,
+                            cwd="/")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making another user's process needs root (CI runs as root)")
+def test_another_users_process_is_refused_at_both_ends(tmp_path):
+    """SO_PEERCRED: a client of another user reaching the role's socket (by a hard link outside the private
+    folder) gets no HELLO; a socket of another user's process found in the folder is not connected to (the call
+    takes gRPC)."""
+    import tempfile
+    from pathlib import Path
+
+    shared = Path(tempfile.mkdtemp(prefix="epd-peer-", dir="/tmp"))   # a folder both users reach
+    shared.chmod(0o777)
+
+    async def main() -> tuple[str, str]:
+        async with Both(Servicer()) as both:
+            os.link(fastlane.socket_path(both.port, INSTANCE), shared / "role.sock")
+            os.chmod(shared / "role.sock", 0o777)   # reachable by anyone: the peer check alone stands between
+            client = _as_nobody(
+                "import socket; s=socket.socket(socket.AF_UNIX);"
+                f"s.connect({str(shared / 'role.sock')!r}); s.settimeout(5); print(repr(s.recv(64)))")
+            said = await asyncio.to_thread(lambda: client.communicate(timeout=30)[0].strip())
+            other = free_port()
+            server = _as_nobody(
+                "import socket,time; s=socket.socket(socket.AF_UNIX);"
+                f"s.bind({str(shared / 'evil.sock')!r}); s.listen(); print('up', flush=True);"
+                "c,_=s.accept(); time.sleep(30)")
+            assert server.stdout is not None and server.stdout.readline().strip() == "up"
+            os.link(shared / "evil.sock", fastlane.socket_path(other, "evil"))
+            stub = with_fast_lane(both.grpc_stub, f"127.0.0.1:{other}", secure=False)
+            try:
+                assert (await stub.Abort(pb.AbortRequest(request_ids=["x"]), timeout=5)).aborted == 1
+            finally:
+                server.kill()
+                await stub.close()
+            return said, both.servicer.peers[-1]
+
+    try:
+        said, peer = asyncio.run(main())
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+    assert said == "b''"                  # connection closed with no HELLO: nothing of the role was read
+    assert peer.startswith("ipv4:")       # the foreign socket was refused: gRPC carried the call
