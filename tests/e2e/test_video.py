@@ -38,7 +38,7 @@ def served(request, stopped_together):
     if connector == "redis":
         redis = request.getfixturevalue("redis_server")
         flags += ["--ec-connector", "redis", "--kv-connector", "redis", "--redis-url", redis.url]
-    cluster = start_cluster(*flags)
+    cluster = start_cluster(*flags, timeout=600)   # a loaded 2-core machine: the first start compiles decode
     yield family, cluster, Reference(path)
     cluster.terminate()
     stopped_together.append(cluster)
