@@ -220,3 +220,23 @@ def test_a_qwen3_video_placeholder_marks_its_timestamps_as_no_embedding(services
     span = body["token_ids"][place["offset"]:place["offset"] + place["length"]]
     assert place["is_embed"] == [t == 151656 for t in span] and sum(place["is_embed"]) == 2 * 49
     assert place["is_embed"][0] is False   # "<" of "<0.2 seconds>"
+
+
+def test_a_video_url_is_fetched_under_the_image_policy(media_server, media_images, media_net_guard):
+    """http(s) videos go through the same SSRF-checked fetch as images: the local server is refused by the default
+    policy, and served once private addresses are allowed."""
+    from services.render.media import MediaPolicy
+
+    media_images["clip.mp4"] = GOOD   # the session's media server serves this dict by name
+    part = {"type": "video_url", "video_url": {"url": media_server.url("/image/clip.mp4")}}
+    strict = RenderService(tiny_model_path("qwen2_vl"), "m")
+    allowed = RenderService(tiny_model_path("qwen2_vl"), "m", MediaPolicy(allow_private_networks=True))
+    try:
+        with pytest.raises(InvalidRequest, match="video 0: ") as caught:
+            _render(strict, part)
+        assert caught.value.code == "media_url_forbidden"
+        [item] = _render(allowed, part).items
+        assert item.modality == "video" and item.length == 256
+    finally:
+        strict.close()
+        allowed.close()
