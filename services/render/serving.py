@@ -79,7 +79,8 @@ class RenderService:
         self.images: ImagePipeline | None = None
         if self.vision is not None:
             policy = media_policy or MediaPolicy()
-            video = _video_processor(model_path, self.spec, self.limits) if self.vision.video_pad_id else None
+            video = _video_processor(model_path, self.spec, self.limits, self.max_model_len) \
+                if self.vision.video_pad_id else None
             self.workers = ImageWorkers(model_path, self.spec, policy, num_workers, cache_mb << 20, video)
             self.images = ImagePipeline(ImageProcessor(model_path, self.spec), policy, self.limits, model_id,
                                         self.workers, hash_model_id=str(model_path), tokenize=self._encode_texts,
@@ -254,13 +255,14 @@ def _media_ref(index: int, part: ContentPart | dict[str, Any]) -> MediaRef:
     return MediaRef(parsed.url, parsed.uuid, PART_MODALITY[parsed.type])
 
 
-def _video_processor(model_path: str | Path, spec: RenderSpec, limits: RenderLimits) -> VideoProcessor | None:
+def _video_processor(model_path: str | Path, spec: RenderSpec, limits: RenderLimits,
+                     max_tokens: int | None = None) -> VideoProcessor | None:
     """The checkpoint's video processing (Qwen-VL families), bounded by the render limits."""
     settings = QwenVideoSettings.from_checkpoint(model_path, spec.family)
     if settings is None or not limits.max_videos_per_request:
         return None
     bounds = VideoBounds(limits.max_video_frame_pixels, limits.max_video_duration_s, limits.video_decode_timeout_s)
-    return VideoProcessor(settings, bounds, limits.max_video_frames, str(model_path))
+    return VideoProcessor(settings, bounds, limits.max_video_frames, str(model_path), max_tokens)
 
 
 def _render_spec(model_path: str | Path) -> RenderSpec:

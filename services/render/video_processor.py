@@ -25,7 +25,7 @@ import numpy as np
 from services.protocol.errors import InvalidRequest
 from services.render.hashing import video_hash
 from services.render.processor import ProcessedImage
-from services.render.qwen_video import QwenVideoSettings, video_patches
+from services.render.qwen_video import QwenVideoSettings, resized_size, video_patches
 from services.render.video_decode import TOO_LONG, OpenVideo, VideoBounds
 from services.render.video_sampling import hf_metadata, sample, sampled_fps, timestamps
 
@@ -36,6 +36,7 @@ class VideoProcessor:
     bounds: VideoBounds
     max_frames: int          # frames after sampling (each costs a resize and its patches)
     hash_model_id: str       # vLLM's model_id in mm_hash: the model as given
+    max_tokens: int | None = None   # the context: a video that alone takes more is refused before decoding
 
     def process(self, data: bytes) -> ProcessedImage:
         settings = self.settings
@@ -44,6 +45,7 @@ class VideoProcessor:
             if len(indices) > self.max_frames:
                 raise InvalidRequest(f"video samples to {len(indices)} frames > max_video_frames={self.max_frames}",
                                      code=TOO_LONG)
+            self._check_tokens(len(indices), video.info.height, video.info.width)
             frames, found = video.read(indices)
             source = video.info
         metadata = hf_metadata(settings.loader, source, found)
@@ -61,3 +63,16 @@ class VideoProcessor:
             arrays["second_per_grid_ts"] = np.array(seconds, dtype=np.float32)
         arrays["pixel_values_videos"] = pixels
         return ProcessedImage(arrays, int(np.prod(grid)) // settings.merge_size**2, info)
+
+    def _check_tokens(self, frames: int, height: int, width: int) -> None:
+        """The video's placeholder count, from its header and the frames to sample: one that cannot fit the
+        context is refused before a frame is decoded."""
+        if self.max_tokens is None:
+            return
+        settings = self.settings
+        new_h, new_w = resized_size(frames, height, width, settings)
+        groups = -(-frames // settings.temporal_patch_size)
+        tokens = groups * (new_h // settings.patch_size) * (new_w // settings.patch_size) // settings.merge_size**2
+        if tokens >= self.max_tokens:
+            raise InvalidRequest(f"the video alone takes {tokens} tokens ({frames} frames of {width}x{height}), more "
+                                 f"than the model's context of {self.max_tokens}", code="context_length_exceeded")

@@ -240,3 +240,14 @@ def test_a_video_url_is_fetched_under_the_image_policy(media_server, media_image
     finally:
         strict.close()
         allowed.close()
+
+
+def test_a_video_longer_than_the_context_is_refused_before_decoding():
+    service = RenderService(tiny_model_path("qwen2_vl"), "m", limits=RenderLimits(max_model_len=300))
+    try:
+        with pytest.raises(InvalidRequest, match="the video alone takes 512 tokens") as caught:
+            _render(service, video_part(clip(16, fps=2.0)))   # 8 groups of 64 tokens
+        assert caught.value.code == "context_length_exceeded"
+        assert _render(service, video_part(clip(4, fps=2.0))).items   # 128 tokens: fits
+    finally:
+        service.close()
