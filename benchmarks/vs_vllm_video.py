@@ -157,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="head_dim-32 tiny checkpoint, few requests")
     parser.add_argument("--requests", type=int, help="requests per side and level (default 24)")
+    parser.add_argument("--model", choices=("medium", "hd32"), help="the checkpoint: the medium demo model "
+                        "(default) or the head_dim-32 tiny one (a vision tower that costs almost nothing)")
     parser.add_argument("--no-docs", action="store_true", help="do not rewrite docs/benchmarks.md")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
@@ -164,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     setup = VsVllmVideo.quick() if args.quick else VsVllmVideo()
     if args.requests:
         setup = replace(setup, requests=args.requests)
+    if args.model:
+        setup = replace(setup, model=args.model)
     figs, doc = run(setup)
     print_figures(figs, "epd vs vLLM CPU, video")
     name = "vs_vllm_video" + ("_quick" if args.quick else "")
