@@ -8,7 +8,9 @@ template and image-processor settings) with hidden 128 / 4 heads (text) and
 64 / 2 heads (vision), once, into the cache, under a file lock:
 
 - `qwen2_vl`: the demo family (Qwen2-VL);
-- `qwen2_5_vl`: a second family (Qwen2.5-VL: window attention, SwiGLU tower).
+- `qwen2_5_vl`: a second family (Qwen2.5-VL: window attention, SwiGLU tower);
+- `qwen3_vl`: the third (Qwen3-VL: deepstack features, learned position embeddings, 16-pixel patches, and a
+  video processor config of its own, as the real checkpoints ship: `services.models.tiny.QWEN3_VL_VIDEO_PROCESSOR`).
 
 The context is 4096 (`max_position_embeddings`), what vLLM is started with.
 """
@@ -19,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from services.models.demo import QWEN2_VL_CHAT_TEMPLATE, _mrope_section, build_qwen2_tokenizer, default_cache_dir
-from services.models.tiny import QWEN_IDS, TEXT, _qwen_processor, _save, cached_build
+from services.models.tiny import QWEN_IDS, TEXT, _qwen_processor, _save, cached_build, write_qwen3_video_config
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 _VERSION = "1"
 HEAD_DIM = 32
 TEXT_HD32: dict[str, Any] = {**TEXT, "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4,
@@ -63,4 +65,19 @@ def _build_qwen2_5_vl(folder: Path) -> None:
           _qwen_processor("Qwen2_5_VLProcessor"), QWEN2_VL_CHAT_TEMPLATE)
 
 
-_BUILDERS = {"qwen2_vl": _build_qwen2_vl, "qwen2_5_vl": _build_qwen2_5_vl}
+def _build_qwen3_vl(folder: Path) -> None:
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    rope = {**_ROPE, "rope_theta": 5e6, "mrope_interleaved": True}
+    config = Qwen3VLConfig(
+        text_config={**TEXT_HD32, "rope_parameters": rope},
+        vision_config={"depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2,
+                       "out_hidden_size": TEXT_HD32["hidden_size"], "patch_size": 16, "num_position_embeddings": 576,
+                       "deepstack_visual_indexes": [0], "initializer_range": 0.1},
+        **QWEN_IDS)
+    processor = _qwen_processor("Qwen3VLProcessor", patch_size=16, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    _save(folder, Qwen3VLForConditionalGeneration, config, build_qwen2_tokenizer(), processor, QWEN2_VL_CHAT_TEMPLATE)
+    write_qwen3_video_config(folder)
+
+
+_BUILDERS = {"qwen2_vl": _build_qwen2_vl, "qwen2_5_vl": _build_qwen2_5_vl, "qwen3_vl": _build_qwen3_vl}

@@ -43,7 +43,7 @@ from ..context import RequestContext
 from .base import Step
 
 # The light fields PROTOCOL.md names (what the consumer of embeddings still needs).
-LIGHT_KEYS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts", "image_sizes")
+LIGHT_KEYS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts", "timestamps", "image_sizes")
 
 
 def _bytes(b64: str, where: str) -> bytes | bytearray:

@@ -77,9 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _workload_flags(g: argparse._ArgumentGroup) -> None:
-    g.add_argument("--workload", default="random-mm", choices=("random-mm", "text", "replay"),
+    g.add_argument("--workload", default="random-mm", choices=("random-mm", "text", "replay", "video"),
                    help="random-mm: random words then images (vLLM's random multimodal); text: no images; "
-                   "replay: bodies from --replay-file")
+                   "replay: bodies from --replay-file; video: random words then generated clips (--video-*)")
     g.add_argument("--input-len", type=int, default=128, help="prompt length in words (~tokens)")
     g.add_argument("--output-len", type=int, default=64, help="max_tokens (sent with ignore_eos)")
     g.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in len*[1-r, 1+r]")
@@ -89,6 +89,14 @@ def _workload_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--image-pool", type=int, default=0, help="draw images from N distinct ones (0: all unique)")
     g.add_argument("--image-format", default="jpeg", choices=("jpeg", "png"), help="how images are encoded "
                    "in their data URLs")
+    g.add_argument("--videos-per-request", type=int, default=1, help="videos per request (workload video)")
+    g.add_argument("--video-frames", type=int, default=8, help="frames per clip (at 2 fps every one is sampled)")
+    g.add_argument("--video-size", type=_flag_type(parse_image_sizes), default=parse_image_sizes("224x224"),
+                   help="clip frame size WxH")
+    g.add_argument("--video-fps", type=float, default=2.0, help="the clips' frame rate")
+    g.add_argument("--video-pool", type=int, default=0, help="draw clips from N distinct ones (0: all unique)")
+    g.add_argument("--video-overlap", type=float, default=0.0, help="share of each clip's frames repeated from the "
+                   "clip before (a sliding window over one recording; whole frame groups of two frames)")
     g.add_argument("--replay-file", help="JSONL of chat request bodies (workload replay)")
     g.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos: true")
     g.add_argument("--seed", type=int, default=None, help="workload and arrival seed (default: a fresh one per "
@@ -118,7 +126,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         kind=args.workload, input_len=args.input_len, output_len=args.output_len, range_ratio=args.range_ratio,
         images_per_request=args.images_per_request, image_sizes=args.image_sizes, image_pool=args.image_pool,
         image_format=args.image_format, replay_file=args.replay_file, ignore_eos=not args.no_ignore_eos,
-        seed=seed)
+        seed=seed, videos_per_request=args.videos_per_request, video_frames=args.video_frames,
+        video_size=args.video_size[0], video_fps=args.video_fps, video_pool=args.video_pool,
+        video_overlap=args.video_overlap)
     count = args.num_requests if args.num_requests or args.duration else 100
     load = LoadConfig(concurrency=args.concurrency, request_rate=args.request_rate, burstiness=args.burstiness,
                       num_requests=count, duration_s=args.duration, warmup=args.warmup, seed=seed,

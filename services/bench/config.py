@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-WORKLOADS = ("random-mm", "text", "replay")
+WORKLOADS = ("random-mm", "text", "replay", "video")
 IMAGE_FORMATS = ("jpeg", "png")
 SLO_KEYS = ("ttft", "tpot", "e2el")
 
@@ -46,6 +46,12 @@ class WorkloadConfig:
     replay_file: str | None = None
     ignore_eos: bool = True
     seed: int = 0
+    videos_per_request: int = 1
+    video_frames: int = 8
+    video_size: ImageSize = ImageSize(224, 224)
+    video_fps: float = 2.0
+    video_pool: int = 0
+    video_overlap: float = 0.0
 
     def __post_init__(self) -> None:
         if self.kind not in WORKLOADS:
@@ -62,11 +68,19 @@ class WorkloadConfig:
             raise BenchError(f"--image-format must be one of {', '.join(IMAGE_FORMATS)}")
         if not self.image_sizes:
             raise BenchError("--image-sizes needs at least one size")
+        if self.videos_per_request < 0 or self.video_pool < 0 or self.video_frames < 1 or not self.video_fps > 0:
+            raise BenchError("--videos-per-request and --video-pool must be >= 0, --video-frames >= 1, --video-fps > 0")
+        if not 0.0 <= self.video_overlap < 1.0:
+            raise BenchError("--video-overlap must be in [0, 1)")
 
     @property
     def num_images(self) -> int:
-        """Images per request actually sent (text-only workloads send none)."""
+        """Images per request actually sent (text-only and video workloads send none)."""
         return self.images_per_request if self.kind == "random-mm" else 0
+
+    @property
+    def num_videos(self) -> int:
+        return self.videos_per_request if self.kind == "video" else 0
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,11 @@ coordinator: items = `epd_coordinator_ec_known_hits_total` +
 items = cache_hit + encoded).  `encoded_ratio` = encoded / items is the share of
 items that really ran the vision tower (encode's count).  Counters are summed
 over all given URLs.
+
+Videos are cached per frame group by encode (services/encode/frame_groups.py):
+`epd_encode_frame_groups_total{result="cache_hit"|"encoded"}` gives the frame-group
+hit ratio, hits / (hits + encoded), when an encode instance's /metrics is among the
+URLs.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ ENCODE_CALLS = "epd_coordinator_encode_calls_total"
 ENCODE_ITEMS = "epd_encode_items_total"
 MM_ITEMS = "epd_coordinator_mm_items_total"
 MM_SOURCES = ("known", "cache_hit", "encoded", "inline")
+FRAME_GROUPS = "epd_encode_frame_groups_total"
 
 _SAMPLE = re.compile(r"^([A-Za-z_:][\w:]*)(\{[^}]*\})?\s+(\S+)")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
@@ -85,7 +91,9 @@ def counters(samples: Samples) -> dict[str, float | None]:
     return {"known_hits": _value(samples, KNOWN_HITS), "encode_calls": _value(samples, ENCODE_CALLS),
             "encoded": _value(samples, ENCODE_ITEMS, result="encoded"),
             "cache_hit": _value(samples, ENCODE_ITEMS, result="cache_hit"),
-            **{f"items_{source}": _value(samples, MM_ITEMS, source=source) for source in MM_SOURCES}}
+            **{f"items_{source}": _value(samples, MM_ITEMS, source=source) for source in MM_SOURCES},
+            "frame_groups_hit": _value(samples, FRAME_GROUPS, result="cache_hit"),
+            "frame_groups_encoded": _value(samples, FRAME_GROUPS, result="encoded")}
 
 
 def delta(before: dict[str, float | None], after: dict[str, float | None]) -> dict[str, float | None]:
@@ -112,4 +120,15 @@ def hit_ratio(d: dict[str, float | None]) -> dict[str, Any]:
         calls = d.get("encode_calls")
         items = known + calls if calls is not None else hits + (encoded or 0.0)
     return {"items": items, "hits": hits, "hit_ratio": hits / items if items else None, "encoded": encoded,
-            "encoded_ratio": encoded / items if encoded is not None and items else None, "counters": d}
+            "encoded_ratio": encoded / items if encoded is not None and items else None,
+            "frame_groups": frame_groups(d), "counters": d}
+
+
+def frame_groups(d: dict[str, float | None]) -> dict[str, float | None] | None:
+    """Video frame groups encode looked up over the run: {groups, hits, hit_ratio}; None without encode's counters
+    or videos."""
+    hits, encoded = d.get("frame_groups_hit"), d.get("frame_groups_encoded")
+    if hits is None and encoded is None:
+        return None
+    groups = (hits or 0.0) + (encoded or 0.0)
+    return {"groups": groups, "hits": hits or 0.0, "hit_ratio": (hits or 0.0) / groups if groups else None}

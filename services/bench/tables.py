@@ -51,6 +51,10 @@ def _cache_lines(s: dict[str, Any]) -> list[str]:
                            f"{_num(cache['hit_ratio'], 3)} / {_num(ideal, 3)} of {cache['items']:g} items"))
         if cache.get("encoded") is not None:
             lines.append(_line("Items encoded (ran the vision tower):", f"{cache['encoded']:g}"))
+        groups = cache.get("frame_groups")
+        if groups and groups["groups"]:
+            lines.append(_line("Video frame-group hits:", f"{_num(groups['hit_ratio'], 3)} of {groups['groups']:g} "
+                               "groups"))
     elif ideal:  # images reused, no --metrics-url to measure the cache with
         lines.append(_line("Encoder-cache hits, ideal:", _num(ideal, 3)))
     if s.get("metrics_error"):

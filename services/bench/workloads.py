@@ -10,6 +10,8 @@ which the client splices in at send time (it is only known after /v1/models).
   the same for the output length (max_tokens, with ignore_eos), and
   `images_per_request` noise images from images.ImageFactory.
 - text: the same without images.
+- video: the same with `videos_per_request` clips (videos.py: a pool, and overlap between
+  consecutive clips) instead of images.
 - replay: chat request bodies, one JSON object per line, sent in file order
   (cycled when more requests are asked for); `model` is replaced and
   streaming with usage is switched on.
@@ -27,6 +29,7 @@ import numpy as np
 
 from .config import BenchError, WorkloadConfig
 from .images import ImageFactory
+from .videos import VideoFactory
 
 _WORDS = tuple(
     "the of and to in is you that it he was for on are as with his they at be this have from or one had by word "
@@ -87,6 +90,9 @@ class RandomWorkload(Workload):
         self.name = config.kind
         self.seed = config.seed + seed_offset
         self.images = ImageFactory(config.image_sizes, config.image_pool, config.image_format, self.seed)
+        size = config.video_size
+        self.videos = VideoFactory(config.video_frames, size.width, size.height, config.video_fps, config.video_pool,
+                                   config.video_overlap, self.seed)
 
     def _length(self, target: int, rng: np.random.Generator) -> int:
         low = max(1, int(target * (1 - self.config.range_ratio)))
@@ -102,18 +108,18 @@ class RandomWorkload(Workload):
         rng = np.random.default_rng([self.seed, _LENGTH_STREAM, index])
         num_words, max_tokens = self._length(self.config.input_len, rng), self._length(self.config.output_len, rng)
         text = self._text(index, num_words)
-        count = self.config.num_images
+        count, videos = self.config.num_images, self.config.num_videos
         keys = [self.images.key_for(index * count + m) for m in range(count)]
-        if count:
-            content: Any = [{"type": "image_url", "image_url": {"url": self.images.data_url(k)}} for k in keys]
-            content.append({"type": "text", "text": text})
-        else:
-            content = text
+        clips = [self.videos.key_for(index * videos + m) for m in range(videos)]
+        content: Any = [{"type": "image_url", "image_url": {"url": self.images.data_url(k)}} for k in keys]
+        content += [{"type": "video_url", "video_url": {"url": self.videos.data_url(k)}} for k in clips]
+        content = [*content, {"type": "text", "text": text}] if content else text
         body: dict[str, Any] = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
                                 "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
         if self.config.ignore_eos:
             body["ignore_eos"] = True
-        return BenchRequest(index, _dumps(body), num_words, tuple(f"img-{k}" for k in keys))
+        ids = tuple(f"img-{k}" for k in keys) + tuple(f"vid-{k}" for k in clips)
+        return BenchRequest(index, _dumps(body), num_words, ids)
 
 
 class ReplayWorkload(Workload):

@@ -299,9 +299,24 @@ class LimitsConfig:
     max_images_per_request: int = _f(8, "images one request may carry")
     max_image_pixels: int = _f(16_777_216, "largest accepted image, width x height")
     max_image_bytes: int = _f(20 * 1024 * 1024, "largest accepted encoded image, bytes")
-    allowed_media_domains: str = _f("", "comma-separated hosts image URLs may point to (empty: any public host)")
-    allow_private_media_urls: bool = _f(False, "allow image URLs on loopback/private networks (tests, in-cluster)")
-    media_timeout_s: float = _f(10.0, "deadline to fetch one image URL")
+    max_videos_per_request: int = _f(2, "videos one request may carry (each is thousands of vision tokens and "
+                                     "seconds of encoder time)", roles="render")
+    max_video_bytes: int = _f(32 * 1024 * 1024, "largest accepted encoded video, bytes (a data URL or a fetched "
+                              "file); with --max-request-bytes it also bounds videos sent inline", roles="render")
+    max_video_frames: int = _f(64, "frames a video may sample to (2 per second of video, as vLLM samples "
+                               "Qwen-VL videos); each decoded frame is held in render and costs its patches "
+                               "in the encoder: the bound on a video's memory and tokens", roles="render")
+    max_video_duration_s: float = _f(300.0, "longest accepted video, seconds (from its headers, before any frame "
+                                     "is decoded; vLLM's default maximum)", roles="render")
+    max_video_frame_pixels: int = _f(1920 * 1088, "largest accepted video frame, width x height (from the "
+                                     "headers, before decoding)", roles="render")
+    video_decode_timeout_s: float = _f(30.0, "deadline to decode one video in a render worker; a worker past "
+                                       "it is replaced and the request answered 400", roles="render")
+    allowed_media_domains: str = _f("", "comma-separated hosts image and video URLs may point to (empty: any "
+                                    "public host)")
+    allow_private_media_urls: bool = _f(False, "allow image and video URLs on loopback/private networks (tests, "
+                                        "in-cluster)")
+    media_timeout_s: float = _f(10.0, "deadline to fetch one image or video URL")
     request_timeout_s: float = _f(30.0, "roles: the longest one wait inside a role may take (an item in the encode "
                                   "queue, the next decode event)", roles="roles")
     max_inflight_requests: int = _f(256, "generation requests the coordinator runs at once; more are answered "
@@ -320,8 +335,11 @@ class LimitsConfig:
 
     def __post_init__(self) -> None:
         _at_least(self, ("max_images_per_request", "max_image_pixels", "max_image_bytes", "max_inflight_requests"), 1)
+        _at_least(self, ("max_video_bytes", "max_video_frames", "max_video_frame_pixels"), 1)
+        _at_least(self, ("max_videos_per_request",), 0)   # 0: no videos
         _at_least(self, ("request_timeout_s", "media_timeout_s", "ttft_timeout_s", "stream_idle_timeout_s",
-                         "max_request_timeout_s", "body_read_timeout_s"), 0, strict=True)
+                         "max_request_timeout_s", "body_read_timeout_s", "max_video_duration_s",
+                         "video_decode_timeout_s"), 0, strict=True)
         _check(self.max_request_bytes >= 1024, "max_request_bytes must be >= 1024")
 
     def media_domains(self) -> tuple[str, ...]:

@@ -13,6 +13,11 @@ wait for the engine as futures (no thread each), so items of every request in
 flight batch together; the EC put runs while the engine already runs the next
 batch (on the event loop when small, services.connectors.wiring.run_op;
 else in a thread).
+
+A video is stored by frame group (frame_groups.py): only the groups not stored yet are encoded
+(each an item of its own, so they batch with everything else waiting), and the answer is a composite
+handle listing every group's entry; `epd_encode_frame_groups_total{result}` counts groups found and
+encoded.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import Counter
 
 from services.connectors.base import ConnectorError, TensorStore
-from services.connectors.ec import ec_key
+from services.connectors.ec import composite_handle, ec_key
 from services.connectors.mm import MmRef, open_item
 from services.connectors.wiring import as_epd_error, run_op
 from services.observability import activity
@@ -37,6 +42,7 @@ from services.protocol.items import Item
 from services.protocol.tensors import to_torch
 from services.runtime.admission import Admission
 
+from . import frame_groups
 from .engine import EncodeEngine
 
 if TYPE_CHECKING:
@@ -45,6 +51,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 ITEMS = Counter("epd_encode_items", "Items requested, by result (encoded | cache_hit)", ["result"])
 MM_BYTES = Counter("epd_encode_mm_bytes_received", "Multimodal bytes (kwargs_data + mm_metadata) received")
+GROUPS = Counter("epd_encode_frame_groups", "Video frame groups requested, by result (cache_hit: found in the EC "
+                 "store, not encoded again | encoded)", ["result"])
 GAUGES = {
     "epd_ec_store_bytes": ("Bytes held by this instance's EC store", lambda s: s.store.stats().bytes_used),
     "epd_ec_store_entries": ("Entries held by this instance's EC store", lambda s: s.store.stats().entries),
@@ -74,6 +82,8 @@ class EncodeService:
         self.mm_store = mm_store  # where items sent by handle are read
         self._inflight: dict[str, asyncio.Task[EncodedResult]] = {}   # key -> the one encode of that item running
         self.weights: RoleWeights | None = None   # set by the app: the served version and its switch
+        self._groups_inflight: dict[str, asyncio.Future[dict]] = {}   # group key -> its handle, while encoded
+        self.videos = frame_groups.VideoIndex()
         self.admission = Admission("encode", max_queue)  # items waiting for or in the tower
         self.gauges = OwnedGauges(self, GAUGES)  # read at scrape time: evictions and expiry show at once
 
@@ -90,6 +100,8 @@ class EncodeService:
         engine = self.engine   # taken with the version check, in the same turn of the loop as a switch would be
         key = ec_key(self.model_id, mm_hash, version)
         handle = self._lookup(key)
+        if handle is None and self.videos.get(key) is not None:   # a video stored here: its groups, looked up
+            handle = await run_op(self.store, 0, self._stored_video, engine, key)
         if handle is not None:
             ITEMS.labels("cache_hit").inc()
             return EncodedResult(mm_hash, handle, True, version)
@@ -102,7 +114,10 @@ class EncodeService:
         else:
             admitted = self.admission.admit()
             admitted.__enter__()   # refused (Overloaded) at once when full; held until the encode ends
-            task = asyncio.get_running_loop().create_task(self._encode(engine, key, mm_hash, item, ref, version))
+            by_groups = frame_groups.is_video(item) and getattr(engine.vision, "frame_groups_independent", False)
+            work = self._encode_video(engine, key, mm_hash, item, ref, version) if by_groups \
+                else self._encode(engine, key, mm_hash, item, ref, version)
+            task = asyncio.get_running_loop().create_task(work)
             self._inflight[key] = task
             task.add_done_callback(lambda done: self._ended(key, done, admitted))
         return await asyncio.shield(task)   # leaving stops this request's wait, never the encode
@@ -113,6 +128,101 @@ class EncodeService:
         admitted.__exit__(None, None, None)
         if not task.cancelled():
             task.exception()   # retrieved: every waiter re-raises it itself (none may be left)
+
+    def _stored_video(self, engine: EncodeEngine, key: str) -> dict | None:
+        """A video this encoder stored (under its EC key: model, weight version and mm_hash), when every one of its
+        groups is still in the store."""
+        keys = self.videos.get(key)
+        if keys is None:
+            return None
+        handles = [self._lookup(k) for k in keys]
+        if any(h is None for h in handles):
+            return None
+        GROUPS.labels("cache_hit").inc(len(handles))
+        return composite_handle(handles, engine.vision.token_dims)  # type: ignore[arg-type]
+
+    async def _encode_video(self, engine: EncodeEngine, key: str, mm_hash: str, item: Item, ref: MmRef | None,
+                            version: str) -> EncodedResult:
+        """The video's groups: those stored are looked up, the others encoded (once, also when several requests
+        ask at once) and stored; the answer is the composite of their handles, in order."""
+        try:
+            with self._opened(item, ref) as full:
+                tensors = {name: to_torch(elem.data) for name, elem in full.items() if elem.data is not None}
+                nbytes = int(tensors[frame_groups.PIXELS].nbytes)
+                groups = await run_op(self.store, nbytes, frame_groups.split, self.model_id, tensors, version)
+                handles = await self._group_handles(engine, groups)
+        except ConnectorError as exc:
+            raise as_epd_error(exc, "mm") from None
+        self.videos.put(key, tuple(g.key for g in groups))
+        encoded = any(h[1] for h in handles)
+        ITEMS.labels("encoded" if encoded else "cache_hit").inc()
+        return EncodedResult(mm_hash, composite_handle([h[0] for h in handles], engine.vision.token_dims),
+                             not encoded, version)
+
+    async def _group_handles(self, engine: EncodeEngine, groups: list[frame_groups.FrameGroup]
+                             ) -> list[tuple[dict, bool]]:
+        """(handle, encoded here) per group, in order; the new ones go to the engine together."""
+        found: dict[str, tuple[dict, bool]] = {}
+        waiting: dict[str, asyncio.Future[dict]] = {}
+        mine: dict[str, frame_groups.FrameGroup] = {}
+        keys = list(dict.fromkeys(group.key for group in groups))
+        stored = await run_op(self.store, 0, lambda: {k: self._lookup(k) for k in keys})  # Redis: off the loop
+        for group in groups:
+            if group.key in found or group.key in waiting or group.key in mine:
+                continue   # the same frames twice in one video: one entry
+            handle = stored[group.key]
+            if handle is not None:
+                found[group.key] = (handle, False)
+            elif group.key in self._groups_inflight:
+                waiting[group.key] = self._groups_inflight[group.key]
+            else:
+                mine[group.key] = group
+                self._groups_inflight[group.key] = asyncio.get_running_loop().create_future()
+        GROUPS.labels("cache_hit").inc(len(found) + len(waiting))
+        try:
+            found.update(await self._store_groups(engine, list(mine.values())))
+        finally:
+            for key in mine:
+                future = self._groups_inflight.pop(key)
+                if key in found:
+                    future.set_result(found[key][0])
+                else:
+                    future.set_exception(InvalidRequest("encoding a shared frame group failed", code="encode_failed"))
+                    future.exception()
+        for key, future in waiting.items():
+            found[key] = (await asyncio.shield(future), False)
+        return [found[group.key] for group in groups]
+
+    async def _store_groups(self, engine: EncodeEngine, groups: list[frame_groups.FrameGroup]
+                            ) -> dict[str, tuple[dict, bool]]:
+        """Encode the groups in one engine submission and store each entry."""
+        if not groups:
+            return {}
+        entries = await self._forward_many(engine, [g.tensors for g in groups])
+        GROUPS.labels("encoded").inc(len(groups))
+        out = {}
+        for group, entry in zip(groups, entries, strict=True):
+            try:
+                handle = await run_op(self.store, sum(t.nbytes for t in entry.values()), self.store.put, group.key,
+                                      entry)
+            except ConnectorError as exc:
+                raise as_epd_error(exc, "ec") from None
+            out[group.key] = (handle, True)
+        return out
+
+    async def _forward_many(self, engine: EncodeEngine, items: list[dict]) -> list[dict]:
+        inline = engine.run_inline(items)
+        if inline is not None:
+            return inline
+        futures = engine.submit(items)
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return [await asyncio.wrap_future(f) for f in futures]
+        except TimeoutError:
+            for future in futures:
+                future.cancel()
+            raise DeadlineExceeded(f"encoding {len(items)} frame group(s) did not finish in {self.timeout_s} s") \
+                from None
 
     def _lookup(self, key: str) -> dict | None:
         try:

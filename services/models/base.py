@@ -25,9 +25,10 @@ L, head_dim] (index 0 = keys, 1 = values) in `KVLayout.dtype`, the model dtype.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -77,6 +78,11 @@ class VisionModel(ABC):
     dtype: Any          # torch.dtype of the embeddings `encode` returns
     tower: Any = None   # the nn.Module holding the vision weights (services.models.prepack swaps its linears)
     patches_per_token: int = 1  # patches the tower runs on per embedding token (forward_cost.py)
+    # A video's frame groups (temporal patches) encode to the same bits alone as inside any video: encode then
+    # stores videos per group (services/encode/frame_groups.py).  True only where a test showed it.
+    frame_groups_independent: bool = False
+    # The token axis of each tensor of an EC entry (how a video's group entries join).
+    token_dims: Mapping[str, int] = MappingProxyType({"embedding": 0})
 
     @abstractmethod
     def encode(self, items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
@@ -148,7 +154,8 @@ class RenderSpec:
     A prompt marks an image as start + a run of `image_token_id` + end (Qwen-VL) or as a bare run
     (LLaVA's `<image>`: start/end None).  The run length is `tokens_per_image` when the family's
     count is fixed (LLaVA), else it comes from image_grid_thw and `merge_size` (Qwen-VL).
-    `image_token_id` None means a text-only model: render refuses images.
+    `image_token_id` None means a text-only model: render refuses images; `video_token_id` None
+    a model without video: render refuses videos.
     """
 
     family: str
@@ -157,6 +164,7 @@ class RenderSpec:
     end_token_id: int | None = None
     metadata_keys: tuple[str, ...] = ()
     tokens_per_image: int | None = None
+    video_token_id: int | None = None
 
     @property
     def accepts_images(self) -> bool:

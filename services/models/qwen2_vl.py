@@ -1,16 +1,18 @@
 """Qwen2-VL and Qwen2.5-VL: vision tower for encode, language model for prefill/decode.
 
-Encode runs the tower exactly as `get_image_features` does, over all items'
-patches at once (attention inside the tower is per image, so batching does not
-mix items).  Prefill scatters each item's embedding at its placeholder range
-and takes M-RoPE positions from the model's own `get_rope_index`, which needs
-only image_grid_thw and which tokens are image tokens, never pixels.  The
-returned rope_delta makes decode positions plain integers: a decode token at
-sequence index n sits at n + rope_delta on all three M-RoPE axes.
+Encode runs the tower exactly as `get_image_features` does (videos too: `get_video_features` is the
+same forward), over all items' patches at once (attention inside the tower is per image and per
+frame group, so batching does not mix items).  Prefill scatters each item's embedding at its
+placeholders and takes M-RoPE positions from the grids (services/models/mrope.py: vLLM's
+`get_mrope_input_positions`), which need only image_grid_thw / video_grid_thw (and Qwen2.5-VL's
+second_per_grid_ts) and which tokens are placeholders, never pixels.  The returned rope_delta makes
+decode positions plain integers: a decode token at sequence index n sits at n + rope_delta on all
+three M-RoPE axes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,19 +28,28 @@ from services.models.base import (
 from services.models.input_norm import NormParams, normalize_pixels
 from services.models.items import checked_items, scatter
 from services.models.loading import InvalidMultiModalInput, eos_token_ids, load_part, read_config
+from services.models.mrope import Segment, mrope_positions
 
 if TYPE_CHECKING:
     import torch
 
 
+GRID_KEYS = ("image_grid_thw", "video_grid_thw")
+PIXEL_KEYS = ("pixel_values", "pixel_values_videos")
+
+
 def _grid(metadata: dict[str, torch.Tensor]) -> torch.Tensor:
-    if "image_grid_thw" not in metadata:
-        raise InvalidMultiModalInput(f"image item lacks image_grid_thw (has {sorted(metadata)})")
-    return metadata["image_grid_thw"].reshape(3).long()
+    """The item's patch grid [t, h, w]: image_grid_thw, or a video's video_grid_thw."""
+    for key in GRID_KEYS:
+        if key in metadata:
+            return metadata[key].reshape(3).long()
+    raise InvalidMultiModalInput(f"item lacks image_grid_thw and video_grid_thw (has {sorted(metadata)})")
 
 
 class QwenVLVision(VisionModel):
     """The vision tower (patch embed, blocks, merger) of a Qwen-VL checkpoint."""
+
+    frame_groups_independent = True   # attention per temporal patch; tests/services/encode/test_frame_groups.py
 
     def __init__(self, hf_model: Any) -> None:
         self._base = hf_model.model
@@ -66,12 +77,15 @@ class QwenVLVision(VisionModel):
         return list(out.pooler_output)
 
     def _pixels(self, item: dict[str, torch.Tensor], grid: torch.Tensor) -> torch.Tensor:
-        """The item's float pixels: uint8 ones normalised (vLLM's formula), float ones as they came."""
-        pixels = item.get("pixel_values")
+        """The item's float pixels: uint8 ones normalised (vLLM's formula), float ones as they came.  A video's
+        pixel_values_videos go through the same tower call as an image's (transformers' get_video_features
+        and get_image_features are one forward): attention never leaves a frame group."""
+        key = "pixel_values_videos" if "pixel_values_videos" in item else "pixel_values"
+        pixels = item.get(key)
         if pixels is None or pixels.dim() != 2 or pixels.shape[0] != int(grid.prod()):
             shape = None if pixels is None else tuple(pixels.shape)
             raise InvalidMultiModalInput(
-                f"pixel_values shape {shape} does not match image_grid_thw {grid.tolist()} "
+                f"{key} shape {shape} does not match the grid {grid.tolist()} "
                 f"(expected [{int(grid.prod())}, patch_dim])")
         return normalize_pixels(pixels, self.norm)
 
@@ -112,8 +126,9 @@ class QwenVLLanguage(LanguageModel):
         items = self._check_items(token_ids, mm_items)
         if early is None:
             early = self.early_inputs(token_ids, items)
+        runs = [[(seg.offset, seg.tokens) for seg in self.segments(token_ids, item)] for item in items]
         with torch.no_grad():
-            embeds = scatter(early.inputs_embeds, items)
+            embeds = scatter(early.inputs_embeds, items, runs)
         return PrefillInputs(inputs_embeds=embeds, position_ids=early.position_ids, rope_delta=early.rope_delta)
 
     def early_inputs(self, token_ids: list[int], mm_items: list[MultiModalInput]) -> PrefillInputs:
@@ -122,84 +137,100 @@ class QwenVLLanguage(LanguageModel):
         ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
         with torch.no_grad():
             embeds = self.embed(ids)
-        position_ids, rope_delta = self._positions(ids, sorted(mm_items, key=lambda item: item.offset))
+        position_ids, rope_delta = self._positions(token_ids, sorted(mm_items, key=lambda item: item.offset))
         return PrefillInputs(inputs_embeds=embeds, position_ids=position_ids, rope_delta=rope_delta)
 
-    def _positions(self, ids: torch.Tensor, items: list[MultiModalInput]) -> tuple[torch.Tensor, int]:
+    def segments(self, token_ids: Sequence[int], item: MultiModalInput) -> list[Segment]:
+        """The item's placeholder runs with their grids (services/models/mrope.py)."""
+        grid = tuple(int(v) for v in _grid(item.metadata).tolist())
+        if item.modality == "image":
+            if grid[0] != 1:
+                raise InvalidMultiModalInput(f"image item at {item.offset}: image_grid_thw {list(grid)} has t != 1")
+            return [Segment(item.offset, item.length, grid)]  # type: ignore[arg-type]
+        return self.video_segments(token_ids, item, grid)  # type: ignore[arg-type]
+
+    def video_segments(self, token_ids: Sequence[int], item: MultiModalInput,
+                       grid: tuple[int, int, int]) -> list[Segment]:
+        """A Qwen2-VL / Qwen2.5-VL video: one run of all its frame groups, Qwen2.5-VL's spaced in time."""
+        return [Segment(item.offset, item.length, grid, self._t_factor(item))]
+
+    def _t_factor(self, item: MultiModalInput) -> float:
+        """vLLM's t_factor: second_per_grid_ts (its stored value, as a Python float) * tokens_per_second, for
+        towers with a time scale (Qwen2.5-VL); 1 otherwise."""
+        tokens_per_second = getattr(self._base.config.vision_config, "tokens_per_second", None)
+        seconds = item.metadata.get("second_per_grid_ts")
+        if tokens_per_second is None or seconds is None:
+            return 1.0
+        return float(seconds.reshape(-1)[0].item()) * tokens_per_second
+
+    def _positions(self, token_ids: Sequence[int], items: list[MultiModalInput]) -> tuple[torch.Tensor, int]:
         import torch
 
         if not items:
-            return self.decode_position_ids(torch.arange(ids.shape[1])[None]), 0
+            return self.decode_position_ids(torch.arange(len(token_ids))[None]), 0
         merge = self._base.config.vision_config.spatial_merge_size
-        positions, delta = mrope_positions(ids.shape[1], [(i.offset, i.length, _grid(i.metadata).tolist())
-                                                          for i in items], merge)
+        segments = [seg for item in items for seg in self.segments(token_ids, item)]
+        positions, delta = mrope_positions(len(token_ids), segments, merge)
         return torch.from_numpy(positions)[:, None].to(self.device), delta
 
     def hf_positions(self, ids: torch.Tensor, items: list[MultiModalInput]) -> tuple[torch.Tensor, int]:
-        """The model's own `get_rope_index` for the same prompt (what `mrope_positions` reproduces; tests)."""
+        """The model's own `get_rope_index` for the same prompt (tests compare `mrope_positions` with it)."""
         import torch
 
+        token_ids = ids[0].tolist()
         token_types = torch.zeros_like(ids)
-        for item in items:
-            token_types[0, item.offset:item.offset + item.length] = 1
-        grids = torch.stack([_grid(item.metadata) for item in items]).to(self.device)
-        position_ids, deltas = self._base.get_rope_index(ids, token_types, image_grid_thw=grids)
+        grids: dict[str, list[torch.Tensor]] = {"image": [], "video": []}
+        seconds = []
+        for item in sorted(items, key=lambda i: i.offset):
+            for seg in self.segments(token_ids, item):
+                token_types[0, seg.offset:seg.offset + seg.tokens] = 1 if item.modality == "image" else 2
+            grids[item.modality].append(_grid(item.metadata))
+            if "second_per_grid_ts" in item.metadata:
+                seconds.append(item.metadata["second_per_grid_ts"].reshape(-1)[0].float())
+        kwargs = {f"{m}_grid_thw": torch.stack(g).to(self.device) for m, g in grids.items() if g}
+        if seconds:
+            kwargs["second_per_grid_ts"] = torch.stack(seconds)
+        position_ids, deltas = self._base.get_rope_index(ids, token_types, **kwargs)
         return position_ids, int(deltas.reshape(-1)[0])
 
+    sparse_modalities: tuple[str, ...] = ()   # a Qwen3-VL video's range holds its timestamps too
+
     def _check_items(self, token_ids: list[int], mm_items: list[MultiModalInput]) -> list[MultiModalInput]:
-        # get_rope_index groups consecutive image tokens: touching items would merge into one image
-        items = checked_items(token_ids, mm_items, self.image_token_id, self.hidden_size, allow_touching=False)
-        if self.video_token_id is not None and self.video_token_id in token_ids:
-            raise InvalidMultiModalInput("video placeholders are not supported by this server")
+        # get_rope_index groups consecutive placeholders: touching items would merge into one
+        pads = {"image": self.image_token_id}
+        if self.video_token_id is not None:
+            pads["video"] = int(self.video_token_id)
+        items = checked_items(token_ids, mm_items, pads, self.hidden_size, allow_touching=False,
+                              sparse=self.sparse_modalities)
         merge = self._base.config.vision_config.spatial_merge_size
         for item in items:
-            if int(_grid(item.metadata).prod()) // merge**2 != item.length:
-                raise InvalidMultiModalInput(f"image item at {item.offset}: image_grid_thw "
-                                             f"{_grid(item.metadata).tolist()} does not give {item.length} tokens")
+            grid = _grid(item.metadata).tolist()
+            covered = sum(seg.tokens for seg in self.segments(token_ids, item))
+            if int(_grid(item.metadata).prod()) // merge**2 != covered:
+                raise InvalidMultiModalInput(f"{item.modality} item at {item.offset}: grid {grid} does not give "
+                                             f"{covered} tokens")
         return items
 
 
-def mrope_positions(length: int, images: list[tuple[int, int, list[int]]], merge: int) -> tuple[Any, int]:
-    """M-RoPE positions [3, length] (int64 numpy) and rope_delta of a prompt whose images sit at
-    (offset, tokens, [t, h, w] patch grid), in order and apart: what Qwen2-VL, Qwen2.5-VL and Qwen3-VL's
-    `get_rope_index` give for images, without its per-token Python grouping (~0.14 ms for a 124-token
-    prompt, 0.23 ms for 1,096, against ~0.02 ms here).  Text runs count on from the last position on all
-    three axes; an image's tokens take (start + t, start + row, start + column) over its merged grid, and
-    the text after it starts at start + max(merged rows, merged columns).  tests/services/models/
-    test_mrope.py checks it against each family's `get_rope_index`."""
-    import numpy as np
-
-    positions = np.empty((3, length), dtype=np.int64)
-    at = start = 0
-    for offset, tokens, (t, h, w) in images:
-        positions[:, at:offset] = np.arange(start, start + offset - at)
-        start += offset - at
-        rows, cols = h // merge, w // merge
-        if t * rows * cols != tokens:
-            raise InvalidMultiModalInput(f"image item at {offset}: grid {[t, h, w]} does not give {tokens} tokens")
-        span = slice(offset, offset + tokens)
-        positions[0, span] = np.repeat(start + np.arange(t), rows * cols)
-        positions[1, span] = np.tile(np.repeat(start + np.arange(rows), cols), t)
-        positions[2, span] = np.tile(start + np.arange(cols), t * rows)
-        start += max(h, w) // merge
-        at = offset + tokens
-    positions[:, at:] = np.arange(start, start + length - at)
-    return positions, int(positions.max()) + 1 - length
+# The light fields prefill still needs (mm_metadata): positions come from the grids, Qwen2.5-VL's video
+# positions from second_per_grid_ts, Qwen3-VL's video prompt from its timestamps.
+QWEN_VL_METADATA_KEYS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts", "timestamps")
 
 
 def qwen_vl_render_spec(family: str, path: str | Path) -> RenderSpec:
-    """Qwen-VL prompts: <|vision_start|> + a run of <|image_pad|> + <|vision_end|> per image."""
+    """Qwen-VL prompts: <|vision_start|> + a run of <|image_pad|> (<|video_pad|>) + <|vision_end|> per item."""
     config = read_config(path)
     return RenderSpec(family=family, image_token_id=int(config.get("image_token_id", 151655)),
                       start_token_id=int(config.get("vision_start_token_id", 151652)),
                       end_token_id=int(config.get("vision_end_token_id", 151653)),
-                      metadata_keys=("image_grid_thw",))
+                      metadata_keys=QWEN_VL_METADATA_KEYS,
+                      video_token_id=int(config.get("video_token_id", 151656)))
 
 
 class Qwen2VLAdapter(ModelAdapter):
     family = "qwen2_vl"
     architectures: tuple[str, ...] = ("Qwen2VLForConditionalGeneration",)
-    metadata_keys: tuple[str, ...] = ("image_grid_thw",)
+    metadata_keys: tuple[str, ...] = QWEN_VL_METADATA_KEYS
     vision_class: type[QwenVLVision] = QwenVLVision
     language_class: type[QwenVLLanguage] = QwenVLLanguage
 

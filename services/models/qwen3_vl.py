@@ -17,10 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from services.models.base import MultiModalInput, PrefillInputs
 from services.models.loading import InvalidMultiModalInput
+from services.models.mrope import Segment, pad_runs
 from services.models.qwen2_vl import Qwen2VLAdapter, QwenVLLanguage, QwenVLVision, _grid
 
 if TYPE_CHECKING:
@@ -32,6 +34,8 @@ VISUAL_MASK = "visual_mask"
 
 class Qwen3VLVision(QwenVLVision):
     """The Qwen3-VL tower: embeddings plus per-layer deepstack features."""
+
+    token_dims = MappingProxyType({"embedding": 0, DEEPSTACK: 1})   # deepstack: [layers, tokens, hidden]
 
     def encode(self, items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         return [entry["embedding"] for entry in self.encode_entries(items)]
@@ -52,11 +56,28 @@ class Qwen3VLVision(QwenVLVision):
 
 
 class Qwen3VLLanguage(QwenVLLanguage):
-    """Qwen-VL positions and scatter, plus the deepstack features of the prompt's images."""
+    """Qwen-VL positions and scatter, plus the deepstack features of the prompt's images and videos.
+
+    A Qwen3-VL video's placeholder range is its HF processor's expansion: per frame group a timestamp
+    ("<0.2 seconds>"), <|vision_start|>, the group's pads, <|vision_end|>.  Its embedding rows go to the
+    pads in order, and each group is positioned as an image of its own (t = 1), the timestamp text
+    between them counting as text: what transformers' get_rope_index and vLLM do."""
+
+    sparse_modalities = ("video",)
 
     def __init__(self, hf_model: Any, path: str | Path, max_model_len: int | None) -> None:
         super().__init__(hf_model, path, max_model_len)
         self.num_deepstack = len(hf_model.config.vision_config.deepstack_visual_indexes)
+
+    def video_segments(self, token_ids: Sequence[int], item: MultiModalInput,
+                       grid: tuple[int, int, int]) -> list[Segment]:
+        t, h, w = grid
+        runs = pad_runs(token_ids, item.offset, item.length, int(self.video_token_id))   # type: ignore[arg-type]
+        per_group = h * w // self._base.config.vision_config.spatial_merge_size**2
+        if len(runs) != t or any(count != per_group for _, count in runs):
+            raise InvalidMultiModalInput(f"video item at {item.offset}: expected {t} frame groups of {per_group} "
+                                         f"placeholders, found runs {[count for _, count in runs]}")
+        return [Segment(start, count, (1, h, w)) for start, count in runs]
 
     def prefill_inputs(self, token_ids: list[int], mm_items: list[MultiModalInput],
                        early: PrefillInputs | None = None) -> PrefillInputs:
@@ -66,10 +87,11 @@ class Qwen3VLLanguage(QwenVLLanguage):
         items = sorted(mm_items, key=lambda item: item.offset)
         if items and self.num_deepstack:
             for item in items:
-                self._check_deepstack(item)
+                self._check_deepstack(item, token_ids)
             mask = torch.zeros(len(token_ids), dtype=torch.bool, device=self.device)
             for item in items:
-                mask[item.offset:item.offset + item.length] = True
+                for seg in self.segments(token_ids, item):
+                    mask[seg.offset:seg.offset + seg.tokens] = True
             # one [num_visual_tokens, hidden] map per deepstack layer, rows in prompt order (= mask order)
             layers = torch.cat([item.extras[DEEPSTACK] for item in items], dim=1).to(self.device)
             inputs.extras = {VISUAL_MASK: mask, DEEPSTACK: layers}
@@ -95,12 +117,12 @@ class Qwen3VLLanguage(QwenVLLanguage):
         layers = torch.cat(features, dim=1)
         return {"visual_pos_masks": torch.cat(masks)[None], "deepstack_visual_embeds": list(layers)}
 
-    def _check_deepstack(self, item: MultiModalInput) -> None:
+    def _check_deepstack(self, item: MultiModalInput, token_ids: Sequence[int]) -> None:
         stack = item.extras.get(DEEPSTACK)
-        expected = (self.num_deepstack, item.length, self.hidden_size)
+        expected = (self.num_deepstack, sum(seg.tokens for seg in self.segments(token_ids, item)), self.hidden_size)
         if stack is None or tuple(stack.shape) != expected:
             got = None if stack is None else tuple(stack.shape)
-            raise InvalidMultiModalInput(f"image item at {item.offset}: EC entry lacks deepstack features "
+            raise InvalidMultiModalInput(f"{item.modality} item at {item.offset}: EC entry lacks deepstack features "
                                          f"of shape {expected} (got {got})")
 
 

@@ -27,6 +27,7 @@ from services.models.demo import (
 )
 
 _BUILD_VERSION = "1"
+_VERSIONS = {"qwen3_vl": "2"}  # v2: a video processor config (write_qwen3_video_config)
 SEED = 1234
 VOCAB = 151936
 IMAGE_PAD, VIDEO_PAD, VISION_START, VISION_END, IM_END, ENDOFTEXT = 151655, 151656, 151652, 151653, 151645, 151643
@@ -63,7 +64,7 @@ def tiny_model_path(family: str, cache_dir: Path | None = None) -> Path:
         return demo_model_path("tiny", cache_dir)
     if family not in FAMILIES:
         raise ValueError(f"no tiny checkpoint for {family!r}; known: {', '.join(sorted(FAMILIES))}")
-    folder = (cache_dir or default_cache_dir()) / f"epd-tiny-{family}-v{_BUILD_VERSION}"
+    folder = (cache_dir or default_cache_dir()) / f"epd-tiny-{family}-v{_VERSIONS.get(family, _BUILD_VERSION)}"
     return cached_build(folder, FAMILIES[family])
 
 
@@ -131,6 +132,19 @@ def build_qwen3_vl(folder: Path) -> None:
     processor = _qwen_processor("Qwen3VLProcessor", patch_size=16, image_mean=[0.5] * 3, image_std=[0.5] * 3)
     _save(folder, Qwen3VLForConditionalGeneration, config, build_qwen2_tokenizer(), processor,
           QWEN2_VL_CHAT_TEMPLATE)
+    write_qwen3_video_config(folder)
+
+
+# The video processor settings Qwen3-VL checkpoints ship (video_preprocessor_config.json): their own class and
+# pixel budget over all frames (Qwen3VLVideoProcessor's smart_resize), 16-pixel patches, 0.5 mean and std.
+QWEN3_VL_VIDEO_PROCESSOR: dict[str, Any] = {
+    "size": {"longest_edge": 25165824, "shortest_edge": 4096}, "patch_size": 16, "temporal_patch_size": 2,
+    "merge_size": 2, "image_mean": [0.5] * 3, "image_std": [0.5] * 3, "processor_class": "Qwen3VLProcessor",
+    "video_processor_type": "Qwen3VLVideoProcessor"}
+
+
+def write_qwen3_video_config(folder: Path) -> None:
+    (folder / "video_preprocessor_config.json").write_text(json.dumps(QWEN3_VL_VIDEO_PROCESSOR, indent=2))
 
 
 def build_llava(folder: Path) -> None:

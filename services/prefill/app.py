@@ -74,6 +74,7 @@ def weights_of(config: EpdConfig, service: PrefillService, base: Path) -> RoleWe
 
 
 async def build(config: EpdConfig) -> RoleServer:
+    from services.connectors.ec import FrameGroupReader
     from services.connectors.wiring import open_store
     from services.models.registry import adapter_for, resolve_model
     from services.rpc.v1 import epd_pb2_grpc as rpc
@@ -85,7 +86,8 @@ async def build(config: EpdConfig) -> RoleServer:
     path = resolve_model(config.checkpoint.model)
     model = load_model(config, path)
     logger.info("prefill engine: %s", model.engine.screen_report.line())
-    ec_store = open_store(config, "ec", producer=False)
+    # a video's embeddings come as frame groups (a composite handle): read as one entry
+    ec_store = FrameGroupReader(open_store(config, "ec", producer=False))
     kv_store = open_store(config, "kv")
     mm_store = open_store(config, "mm", producer=False) if model.inline is not None else None  # inline items
     model_id = config.checkpoint.served_model_id()

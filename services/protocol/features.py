@@ -33,7 +33,8 @@ class PlaceholderRange(ProtocolModel):
     length: int = Field(gt=0, description="Number of placeholder tokens (= number of embeddings).")
     is_embed: list[bool] | None = Field(
         default=None, description="epd extension (vLLM #54548, open): per placeholder token, whether it takes "
-        "an embedding; left out of the JSON when null. epd's families embed every placeholder token.")
+        "an embedding; left out of the JSON when null.  All true but for a Qwen3-VL video, whose range also "
+        "holds each frame group's timestamp and markers.")
 
     @field_validator("is_embed")
     @classmethod
@@ -43,10 +44,8 @@ class PlaceholderRange(ProtocolModel):
             return value
         if length is not None and len(value) != length:
             raise ValueError(f"is_embed has {len(value)} entries for a placeholder of length {length}")
-        if not all(value):
-            raise ValueError(f"is_embed marks placeholder token {value.index(False)} as not an embedding: epd's "
-                             "model families take an embedding on every placeholder token (sparse masks are "
-                             "not supported)")
+        if not any(value):
+            raise ValueError("is_embed marks no placeholder token as an embedding")
         return value
 
     @model_serializer(mode="wrap")

@@ -51,20 +51,30 @@ class ImageURL(ProtocolModel):
                              description="The item's id, as on the part itself (the part's own uuid wins).")
 
 
-class ChatContentPart(ProtocolModel):
-    """One part of a message's content: text or an image."""
+class VideoURL(ProtocolModel):
+    """The video_url object of a content part (vLLM's shape)."""
 
-    type: Literal["text", "image_url"] = Field(description="Part kind.")
+    url: str = Field(min_length=1, description="http(s) URL or data: URL (video/mp4, video/webm, ...) of the video.")
+    uuid: str | None = Field(default=None, min_length=1, max_length=MAX_UUID_CHARS,
+                             description="The item's id, as on the part itself (the part's own uuid wins).")
+
+
+class ChatContentPart(ProtocolModel):
+    """One part of a message's content: text, an image or a video."""
+
+    type: Literal["text", "image_url", "video_url"] = Field(description="Part kind.")
     text: str | None = Field(default=None, description="The text, for type 'text'.")
     image_url: ImageURL | None = Field(
         default=None, description="The image, for type 'image_url' (a bare URL "
         "string is accepted too).")
+    video_url: VideoURL | None = Field(
+        default=None, description="The video, for type 'video_url' (a bare URL string is accepted too).")
     uuid: str | None = Field(
         default=None, min_length=1, max_length=MAX_UUID_CHARS,
         description="vLLM's item id: the same uuid is the same item, so its embedding is reused; scoped by model "
         "and cache_salt (another salt is another tenant), never a global key (docs/security.md).")
 
-    @field_validator("image_url", mode="before")
+    @field_validator("image_url", "video_url", mode="before")
     @classmethod
     def _bare_url(cls, value: Any) -> Any:
         return {"url": value} if isinstance(value, str) else value
@@ -75,6 +85,8 @@ class ChatContentPart(ProtocolModel):
             raise ValueError("a 'text' part needs text")
         if self.type == "image_url" and self.image_url is None:
             raise ValueError("an 'image_url' part needs image_url")
+        if self.type == "video_url" and self.video_url is None:
+            raise ValueError("a 'video_url' part needs video_url")
         return self
 
 
@@ -83,7 +95,7 @@ class ChatMessage(ProtocolModel):
 
     role: Role = Field(description="Author of the message.")
     content: str | list[ChatContentPart] | None = Field(
-        default=None, description="Text, or text and image parts.")
+        default=None, description="Text, or text, image and video parts.")
     name: str | None = Field(default=None, description="Optional author name.")
     tool_call_id: str | None = Field(default=None, description="For role 'tool': the call answered.")
     tool_calls: list[dict[str, Any]] | None = Field(

@@ -132,13 +132,22 @@ def from_torch(tensor: torch.Tensor) -> Tensor:
     return array
 
 
+def _has_float(value: Any) -> bool:
+    if isinstance(value, list | tuple):
+        return any(_has_float(v) for v in value)
+    return isinstance(value, float)
+
+
 def to_torch(tensor: Tensor | torch.Tensor | Any) -> torch.Tensor:
     """A wire tensor as a CPU torch tensor that owns writable memory; a torch tensor (a zero-copy view
-    from a connector store) passes through as it is."""
+    from a connector store) passes through as it is; a plain number or list of numbers (Qwen3-VL's video
+    timestamps) becomes a float64 or int64 tensor."""
     if not isinstance(tensor, np.ndarray | RawTensor) and hasattr(tensor, "data_ptr"):
         return tensor  # type: ignore[return-value]
     import torch
 
+    if isinstance(tensor, list | tuple | int | float):
+        return torch.tensor(tensor, dtype=torch.float64 if _has_float(tensor) else torch.int64)
     if isinstance(tensor, RawTensor) and tensor.dtype == "bfloat16":
         bits = np.frombuffer(bytearray(tensor.data), dtype="<i2").reshape(tensor.shape)
         return torch.from_numpy(bits).view(torch.bfloat16)

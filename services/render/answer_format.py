@@ -3,7 +3,8 @@
 - `"mm_metadata_format": "json"`: each `features.mm_metadata` entry as plain JSON number arrays
   (`{"image_grid_thw": [1, 4, 4]}`, vLLM #56090's idea; services.protocol.metadata_json) instead of
   base64 msgpack, so a router without msgpack or torch can read the grid; default "base64" (vLLM's).
-- `"return_is_embed": true`: each placeholder with `is_embed`, one flag per placeholder token
+- `"return_is_embed": true`: each placeholder with `is_embed`, one flag per placeholder token (false on a
+  Qwen3-VL video's timestamp text and markers)
   (vLLM #54548, still open).  Every placeholder token epd's families write takes an embedding, so
   the mask is all true; generate accepts it (and refuses sparse masks, which no epd family makes).
 
@@ -16,6 +17,7 @@ and the request's ec_transfer_params, the view a prefill takes (their prefill ca
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any, Literal
 
 from pydantic import Field
@@ -63,8 +65,9 @@ class RenderChatRequest(ChatCompletionRequest):
         return self.mm_metadata_format == "base64" and not self.return_is_embed
 
 
-def formatted(generate: GenerateRequest, request: RenderChatRequest) -> dict[str, Any]:
-    """The render answer as JSON, with mm_metadata and placeholders in the forms `request` asked for."""
+def formatted(generate: GenerateRequest, request: RenderChatRequest, pads: Collection[int] = ()) -> dict[str, Any]:
+    """The render answer as JSON, with mm_metadata and placeholders in the forms `request` asked for; `pads`: the
+    placeholder tokens that take an embedding (a Qwen3-VL video's range also holds its timestamps)."""
     body = generate.model_dump(mode="json")
     features = body.get("features")
     if not features:
@@ -73,7 +76,9 @@ def formatted(generate: GenerateRequest, request: RenderChatRequest) -> dict[str
         features["mm_metadata"] = {modality: [None if e is None else b64_to_json(e) for e in entries]
                                    for modality, entries in features["mm_metadata"].items()}
     if request.return_is_embed:
+        ids, wanted = body["token_ids"], set(pads)
         for ranges in features["mm_placeholders"].values():
             for place in ranges:
-                place["is_embed"] = [True] * place["length"]
+                span = ids[place["offset"]:place["offset"] + place["length"]]
+                place["is_embed"] = [token in wanted for token in span] if wanted else [True] * place["length"]
     return body

@@ -53,7 +53,9 @@ class RenderApi:
                                                              **chat.answer_kwargs(bool(prompt.items))))
         if chat.plain_answer:
             return model_response(generate)
-        return JSONResponse(await asyncio.to_thread(formatted, generate, chat))
+        vision = self.service.vision
+        pads = () if vision is None else tuple(t for t in (vision.pad_id, vision.video_pad_id) if t is not None)
+        return JSONResponse(await asyncio.to_thread(formatted, generate, chat, pads))
 
     @endpoint
     async def render_completion(self, request: Request) -> Response:

@@ -26,9 +26,13 @@ def media_policy(config: EpdConfig) -> MediaPolicy:
 
 
 def limits(config: EpdConfig) -> RenderLimits:
-    return RenderLimits(max_images_per_request=config.limits.max_images_per_request,
-                        max_image_pixels=config.limits.max_image_pixels, max_image_bytes=config.limits.max_image_bytes,
-                        max_model_len=config.checkpoint.max_model_len)
+    lim = config.limits
+    return RenderLimits(max_images_per_request=lim.max_images_per_request, max_image_pixels=lim.max_image_pixels,
+                        max_image_bytes=lim.max_image_bytes, max_model_len=config.checkpoint.max_model_len,
+                        max_videos_per_request=lim.max_videos_per_request, max_video_bytes=lim.max_video_bytes,
+                        max_video_frames=lim.max_video_frames, max_video_duration_s=lim.max_video_duration_s,
+                        max_video_frame_pixels=lim.max_video_frame_pixels,
+                        video_decode_timeout_s=lim.video_decode_timeout_s)
 
 
 def render_workers(config: EpdConfig) -> int:
@@ -41,7 +45,8 @@ async def build(config: EpdConfig) -> RoleServer:
 
     path = resolve_model(config.checkpoint.model)
     service = RenderService(path, config.checkpoint.served_model_id(), media_policy(config), limits(config),
-                            num_workers=render_workers(config), cache_mb=config.engines.render_cache_mb)
+                            num_workers=render_workers(config), cache_mb=config.engines.render_cache_mb,
+                            dtype=config.checkpoint.dtype)
     if service.workers is not None:
         await asyncio.to_thread(service.workers.warm_up)  # each worker loads the image processor now
     mm_store = open_store(config, "mm")  # processed images, read by encode by handle

@@ -1,19 +1,19 @@
-"""OpenAI chat messages -> chat-template messages plus the images they reference.
+"""OpenAI chat messages -> chat-template messages plus the images and videos they reference.
 
 Accepted (anything else is an `InvalidRequest` naming the message index):
 
 - roles ``system``, ``user`` and ``assistant`` (the Qwen2-VL template knows no
   tool or developer turns);
 - content as a string, null (empty; assistant turns only carry text), or a list
-  of parts ``{"type": "text", "text"}`` and ``{"type": "image_url",
-  "image_url": {"url"} | "<url>", "uuid"?}``;
-- images only in ``user`` messages, as in the OpenAI API.  A part-level
-  ``uuid`` (also accepted inside ``image_url``) becomes the item's mm_hash,
-  when the request model keeps it (protocol's ChatContentPart does not yet).
+  of parts ``{"type": "text", "text"}``, ``{"type": "image_url",
+  "image_url": {"url"} | "<url>", "uuid"?}`` and (vLLM's shape) ``{"type": "video_url",
+  "video_url": {"url"} | "<url>", "uuid"?}``;
+- images and videos only in ``user`` messages, as in the OpenAI API.  A part-level
+  ``uuid`` (also accepted inside ``image_url`` / ``video_url``) names the item (uuid_scope.py).
 
-Images are listed in prompt order, which is the order the template emits one
-``<|vision_start|><|image_pad|><|vision_end|>`` per image.  Messages may be
-dicts or pydantic models (they are dumped first).
+Media are listed in prompt order, which is the order the template emits one
+``<|vision_start|><|image_pad|><|vision_end|>`` per image (``<|video_pad|>`` per video).
+Messages may be dicts or pydantic models (they are dumped first).
 """
 
 from __future__ import annotations
@@ -26,20 +26,25 @@ from services.protocol.errors import InvalidRequest
 
 ROLES = ("system", "user", "assistant")
 IMAGE_ROLES = ("user",)
+PART_MODALITY = {"image_url": "image", "video_url": "video"}
 
 
 @dataclass(frozen=True)
-class ImageRef:
-    """One image a prompt refers to, before fetching."""
+class MediaRef:
+    """One image or video a prompt refers to, before fetching."""
 
     url: str
     uuid: str | None = None
+    modality: str = "image"
 
 
 @dataclass
 class NormalizedChat:
     messages: list[dict[str, Any]] = field(default_factory=list)   # ready for apply_chat_template
-    images: list[ImageRef] = field(default_factory=list)
+    media: list[MediaRef] = field(default_factory=list)            # images and videos, in prompt order
+
+    def count(self, modality: str) -> int:
+        return sum(1 for ref in self.media if ref.modality == modality)
 
 
 def normalize_messages(messages: Sequence[Any]) -> NormalizedChat:
@@ -47,11 +52,11 @@ def normalize_messages(messages: Sequence[Any]) -> NormalizedChat:
         raise InvalidRequest("messages must contain at least one message", code="invalid_messages")
     chat = NormalizedChat()
     for index, message in enumerate(messages):
-        chat.messages.append(_normalize_message(index, _as_dict(message), chat.images))
+        chat.messages.append(_normalize_message(index, _as_dict(message), chat.media))
     return chat
 
 
-def _normalize_message(index: int, message: dict[str, Any], images: list[ImageRef]) -> dict[str, Any]:
+def _normalize_message(index: int, message: dict[str, Any], media: list[MediaRef]) -> dict[str, Any]:
     role = message.get("role")
     if role not in ROLES:
         raise InvalidRequest(f"messages[{index}]: unsupported role {role!r}; supported: {', '.join(ROLES)}",
@@ -62,11 +67,11 @@ def _normalize_message(index: int, message: dict[str, Any], images: list[ImageRe
     if not isinstance(content, list):
         raise InvalidRequest(f"messages[{index}]: content must be a string or a list of parts",
                              code="invalid_messages")
-    parts = [_normalize_part(index, role, _as_dict(part), images) for part in content]
+    parts = [_normalize_part(index, role, _as_dict(part), media) for part in content]
     return {"role": role, "content": parts}
 
 
-def _normalize_part(index: int, role: str, part: dict[str, Any], images: list[ImageRef]) -> dict[str, Any]:
+def _normalize_part(index: int, role: str, part: dict[str, Any], media: list[MediaRef]) -> dict[str, Any]:
     kind = part.get("type")
     if kind == "text":
         text = part.get("text")
@@ -74,28 +79,29 @@ def _normalize_part(index: int, role: str, part: dict[str, Any], images: list[Im
             raise InvalidRequest(f"messages[{index}]: text part without a string 'text'",
                                  code="invalid_messages")
         return {"type": "text", "text": text}
-    if kind == "image_url":
+    if kind in PART_MODALITY:
+        modality = PART_MODALITY[kind]
         if role not in IMAGE_ROLES:
-            raise InvalidRequest(f"messages[{index}]: images are only allowed in user messages, not {role}",
+            raise InvalidRequest(f"messages[{index}]: {modality}s are only allowed in user messages, not {role}",
                                  code="invalid_messages")
-        images.append(_image_ref(index, part))
-        return {"type": "image"}
+        media.append(_media_ref(index, part, kind))
+        return {"type": modality}
     raise InvalidRequest(f"messages[{index}]: unsupported content part type {kind!r}; "
-                         "supported: text, image_url", code="invalid_messages")
+                         "supported: text, image_url, video_url", code="invalid_messages")
 
 
-def _image_ref(index: int, part: dict[str, Any]) -> ImageRef:
-    image_url = part.get("image_url")
-    if isinstance(image_url, str):
-        image_url = {"url": image_url}
-    inner = image_url if isinstance(image_url, dict) else {}
+def _media_ref(index: int, part: dict[str, Any], kind: str) -> MediaRef:
+    payload = part.get(kind)
+    if isinstance(payload, str):
+        payload = {"url": payload}
+    inner = payload if isinstance(payload, dict) else {}
     url, inner_uuid = inner.get("url"), inner.get("uuid")
     if not isinstance(url, str) or not url:
-        raise InvalidRequest(f"messages[{index}]: image_url part without a url", code="invalid_messages")
+        raise InvalidRequest(f"messages[{index}]: {kind} part without a url", code="invalid_messages")
     uuid: Any = part.get("uuid") or inner_uuid
     if uuid is not None and not isinstance(uuid, str):
         raise InvalidRequest(f"messages[{index}]: uuid must be a string", code="invalid_messages")
-    return ImageRef(url=url, uuid=uuid or None)
+    return MediaRef(url=url, uuid=uuid or None, modality=PART_MODALITY[kind])
 
 
 def _as_dict(value: Any) -> dict[str, Any]:

@@ -1,11 +1,14 @@
 """Processor arrays -> PROTOCOL.md items, and items -> the wire `MultiModalFeatures`.
 
-One `RenderedItem` per image: its mm_hash, its placeholder (the pad run),
+One `RenderedItem` per image or video: its mm_hash, its placeholder (the pad run),
 `kwargs_item` (full processor output, what encode needs) and `metadata_item`
 (only the light keys prefill still needs).  Field settings follow vLLM's
 Qwen2-VL field config: pixel_values is "flat" (`flat_from_sizes` over the patch
-counts), image_grid_thw is "batched" and kept on CPU.  Keys keep the processor's
-order (Qwen-VL: image_grid_thw, then pixel_values, as vLLM writes them).
+counts), image_grid_thw is "batched" and kept on CPU (videos alike: pixel_values_videos flat,
+video_grid_thw, second_per_grid_ts and timestamps batched on the CPU).  Keys keep the processor's
+order (Qwen-VL: image_grid_thw, then pixel_values, as vLLM writes them).  As in vLLM, Qwen2.5-VL's
+second_per_grid_ts is a scalar tensor in the model dtype and Qwen3-VL's timestamps a plain list of
+floats.
 
 On the wire each item's flat field carries, as vLLM's does, the slices of *all*
 the request's items of its modality (`[[[0, 308, None]], [[308, 408, None]]]` in
@@ -21,17 +24,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from services.models.qwen2_vl import QWEN_VL_METADATA_KEYS  # noqa: F401  (the keys prefill needs; re-exported)
 from services.protocol.features import MultiModalFeatures, PlaceholderRange
-from services.protocol.items import FieldElem, FieldSpec, Item, flat_slices, metadata_only
+from services.protocol.items import FieldElem, FieldSpec, Item, Nested, flat_slices, metadata_only
 from services.protocol.serialization import item_to_b64
+from services.protocol.tensors import RawTensor
 
-IMAGE = "image"
-# Keys prefill needs for M-RoPE positions (the Qwen-VL adapter's metadata_keys).
-QWEN_VL_METADATA_KEYS: tuple[str, ...] = ("image_grid_thw",)
+IMAGE, VIDEO = "image", "video"
 # Keys whose rows are patches: flattened across the items of a batch (vLLM flat_from_sizes).
 _FLAT_KEYS = frozenset({"pixel_values", "pixel_values_videos"})
 # Small per-item keys the model reads on the host (vLLM keep_on_cpu=True).
-_CPU_KEYS = frozenset({"image_grid_thw", "video_grid_thw", "second_per_grid_ts", "image_sizes"})
+_CPU_KEYS = frozenset({"image_grid_thw", "video_grid_thw", "second_per_grid_ts", "timestamps", "image_sizes"})
+_LIST_KEYS = frozenset({"timestamps"})            # plain lists of floats on the wire, as vLLM sends them
+_MODEL_DTYPE_KEYS = frozenset({"second_per_grid_ts"})  # floats vLLM casts to the model dtype
 
 
 @dataclass(frozen=True)
@@ -51,15 +56,37 @@ def field_for(key: str, array: np.ndarray) -> FieldSpec:
     return FieldSpec.batched(keep_on_cpu=key in _CPU_KEYS)
 
 
-def build_item(arrays: Mapping[str, np.ndarray]) -> Item:
-    """Per-item processor arrays (processor key order) as a protocol item."""
-    return {key: FieldElem(np.ascontiguousarray(array), field_for(key, array))
-            for key, array in arrays.items()}
+def _wire(key: str, array: np.ndarray, dtype: str) -> Nested:
+    if key in _LIST_KEYS:
+        return [float(v) for v in array.reshape(-1)]
+    if key in _MODEL_DTYPE_KEYS and dtype == "bfloat16":
+        return to_bfloat16(array)
+    return _contiguous(array, np.dtype(dtype) if key in _MODEL_DTYPE_KEYS else array.dtype)
+
+
+def _contiguous(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """C-contiguous in `dtype`, keeping a scalar's shape () (np.ascontiguousarray makes it (1,))."""
+    if array.flags.c_contiguous and array.dtype == dtype:
+        return array
+    return np.array(array, dtype=dtype, order="C")
+
+
+def to_bfloat16(array: np.ndarray) -> RawTensor:
+    """float32 -> bfloat16 rounded to nearest even, as torch's `.to(torch.bfloat16)`."""
+    bits = np.ascontiguousarray(array, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2")
+    return RawTensor("bfloat16", tuple(array.shape), rounded.tobytes())
+
+
+def build_item(arrays: Mapping[str, np.ndarray], dtype: str = "float32") -> Item:
+    """Per-item processor arrays (processor key order) as a protocol item; `dtype`: the model's."""
+    return {key: FieldElem(_wire(key, array, dtype), field_for(key, array)) for key, array in arrays.items()}
 
 
 def rendered_item(modality: str, mm_hash: str, offset: int, length: int,
-                  arrays: Mapping[str, np.ndarray], metadata_keys: Sequence[str]) -> RenderedItem:
-    kwargs_item = build_item(arrays)
+                  arrays: Mapping[str, np.ndarray], metadata_keys: Sequence[str],
+                  dtype: str = "float32") -> RenderedItem:
+    kwargs_item = build_item(arrays, dtype)
     metadata_item = metadata_only(kwargs_item, metadata_keys)
     return RenderedItem(modality, mm_hash, offset, length, kwargs_item, metadata_item)
 

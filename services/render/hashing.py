@@ -14,6 +14,10 @@ the reverse) and llm-d's encoder-cache affinity scorer agree on keys:
         | leaf 0x03 + frame(bytes)   (str: UTF-8; int/float/bool: numpy's bytes of the scalar)
     and the image itself is the leaf-tagged item ("image", original encoded bytes).
 
+A video is hashed as vLLM hashes what its loader returns, the pair (the video, the loader's metadata
+dict): the original bytes as ("video", bytes), or, when the sampled frames take fewer bytes than the
+file, the frames themselves as ("video", ("ndarray", {dtype, shape, data})) (`video_hash`).
+
 `model_id` is the model as vLLM is given it (the checkpoint path or hub name), not the served
 name.  An item with a client uuid is named by uuid_scope (model, cache_salt, uuid) instead (see `item_hash`).
 """
@@ -92,6 +96,40 @@ def mm_hash(modality: str, media: bytes, model_id: str,
     for key in sorted(keywords):
         for chunk in _keyword(key, keywords[key]):
             digest.update(chunk)
+    return digest.hexdigest()
+
+
+class _Frames:
+    """Decoded frames, hashed as vLLM hashes an ndarray: ("ndarray", {dtype, shape, data})."""
+
+    def __init__(self, frames: np.ndarray) -> None:
+        self.fields = {"dtype": frames.dtype.str, "shape": tuple(int(d) for d in frames.shape),
+                       "data": np.ascontiguousarray(frames).view(np.uint8).data}
+
+
+def _video_value(data: bytes, frames: np.ndarray) -> Iterator[bytes]:
+    yield _TAG_LEAF
+    yield from _framed(b"video")
+    if frames.nbytes < len(data):
+        yield _TAG_LEAF
+        yield from _keyword("ndarray", _Frames(frames).fields)
+    else:
+        yield _TAG_LEAF
+        yield from _framed(bytes(data))
+
+
+def video_hash(data: bytes, frames: np.ndarray, metadata: Mapping[str, Any], model_id: str) -> str:
+    """vLLM's mm_hash of a video: keywords model_id and video=(the video, the loader's metadata)."""
+    digest = blake3()
+    for chunk in _keyword("model_id", model_id):
+        digest.update(chunk)
+    for chunk in _framed(b"video"):
+        digest.update(chunk)
+    digest.update(_TAG_SEQUENCE + _length(2))
+    for chunk in _video_value(data, frames):
+        digest.update(chunk)
+    for chunk in _value(dict(metadata)):
+        digest.update(chunk)
     return digest.hexdigest()
 
 

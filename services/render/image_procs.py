@@ -9,10 +9,10 @@ through its feeder and manager threads, in 64 KB pipe writes.  For a 448x448 ima
 Here each worker is one spawned process with one control socket and, per slot (two), an input and an
 output buffer (memfd, passed over the socket; nothing named, so nothing leaks if a process dies):
 
-- a slot's input buffer belongs to the main process: it writes the image's bytes there and sends
-  ("job", slot, nbytes);
+- a slot's input buffer belongs to the main process: it writes the image's (or video's) bytes there and
+  sends ("job", slot, nbytes, kind), kind "image" or "video";
 - a slot's output buffer belongs to the worker: it writes each array there (64-byte aligned) and
-  answers ("ok", slot, [(key, dtype, shape, offset)], num_tokens), or ("invalid", slot, (message,
+  answers ("ok", slot, [(key, dtype, shape, offset)], num_tokens, info), or ("invalid", slot, (message,
   code)) for an image it refuses, or ("error", slot, message) for a failure of its own;
 - a buffer that is too small is replaced by a larger one (doubling), announced with ("in" | "out",
   slot, size) and the new descriptor; the other side maps it and drops the old one.
@@ -106,7 +106,7 @@ def _attach(buffers: list[_Buffer | None], slot: int, fd: int, size: int) -> Non
 
 
 def worker_main(conn: Connection, init: Any, init_args: tuple, run: Any) -> None:
-    """The worker's loop: `init(*init_args)` once, then `run(bytes) -> (status, value)` per job."""
+    """The worker's loop: `init(*init_args)` once, then `run(bytes, kind) -> (status, value)` per job."""
     init(*init_args)
     _send(conn, ("ready",))
     inbox: list[_Buffer | None] = [None] * SLOTS
@@ -121,7 +121,7 @@ def worker_main(conn: Connection, init: Any, init_args: tuple, run: Any) -> None
             _attach(inbox, slot, recv_handle(conn), message[2])
             continue
         try:
-            status, value = run(bytes(inbox[slot].map[:message[2]]))   # type: ignore[union-attr]
+            status, value = run(bytes(inbox[slot].map[:message[2]]), message[3])   # type: ignore[union-attr]
         except Exception as exc:  # noqa: BLE001 - reported to the caller, the worker carries on
             _send(conn, ("error", slot, f"{type(exc).__name__}: {exc}"))
             continue
@@ -144,7 +144,7 @@ def worker_main(conn: Connection, init: Any, init_args: tuple, run: Any) -> None
         assert target is not None
         for (_key, _dtype, _shape, at), array in zip(specs, arrays.values(), strict=True):
             np.frombuffer(target.map, np.uint8, array.nbytes, at)[:] = array.reshape(-1).view(np.uint8)
-        _send(conn, ("ok", slot, specs, value.num_tokens))
+        _send(conn, ("ok", slot, specs, value.num_tokens, value.info))
 
 
 # ---- in the main process --------------------------------------------------------------------
@@ -177,7 +177,7 @@ class _Worker:
             if not self.conn.poll(0):
                 return None
 
-    def send_job(self, slot: int, data: bytes) -> None:
+    def send_job(self, slot: int, data: bytes, kind: str) -> None:
         grown = _grown(self.inbox[slot], len(data))
         if grown is not None:
             _send(self.conn, ("in", slot, grown.size))
@@ -188,7 +188,7 @@ class _Worker:
         buffer = self.inbox[slot]
         assert buffer is not None
         buffer.map[:len(data)] = data
-        _send(self.conn, ("job", slot, len(data)))
+        _send(self.conn, ("job", slot, len(data), kind))
 
     def arrays(self, slot: int, specs: list) -> dict[str, np.ndarray]:
         """The reply's arrays, copied out of the slot's buffer (the slot's next job writes over it)."""
@@ -222,7 +222,10 @@ def _settle(done: asyncio.Future, outcome: Any) -> None:
 
 
 class WorkerProcesses:
-    """`num_workers` worker processes; `await run(data)` -> ProcessedImage, at most SLOTS jobs per worker."""
+    """`num_workers` worker processes; `await run(data, kind)` -> ProcessedImage, at most SLOTS jobs per worker.
+
+    `timeout_s` bounds one job: a worker that has not answered by then (a video whose decode hangs inside
+    FFmpeg, past its own cooperative deadline) is killed and replaced, and its job fails with a 400."""
 
     def __init__(self, num_workers: int, init: Any, init_args: tuple, run: Any) -> None:
         self._ctx = multiprocessing.get_context("spawn")
@@ -253,12 +256,12 @@ class WorkerProcesses:
                     raise Unavailable(f"a render worker exited at start (exit code {worker.process.exitcode})",
                                       code="render_worker_died") from None
 
-    async def run(self, data: bytes) -> ProcessedImage:
+    async def run(self, data: bytes, kind: str = "image", timeout_s: float | None = None) -> ProcessedImage:
         worker, slot = await self._acquire()
         loop = asyncio.get_running_loop()
         done: asyncio.Future[ProcessedImage] = loop.create_future()
         try:
-            worker.send_job(slot, data)
+            worker.send_job(slot, data, kind)
         except (OSError, ValueError):
             worker.free.append(slot)
             self._replace(worker)
@@ -271,7 +274,21 @@ class WorkerProcesses:
             # a moment, and `read` waits for it, so the socket stays blocking (only readiness is watched)
             os.set_blocking(worker.conn.fileno(), True)
         # Not cancelled with its caller: the reply is read (and the slot freed) by _on_reply regardless.
-        return await asyncio.shield(done)
+        if timeout_s is None:
+            return await asyncio.shield(done)
+        if not worker.ready:   # a fresh worker loads its processors first: that is not the job's time
+            timeout_s += START_TIMEOUT_S
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await asyncio.shield(done)
+        except TimeoutError:
+            if not done.done() and done in worker.pending:
+                log.error("a render worker ran a %s job past %.1f s; replacing it", kind, timeout_s)
+                _settle(done, InvalidRequest(f"processing the {kind} did not finish within its deadline "
+                                             f"({timeout_s:g} s): the render worker was replaced",
+                                             code=f"{kind}_decode_timeout"))
+                self._replace(worker)   # its other job, if any, fails as a dead worker's (503, retried)
+            return await asyncio.shield(done)
 
     def _on_reply(self, worker: _Worker) -> None:
         try:
@@ -290,9 +307,9 @@ class WorkerProcesses:
         kind, slot = message[0], message[1]
         if kind == "ok" and _nbytes(message[2]) > OFF_LOOP_BYTES:   # a large image: copied in a thread
             copy = loop.run_in_executor(None, worker.arrays, slot, message[2])
-            copy.add_done_callback(lambda _: self._finish(worker, slot, done, copy.result, message[3]))
+            copy.add_done_callback(lambda _: self._finish(worker, slot, done, copy.result, message[3], message[4]))
         elif kind == "ok":
-            self._finish(worker, slot, done, lambda: worker.arrays(slot, message[2]), message[3])
+            self._finish(worker, slot, done, lambda: worker.arrays(slot, message[2]), message[3], message[4])
         else:
             self._release(worker, slot)
             _settle(done, InvalidRequest(message[2][0], code=message[2][1]) if kind == "invalid" else
@@ -305,10 +322,10 @@ class WorkerProcesses:
             worker.loop = None
 
     def _finish(self, worker: _Worker, slot: int, done: asyncio.Future[ProcessedImage], arrays: Any,
-                num_tokens: int) -> None:
+                num_tokens: int, info: dict) -> None:
         """The copied arrays to the caller (if still there); the slot takes a new job again."""
         try:
-            _settle(done, ProcessedImage(arrays(), num_tokens))
+            _settle(done, ProcessedImage(arrays(), num_tokens, info))
         except Exception as exc:  # noqa: BLE001 - the caller hears of it
             _settle(done, InternalError(f"copying a render worker's arrays failed: {exc}", code="render_worker_error"))
         finally:

@@ -13,6 +13,8 @@ from services.protocol.errors import InvalidRequest
 
 DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096       # decompression-bomb guard; the processor resizes anyway
 DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024
+_POSITIVE = ("max_images_per_request", "max_image_pixels", "max_image_bytes", "max_video_bytes", "max_video_frames",
+             "max_video_frame_pixels")
 
 
 @dataclass(frozen=True)
@@ -21,12 +23,24 @@ class RenderLimits:
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
     max_model_len: int | None = None
+    max_videos_per_request: int = 2
+    max_video_bytes: int = 32 * 1024 * 1024
+    max_video_frames: int = 64
+    max_video_duration_s: float = 300.0
+    max_video_frame_pixels: int = 1920 * 1088
+    video_decode_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
-        for name in ("max_images_per_request", "max_image_pixels", "max_image_bytes"):
+        for name in _POSITIVE:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"RenderLimits.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.max_videos_per_request, int) or self.max_videos_per_request < 0:
+            raise ValueError(f"RenderLimits.max_videos_per_request must be an int >= 0, "
+                             f"got {self.max_videos_per_request!r}")
+        for name in ("max_video_duration_s", "video_decode_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"RenderLimits.{name} must be > 0, got {getattr(self, name)!r}")
         max_len = self.max_model_len
         if max_len is not None and (not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 2):
             raise ValueError(f"RenderLimits.max_model_len must be an int >= 2 or None, got {max_len!r}")
@@ -36,6 +50,13 @@ class RenderLimits:
             raise InvalidRequest(
                 f"too many images: {num_images} > max_images_per_request={self.max_images_per_request}",
                 code="too_many_images",
+            )
+
+    def check_video_count(self, num_videos: int) -> None:
+        if num_videos > self.max_videos_per_request:
+            raise InvalidRequest(
+                f"too many videos: {num_videos} > max_videos_per_request={self.max_videos_per_request}",
+                code="too_many_videos",
             )
 
     def check_image(self, width: int, height: int, num_bytes: int) -> None:

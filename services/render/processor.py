@@ -17,8 +17,9 @@ blocking; `RenderService` runs them in its bounded thread pool.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -33,6 +34,7 @@ from services.render.qwen_pixels import QwenPixelSettings, qwen_pixels, resample
 class ProcessedImage:
     arrays: dict[str, np.ndarray]   # processor key order, e.g. pixel_values, image_grid_thw[0]
     num_tokens: int                 # placeholder tokens (= image embeddings) the image occupies
+    info: dict[str, Any] = field(default_factory=dict)  # a video's mm_hash and timestamps (video_processor.py)
 
 
 class ImageProcessor:

@@ -6,9 +6,9 @@ image processor, never model weights, and never imports torch.
 
 Chat flow: model check -> normalise messages (chat.py) -> chat template
 (text, one placeholder per image: ``<|vision_start|><|image_pad|><|vision_end|>``
-for Qwen-VL, ``<image>`` for LLaVA) and, concurrently, image fetch + decode ->
-per-image processing and mm_hash in the thread pool -> tokenize -> size each
-pad run to the image's token count -> context-length check.  The result token
+for Qwen-VL, ``<image>`` for LLaVA; ``<|video_pad|>`` per video) and, concurrently, media
+fetch -> per-item decoding, processing and mm_hash on the workers -> tokenize -> expand
+each placeholder for its item -> context-length check.  The result token
 ids equal the family's HF processor's.  What a family's placeholders and
 metadata are comes from its adapter's `RenderSpec` (services.models); a
 text-only model has no image processor and answers 400 to any image.
@@ -37,7 +37,7 @@ from services.protocol.features import ContentPart
 from services.protocol.openai import ChatCompletionRequest, CompletionRequest
 from services.protocol.parsing import validate_model
 from services.protocol.sampling import SamplingParams
-from services.render.chat import ImageRef, NormalizedChat, normalize_messages
+from services.render.chat import PART_MODALITY, MediaRef, NormalizedChat, normalize_messages
 from services.render.features import RenderedItem
 from services.render.limits import RenderLimits, check_context_length
 from services.render.media import MediaPolicy
@@ -45,8 +45,11 @@ from services.render.multimodal import ImagePipeline, run_in
 from services.render.placeholders import VisionTokens, fit_runs
 from services.render.processor import ImageProcessor
 from services.render.prompt import RenderedPrompt
+from services.render.qwen_video import QwenVideoSettings
 from services.render.template import ChatTemplate
 from services.render.text_bound import check_text_fits, longest_token_bytes, message_texts, needs_count
+from services.render.video_decode import VideoBounds
+from services.render.video_processor import VideoProcessor
 from services.render.workers import ImageWorkers
 
 __all__ = ["RenderLimits", "RenderService", "RenderedItem", "RenderedPrompt"]
@@ -58,7 +61,7 @@ class RenderService:
     def __init__(self, model_path: str | Path, model_id: str, media_policy: MediaPolicy | None = None,
                  limits: RenderLimits | None = None, *, aliases: Sequence[str] = (),
                  metadata_keys: Sequence[str] | None = None, num_workers: int = 0,
-                 spec: RenderSpec | None = None, cache_mb: int = 256) -> None:
+                 spec: RenderSpec | None = None, cache_mb: int = 256, dtype: str = "float32") -> None:
         self.model_path = Path(model_path)
         self.model_id = model_id
         self.served_model_names = (model_id, *aliases)
@@ -76,9 +79,12 @@ class RenderService:
         self.images: ImagePipeline | None = None
         if self.vision is not None:
             policy = media_policy or MediaPolicy()
-            self.workers = ImageWorkers(model_path, self.spec, policy, num_workers, cache_mb << 20)
+            video = _video_processor(model_path, self.spec, self.limits, self.max_model_len) \
+                if self.vision.video_pad_id else None
+            self.workers = ImageWorkers(model_path, self.spec, policy, num_workers, cache_mb << 20, video)
             self.images = ImagePipeline(ImageProcessor(model_path, self.spec), policy, self.limits, model_id,
-                                        self.workers, hash_model_id=str(model_path))
+                                        self.workers, hash_model_id=str(model_path), tokenize=self._encode_texts,
+                                        dtype=dtype)
 
     # ---- public API -------------------------------------------------------------------------------
 
@@ -116,10 +122,10 @@ class RenderService:
     ) -> RenderedPrompt:
         """Token ids that already hold one placeholder run per part (length 1 or exact) + raw media."""
         self.check_model(model)
-        refs = [_image_ref(index, part) for index, part in enumerate(content_parts)]
+        refs = [_media_ref(index, part) for index, part in enumerate(content_parts)]
         self._check_ids(token_ids)
         if self.images is None or self.vision is None:
-            self._refuse_images(len(refs))
+            self._refuse_media(refs)
             ids, items = list(token_ids), []  # type: tuple[list[int], list[RenderedItem]]
         else:
             ready = await self.images.process(await self.images.load(refs), cache_salt)
@@ -165,9 +171,10 @@ class RenderService:
 
     async def _render_messages(self, chat: NormalizedChat, req: ChatCompletionRequest,
                                add_special_tokens: bool = False) -> tuple[str, list[int], list[RenderedItem]]:
-        self.limits.check_image_count(len(chat.images))  # before any work is started
+        self.limits.check_image_count(chat.count("image"))  # before any work is started
+        self.limits.check_video_count(chat.count("video"))
         if self.images is None or self.vision is None:
-            self._refuse_images(len(chat.images))
+            self._refuse_media(chat.media)
             text, ids = await run_in(self._tok_pool, self.template.render_and_encode, chat.messages, req,
                                      add_special_tokens)
             return text, ids, []
@@ -175,7 +182,7 @@ class RenderService:
         text_task = asyncio.ensure_future(run_in(self._tok_pool, self.template.render_and_encode,
                                                  chat.messages, req, add_special_tokens))
         try:
-            loaded = await self.images.load(chat.images)
+            loaded = await self.images.load(chat.media)
         except BaseException:
             text_task.cancel()
             raise
@@ -191,7 +198,7 @@ class RenderService:
         self._check_ids(ids)
         if self.vision is None:
             return ids
-        token_ids, _ = fit_runs(ids, self.vision, [])  # images need a chat or content_parts
+        token_ids, _ = fit_runs(ids, self.vision, [])  # media need a chat or content_parts
         return token_ids
 
     async def _check_text(self, texts: list[str]) -> None:
@@ -205,9 +212,16 @@ class RenderService:
     async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return await run_in(self._tok_pool, self.template.encode, text, add_special_tokens)
 
-    def _refuse_images(self, count: int) -> None:
-        if count:
-            raise InvalidRequest(f"model {self.model_id} does not accept images", code="images_not_supported")
+    async def _encode_texts(self, texts: list[str]) -> list[list[int]]:
+        """Text fragments spliced between special tokens (Qwen3-VL's frame timestamps), on the tokenizer thread."""
+        return await run_in(self._tok_pool, lambda: [self.template.encode(t, False) for t in texts])
+
+    def _refuse_media(self, refs: Sequence[MediaRef]) -> None:
+        modalities = sorted({ref.modality for ref in refs})
+        if modalities:
+            kinds = " or ".join(f"{m}s" for m in modalities)
+            raise InvalidRequest(f"model {self.model_id} does not accept {kinds}",
+                                 code="images_not_supported" if "image" in modalities else "videos_not_supported")
 
     def _check_ids(self, token_ids: Sequence[int]) -> None:
         if not token_ids:
@@ -233,12 +247,22 @@ class RenderService:
                                            "skip_clone": True, "skip_reading_prefix_cache": False})
 
 
-def _image_ref(index: int, part: ContentPart | dict[str, Any]) -> ImageRef:
+def _media_ref(index: int, part: ContentPart | dict[str, Any]) -> MediaRef:
     parsed = part if isinstance(part, ContentPart) else validate_model(ContentPart, part)
-    if parsed.type != "image_url":
+    if parsed.type not in PART_MODALITY:
         raise InvalidRequest(f"content_parts[{index}]: modality {parsed.modality!r} is not supported "
-                             "(supported: image)", code="unsupported_modality")
-    return ImageRef(parsed.url, parsed.uuid)
+                             "(supported: image, video)", code="unsupported_modality")
+    return MediaRef(parsed.url, parsed.uuid, PART_MODALITY[parsed.type])
+
+
+def _video_processor(model_path: str | Path, spec: RenderSpec, limits: RenderLimits,
+                     max_tokens: int | None = None) -> VideoProcessor | None:
+    """The checkpoint's video processing (Qwen-VL families), bounded by the render limits."""
+    settings = QwenVideoSettings.from_checkpoint(model_path, spec.family)
+    if settings is None or not limits.max_videos_per_request:
+        return None
+    bounds = VideoBounds(limits.max_video_frame_pixels, limits.max_video_duration_s, limits.video_decode_timeout_s)
+    return VideoProcessor(settings, bounds, limits.max_video_frames, str(model_path), max_tokens)
 
 
 def _render_spec(model_path: str | Path) -> RenderSpec:
@@ -251,11 +275,11 @@ def _vision_tokens(tokenizer: Any, spec: RenderSpec) -> VisionTokens | None:
     """The family's placeholder ids, checked against the tokenizer; None for a text-only model."""
     if spec.image_token_id is None:
         return None
-    ids = [spec.start_token_id, spec.image_token_id, spec.end_token_id]
+    ids = [spec.start_token_id, spec.image_token_id, spec.end_token_id, spec.video_token_id]
     names = tokenizer.convert_ids_to_tokens([i for i in ids if i is not None])
     if any(name is None or name == tokenizer.unk_token for name in names):
         raise ValueError(f"tokenizer lacks the {spec.family} placeholder tokens {ids}")
-    return VisionTokens(spec.start_token_id, spec.image_token_id, spec.end_token_id)
+    return VisionTokens(spec.start_token_id, spec.image_token_id, spec.end_token_id, spec.video_token_id)
 
 
 def _read_config(model_path: str | Path) -> dict[str, Any]:

@@ -24,8 +24,17 @@ def test_parse_and_ratio():
     assert samples[("epd_encode_items_total", (("instance", "a"), ("result", "encoded")))] == 3.0
     c = counters(samples)
     assert c == {"known_hits": 2.0, "encode_calls": 8.0, "encoded": 3.0, "cache_hit": 5.0, "items_known": None,
-                 "items_cache_hit": None, "items_encoded": None, "items_inline": None}
+                 "items_cache_hit": None, "items_encoded": None, "items_inline": None, "frame_groups_hit": None,
+                 "frame_groups_encoded": None}
     assert hit_ratio(c)["hit_ratio"] == pytest.approx(7 / 10)   # an older coordinator: its two counters
+    assert hit_ratio(c)["frame_groups"] is None   # no video frame groups looked up
+
+
+def test_frame_group_hit_ratio():
+    samples = parse_text(EXPOSITION + '\nepd_encode_frame_groups_total{result="cache_hit"} 6.0\n'
+                         'epd_encode_frame_groups_total{result="encoded"} 10.0\n')
+    groups = hit_ratio(counters(samples))["frame_groups"]
+    assert groups == {"groups": 16.0, "hits": 6.0, "hit_ratio": pytest.approx(6 / 16)}
 
 
 def test_the_coordinators_count_by_source_is_the_ratio():

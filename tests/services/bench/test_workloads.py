@@ -92,3 +92,36 @@ def test_endpoint_extra_body_overrides_and_removes_fields():
     assert added["top_k"] == 1 and added["max_tokens"] == 9 and added["ignore_eos"] is True
     removed = json.loads(request.payload("m", {"ignore_eos": None, "generation_config": "{}"}))
     assert "ignore_eos" not in removed and removed["generation_config"] == "{}" and removed["model"] == "m"
+
+
+def _clip_frames(url: str) -> list[bytes]:
+    import base64
+    import io
+
+    import av
+
+    with av.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))) as container:
+        return [f.to_ndarray(format="rgb24").tobytes() for f in container.decode(video=0)]
+
+
+def _video_urls(workload, index):
+    body = json.loads(workload.build(index).payload("m"))
+    return [p["video_url"]["url"] for p in body["messages"][0]["content"] if p["type"] == "video_url"]
+
+
+def test_video_clips_overlap_by_whole_frame_groups():
+    config = WorkloadConfig(kind="video", video_frames=8, video_size=ImageSize(64, 48), video_overlap=0.5, seed=3)
+    workload = make_workload(config)
+    first, second = (_clip_frames(_video_urls(workload, i)[0]) for i in (0, 1))
+    assert len(first) == len(second) == 8
+    assert first[4:] == second[:4] and first[:4] != second[4:]   # half of each clip is the last half of the one before
+    assert make_workload(config).build(1).body == workload.build(1).body   # deterministic
+    assert workload.build(0).image_ids == ("vid-0",)
+
+
+def test_video_pool_reuses_clips_and_no_overlap_shares_no_frame():
+    pooled = make_workload(WorkloadConfig(kind="video", video_frames=4, video_size=ImageSize(32, 32), video_pool=2))
+    assert {_video_urls(pooled, i)[0] for i in range(6)} == {_video_urls(pooled, i)[0] for i in range(2)}
+    apart = make_workload(WorkloadConfig(kind="video", video_frames=4, video_size=ImageSize(32, 32)))
+    first, second = (_clip_frames(_video_urls(apart, i)[0]) for i in (0, 1))
+    assert not set(first) & set(second)

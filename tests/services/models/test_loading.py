@@ -16,7 +16,7 @@ from services.models.registry import adapter_for, resolve_model, supported_archi
 def test_adapter_for_the_demo(model_path):
     adapter = adapter_for(model_path)
     assert isinstance(adapter, Qwen2VLAdapter) and adapter.family == "qwen2_vl"
-    assert adapter.metadata_keys == ("image_grid_thw",)
+    assert adapter.metadata_keys == ("image_grid_thw", "video_grid_thw", "second_per_grid_ts", "timestamps")
 
 
 def test_unknown_architecture_lists_the_supported_ones(tmp_path):

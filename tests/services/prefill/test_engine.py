@@ -98,8 +98,8 @@ def test_bad_placeholder_range_is_a_value_error(parts, image_prompt, case):
     assert "item" in str(caught.value) or "placeholder" in str(caught.value)
 
 
-def test_video_placeholder_is_refused(parts):
-    with pytest.raises(ValueError, match="video"):
+def test_a_video_placeholder_without_its_item_is_refused(parts):
+    with pytest.raises(ValueError, match="1 video placeholder tokens but the items cover 0"):
         PrefillEngine(parts[1]).prefill([151644, 151652, 151656, 151653, 151645])
 
 

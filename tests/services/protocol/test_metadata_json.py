@@ -63,7 +63,8 @@ def test_is_embed_is_carried_checked_and_left_out_when_null():
     with pytest.raises(InvalidRequest) as err:
         validate_model(MultiModalFeatures, _features(GOLDEN, is_embed=[True, True]))
     assert "is_embed has 2 entries for a placeholder of length 4" in err.value.message
+    sparse = validate_model(MultiModalFeatures, _features(GOLDEN, is_embed=[False, True, True, False]))
+    assert sparse.mm_placeholders["image"][0].is_embed == [False, True, True, False]   # a Qwen3-VL video's form
     with pytest.raises(InvalidRequest) as err:
-        validate_model(MultiModalFeatures, _features(GOLDEN, is_embed=[True, False, True, True]))
-    assert ("is_embed marks placeholder token 1 as not an embedding: epd's model families take an embedding on "
-            "every placeholder token (sparse masks are not supported)") in err.value.message
+        validate_model(MultiModalFeatures, _features(GOLDEN, is_embed=[False] * 4))
+    assert "is_embed marks no placeholder token as an embedding" in err.value.message

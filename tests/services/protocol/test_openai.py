@@ -51,7 +51,9 @@ def test_missing_or_empty_messages():
     ({"role": "user", "content": [{"type": "image_url"}]},
      "messages[0].content[0]: an 'image_url' part needs image_url"),
     ({"role": "user", "content": [{"type": "input_audio"}]},
-     "messages[0].content[0].type: must be 'text' or 'image_url'"),
+     "messages[0].content[0].type: must be 'text', 'image_url' or 'video_url'"),
+    ({"role": "user", "content": [{"type": "video_url"}]},
+     "messages[0].content[0]: a 'video_url' part needs video_url"),
     ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": ""}}]},
      "messages[0].content[0].image_url.url: must not be empty"),
 ])

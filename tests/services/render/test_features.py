@@ -10,7 +10,7 @@ from services.protocol.errors import InvalidRequest
 from services.protocol.generate import GenerateRequest
 from services.protocol.serialization import encode_item, item_from_b64, item_to_b64
 from services.render.features import QWEN_VL_METADATA_KEYS, build_item, rendered_item, to_features
-from services.render.placeholders import VisionTokens, find_runs, fit_runs
+from services.render.placeholders import Expansion, VisionTokens, find_runs, fit_runs
 from services.render.processor import ImageProcessor
 
 GOLDEN_GRID_B64 = ("ga5pbWFnZV9ncmlkX3Rod4KkZGF0YZOlaW50NjSRA8cYAwEAAAAAAAAABAAAAAAAAAAEAAAAAAAAAKVmaWVs"
@@ -116,12 +116,16 @@ def test_to_features_groups_in_prompt_order_and_validates() -> None:
     assert to_features([first], include_kwargs=False).kwargs_data is None
 
 
+def _pads(counts: list[int]) -> list[Expansion]:
+    return [Expansion.pads("image", V.pad_id, count) for count in counts]
+
+
 def test_fit_runs_expands_single_pads_and_keeps_exact_runs() -> None:
     ids = [1, 7, 8, 9, 2, 7, 8, 8, 8, 9, 3]
-    out, runs = fit_runs(ids, V, [4, 3])
+    out, runs = fit_runs(ids, V, _pads([4, 3]))
     assert out == [1, 7, 8, 8, 8, 8, 9, 2, 7, 8, 8, 8, 9, 3]
     assert [(r.offset, r.length) for r in runs] == [(2, 4), (9, 3)]
-    assert fit_runs(out, V, [4, 3]) == (out, runs)  # idempotent
+    assert fit_runs(out, V, _pads([4, 3])) == (out, runs)  # idempotent
 
 
 @pytest.mark.parametrize(("ids", "counts", "words"), [
@@ -133,7 +137,7 @@ def test_fit_runs_expands_single_pads_and_keeps_exact_runs() -> None:
 ])
 def test_fit_runs_refuses_bad_runs(ids, counts, words) -> None:
     with pytest.raises(InvalidRequest, match=words):
-        fit_runs(ids, V, counts)
+        fit_runs(ids, V, _pads(counts))
 
 
 def test_find_runs_on_text_only() -> None:

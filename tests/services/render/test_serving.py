@@ -197,14 +197,14 @@ def test_too_many_pixels(service) -> None:
 
 
 def test_too_many_bytes(demo_model_path, service) -> None:
-    from services.render.chat import ImageRef
+    from services.render.chat import MediaRef
     from services.render.multimodal import ImagePipeline
 
     _, url = png(224, 224)
     pipeline = ImagePipeline(service.images.processor, MediaPolicy(), RenderLimits(max_image_bytes=10_000),
                              MODEL, service.workers)
     with pytest.raises(InvalidRequest, match="max_image_bytes=10000") as info:
-        run(pipeline.load([ImageRef(url)]))
+        run(pipeline.load([MediaRef(url)]))
     assert info.value.code == "media_too_large"
 
 
