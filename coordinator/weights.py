@@ -148,7 +148,7 @@ class WeightsController:
 
     async def _stage_all(self, targets: list[tuple[InstancePool, Instance]], path: str,
                          version: str) -> list[tuple[InstancePool, Instance, pb.WeightsInfo]]:
-        request = pb.StageWeightsRequest(weight_version=version, path=path)
+        request = pb.StageRequest(weight_version=version, path=path)
         results = await asyncio.gather(*(self._call(i, "Stage", request, STAGE_TIMEOUT_S) for _, i in targets),
                                        return_exceptions=True)
         refused = next((r for r in results if isinstance(r, InvalidRequest)), None)
@@ -168,7 +168,7 @@ class WeightsController:
         return staged
 
     async def _discard(self, staged: list[tuple[InstancePool, Instance, pb.WeightsInfo]], version: str) -> None:
-        request = pb.WeightVersionRequest(weight_version=version)
+        request = pb.DiscardRequest(weight_version=version)
         await asyncio.gather(*(self._call(i, "Discard", request) for _, i, _ in staged), return_exceptions=True)
 
     async def _drain(self, old: str) -> tuple[float, int]:
@@ -188,7 +188,7 @@ class WeightsController:
 
     async def _commit_all(self, staged: list[tuple[InstancePool, Instance, pb.WeightsInfo]], version: str,
                           posted: float) -> list[tuple[InstancePool, Instance, pb.WeightsInfo, float]]:
-        request = pb.WeightVersionRequest(weight_version=version)
+        request = pb.CommitRequest(weight_version=version)
 
         async def one(instance: Instance) -> tuple[pb.WeightsInfo, float]:
             info = await self._call(instance, "Commit", request)
@@ -227,9 +227,9 @@ class WeightsController:
         log.info("weights: %s %s serves %r, the cluster %r: loading it", instance.role, instance.address,
                  info.weight_version, self.version)
         try:
-            await self._call(instance, "Stage", pb.StageWeightsRequest(weight_version=self.version, path=self.path),
+            await self._call(instance, "Stage", pb.StageRequest(weight_version=self.version, path=self.path),
                              STAGE_TIMEOUT_S)
-            await self._call(instance, "Commit", pb.WeightVersionRequest(weight_version=self.version))
+            await self._call(instance, "Commit", pb.CommitRequest(weight_version=self.version))
         except EpdError as exc:
             log.warning("weights: %s %s could not load %r: %s", instance.role, instance.address, self.version,
                         exc.message)
@@ -239,7 +239,7 @@ class WeightsController:
     async def _info(self, instance: Instance) -> pb.WeightsInfo | None:
         """What the instance serves; None when it has no weights service (version-agnostic) or does not answer."""
         try:
-            return await self._call(instance, "Info", pb.WeightVersionRequest())
+            return await self._call(instance, "Info", pb.InfoRequest())
         except EpdError:
             return None
 

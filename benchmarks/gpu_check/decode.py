@@ -126,7 +126,7 @@ def run(run: Run) -> dict[str, Any]:
         out["epd_tok_s"] = {n: max(_engine_tok_s(engine, lm, run, n, tokens, prompt_len, f"r{r}n{n}-")
                                    for r in range(2)) for n in streams}
         out["syncs"] = _syncs(engine, lm, run, streams[1], prompt_len, 10 if run.dry_run else 30)
-        out["graph_replays"] = engine.stats().compiled_steps
+        out["graph_replays"] = engine.graph_replays
     finally:
         engine.close()
     del lm

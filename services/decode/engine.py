@@ -227,6 +227,11 @@ class DecodeEngine(SampleGroups):
                                self._runner.screen.kernel if self._runner.screen is not None else "")
 
     @property
+    def graph_replays(self) -> int:
+        """Steps that replayed a captured CUDA graph (0 on CPU)."""
+        return int(getattr(self._runner, "graph_replays", 0))
+
+    @property
     def step_report(self) -> StepReport:
         """How the step runs, fused or eager, and why (services/decode/runner.py)."""
         return self._runner.step_report

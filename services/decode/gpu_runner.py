@@ -57,8 +57,8 @@ class GpuRunner:
         return self.graphs.report.mode
 
     @property
-    def compiled_steps(self) -> int:
-        """Steps that replayed a captured graph (engine stats, /metrics)."""
+    def graph_replays(self) -> int:
+        """Steps that replayed a captured CUDA graph (the GPU check counts them)."""
         return self.graphs.replays
 
     def check_prefill(self, kv: torch.Tensor, prompt_len: int) -> None:

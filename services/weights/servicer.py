@@ -20,22 +20,22 @@ class WeightsServicer(rpc.WeightsServiceServicer):
         self.weights = weights
 
     @rpc_method
-    async def Stage(self, request: pb.StageWeightsRequest, context: grpc.aio.ServicerContext) -> pb.WeightsInfo:
+    async def Stage(self, request: pb.StageRequest, context: grpc.aio.ServicerContext) -> pb.WeightsInfo:
         await self.weights.stage(request.weight_version, request.path)
         return to_info(self.weights)
 
     @rpc_method
-    async def Commit(self, request: pb.WeightVersionRequest, context: grpc.aio.ServicerContext) -> pb.WeightsInfo:
+    async def Commit(self, request: pb.CommitRequest, context: grpc.aio.ServicerContext) -> pb.WeightsInfo:
         await self.weights.commit(request.weight_version)
         return to_info(self.weights)
 
     @rpc_method
-    async def Discard(self, request: pb.WeightVersionRequest, context: grpc.aio.ServicerContext) -> pb.WeightsInfo:
+    async def Discard(self, request: pb.DiscardRequest, context: grpc.aio.ServicerContext) -> pb.WeightsInfo:
         await self.weights.discard(request.weight_version)
         return to_info(self.weights)
 
     @rpc_method
-    async def Info(self, request: pb.WeightVersionRequest, context: grpc.aio.ServicerContext) -> pb.WeightsInfo:
+    async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.WeightsInfo:
         return to_info(self.weights)
 
 

@@ -24,6 +24,7 @@ WRONG_KEY = "sk-epd-test-not-a-key"
 
 
 ADMIN_ROUTES = [("POST", "/v1/instances"), ("DELETE", "/v1/instances"), ("GET", "/v1/instances"),
+                ("POST", "/update_weights"), ("POST", "/reload_weights"), ("GET", "/weights"),
                 ("POST", "/abort_requests")]
 
 

@@ -158,7 +158,7 @@ def test_an_instance_that_joins_later_loads_the_current_version_first(cluster):
         from services.rpc.v1 import epd_pb2_grpc as rpc
 
         with grpc.insecure_channel(address) as channel:
-            info = rpc.WeightsServiceStub(channel).Info(pb.WeightVersionRequest(), timeout=10)
+            info = rpc.WeightsServiceStub(channel).Info(pb.InfoRequest(), timeout=10)
         assert info.weight_version == current
     finally:
         proc.terminate()

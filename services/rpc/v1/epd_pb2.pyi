@@ -250,7 +250,7 @@ class AbortResponse(_message.Message):
     aborted: int
     def __init__(self, aborted: _Optional[int] = ...) -> None: ...
 
-class StageWeightsRequest(_message.Message):
+class StageRequest(_message.Message):
     __slots__ = ("weight_version", "path")
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
@@ -272,7 +272,19 @@ class WeightsInfo(_message.Message):
     commit_s: float
     def __init__(self, weight_version: _Optional[str] = ..., path: _Optional[str] = ..., staged_version: _Optional[str] = ..., stage_s: _Optional[float] = ..., commit_s: _Optional[float] = ...) -> None: ...
 
-class WeightVersionRequest(_message.Message):
+class CommitRequest(_message.Message):
+    __slots__ = ("weight_version",)
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    weight_version: str
+    def __init__(self, weight_version: _Optional[str] = ...) -> None: ...
+
+class DiscardRequest(_message.Message):
+    __slots__ = ("weight_version",)
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    weight_version: str
+    def __init__(self, weight_version: _Optional[str] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
     __slots__ = ("weight_version",)
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     weight_version: str

@@ -496,22 +496,22 @@ class WeightsServiceStub:
         """
         self.Stage = channel.unary_unary(
                 '/services.rpc.v1.WeightsService/Stage',
-                request_serializer=services_dot_rpc_dot_v1_dot_epd__pb2.StageWeightsRequest.SerializeToString,
+                request_serializer=services_dot_rpc_dot_v1_dot_epd__pb2.StageRequest.SerializeToString,
                 response_deserializer=services_dot_rpc_dot_v1_dot_epd__pb2.WeightsInfo.FromString,
                 _registered_method=True)
         self.Commit = channel.unary_unary(
                 '/services.rpc.v1.WeightsService/Commit',
-                request_serializer=services_dot_rpc_dot_v1_dot_epd__pb2.WeightVersionRequest.SerializeToString,
+                request_serializer=services_dot_rpc_dot_v1_dot_epd__pb2.CommitRequest.SerializeToString,
                 response_deserializer=services_dot_rpc_dot_v1_dot_epd__pb2.WeightsInfo.FromString,
                 _registered_method=True)
         self.Discard = channel.unary_unary(
                 '/services.rpc.v1.WeightsService/Discard',
-                request_serializer=services_dot_rpc_dot_v1_dot_epd__pb2.WeightVersionRequest.SerializeToString,
+                request_serializer=services_dot_rpc_dot_v1_dot_epd__pb2.DiscardRequest.SerializeToString,
                 response_deserializer=services_dot_rpc_dot_v1_dot_epd__pb2.WeightsInfo.FromString,
                 _registered_method=True)
         self.Info = channel.unary_unary(
                 '/services.rpc.v1.WeightsService/Info',
-                request_serializer=services_dot_rpc_dot_v1_dot_epd__pb2.WeightVersionRequest.SerializeToString,
+                request_serializer=services_dot_rpc_dot_v1_dot_epd__pb2.InfoRequest.SerializeToString,
                 response_deserializer=services_dot_rpc_dot_v1_dot_epd__pb2.WeightsInfo.FromString,
                 _registered_method=True)
 
@@ -548,22 +548,22 @@ def add_WeightsServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Stage': grpc.unary_unary_rpc_method_handler(
                     servicer.Stage,
-                    request_deserializer=services_dot_rpc_dot_v1_dot_epd__pb2.StageWeightsRequest.FromString,
+                    request_deserializer=services_dot_rpc_dot_v1_dot_epd__pb2.StageRequest.FromString,
                     response_serializer=services_dot_rpc_dot_v1_dot_epd__pb2.WeightsInfo.SerializeToString,
             ),
             'Commit': grpc.unary_unary_rpc_method_handler(
                     servicer.Commit,
-                    request_deserializer=services_dot_rpc_dot_v1_dot_epd__pb2.WeightVersionRequest.FromString,
+                    request_deserializer=services_dot_rpc_dot_v1_dot_epd__pb2.CommitRequest.FromString,
                     response_serializer=services_dot_rpc_dot_v1_dot_epd__pb2.WeightsInfo.SerializeToString,
             ),
             'Discard': grpc.unary_unary_rpc_method_handler(
                     servicer.Discard,
-                    request_deserializer=services_dot_rpc_dot_v1_dot_epd__pb2.WeightVersionRequest.FromString,
+                    request_deserializer=services_dot_rpc_dot_v1_dot_epd__pb2.DiscardRequest.FromString,
                     response_serializer=services_dot_rpc_dot_v1_dot_epd__pb2.WeightsInfo.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
-                    request_deserializer=services_dot_rpc_dot_v1_dot_epd__pb2.WeightVersionRequest.FromString,
+                    request_deserializer=services_dot_rpc_dot_v1_dot_epd__pb2.InfoRequest.FromString,
                     response_serializer=services_dot_rpc_dot_v1_dot_epd__pb2.WeightsInfo.SerializeToString,
             ),
     }
@@ -592,7 +592,7 @@ class WeightsService:
             request,
             target,
             '/services.rpc.v1.WeightsService/Stage',
-            services_dot_rpc_dot_v1_dot_epd__pb2.StageWeightsRequest.SerializeToString,
+            services_dot_rpc_dot_v1_dot_epd__pb2.StageRequest.SerializeToString,
             services_dot_rpc_dot_v1_dot_epd__pb2.WeightsInfo.FromString,
             options,
             channel_credentials,
@@ -619,7 +619,7 @@ class WeightsService:
             request,
             target,
             '/services.rpc.v1.WeightsService/Commit',
-            services_dot_rpc_dot_v1_dot_epd__pb2.WeightVersionRequest.SerializeToString,
+            services_dot_rpc_dot_v1_dot_epd__pb2.CommitRequest.SerializeToString,
             services_dot_rpc_dot_v1_dot_epd__pb2.WeightsInfo.FromString,
             options,
             channel_credentials,
@@ -646,7 +646,7 @@ class WeightsService:
             request,
             target,
             '/services.rpc.v1.WeightsService/Discard',
-            services_dot_rpc_dot_v1_dot_epd__pb2.WeightVersionRequest.SerializeToString,
+            services_dot_rpc_dot_v1_dot_epd__pb2.DiscardRequest.SerializeToString,
             services_dot_rpc_dot_v1_dot_epd__pb2.WeightsInfo.FromString,
             options,
             channel_credentials,
@@ -673,7 +673,7 @@ class WeightsService:
             request,
             target,
             '/services.rpc.v1.WeightsService/Info',
-            services_dot_rpc_dot_v1_dot_epd__pb2.WeightVersionRequest.SerializeToString,
+            services_dot_rpc_dot_v1_dot_epd__pb2.InfoRequest.SerializeToString,
             services_dot_rpc_dot_v1_dot_epd__pb2.WeightsInfo.FromString,
             options,
             channel_credentials,

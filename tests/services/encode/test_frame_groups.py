@@ -20,7 +20,7 @@ import torch
 
 from services.connectors import StoreConfig, create_store
 from services.connectors.base import EntryCorrupt
-from services.connectors.ec import FrameGroupReader, composite_handle
+from services.connectors.ec import FrameGroupReader, composite_handle, ec_key
 from services.encode.engine import EncodeEngine
 from services.encode.serving import EncodeService
 from services.protocol.errors import InvalidRequest
@@ -134,7 +134,7 @@ def test_a_video_asked_by_hash_whose_groups_are_gone_needs_its_pixels(tower, ser
     encoder, _ = service
     pixels = _pixels(tower, 2, 8, 8, seed=7)
     done = asyncio.run(encoder.encode("v", _wire(pixels, 2, 8, 8)))
-    encoder.store.delete(encoder.videos.get("v")[1])
+    encoder.store.delete(encoder.videos.get(ec_key(encoder.model_id, "v"))[1])
     with pytest.raises(InvalidRequest, match="no kwargs_data") as caught:
         asyncio.run(encoder.encode("v", None))
     assert caught.value.code == "missing_kwargs_data" and done.handle["frame_groups"]
