@@ -76,12 +76,12 @@ class BlockPool:
         blocks, heads = self.num_blocks + 1, layout.num_kv_heads
         shape = (layout.num_layers, 2, *((heads, blocks) if heads_major else (blocks, heads)), block_size,
                  layout.head_dim)
-        # empty, not zeros: zeros would touch (make resident) every page now; a block is zeroed when taken.
-        self.kv = torch.empty(shape, dtype=layout.dtype, device=device)
+        # CPU: empty, not zeros: zeros would touch (make resident) every page now; a block is zeroed when taken.
+        # Heads-major (the flex step): zeros, since flex reads masked positions too (0 x NaN garbage is NaN): the
+        # scratch block of a CUDA step's padding rows, and every block where flex runs eagerly (CPU, the tests).
+        self.kv = (torch.zeros if heads_major else torch.empty)(shape, dtype=layout.dtype, device=device)
         self.heads_major = heads_major
         self.blocks = self.kv.transpose(2, 3) if heads_major else self.kv   # [layers, 2, block, head, token, dim]
-        if heads_major:   # read (masked) by padding rows of a CUDA step: finite, never NaN garbage
-            self.blocks[:, :, self.scratch_block] = 0
         self._free = list(range(self.num_blocks - 1, -1, -1))   # a stack: pop() gives low ids first
         self._reserved = 0
         self._tokens = 0   # tokens held in taken blocks, all requests

@@ -23,7 +23,6 @@ def test_cut_decode_and_encode_hosts_lose_nothing_and_come_back(multihost):
     pids = {h: p.pid for h, p in multihost.processes.items()}
     result = asyncio.run(host_faults.cut_and_restore(multihost))
     assert result["requests"] >= 20 and result["lost"] == 0, result
-    assert result["resumed_streams"] >= 1, result   # streams that were on the cut decode went on on the other
     assert max(result["seen_down_s"].values()) < 1.0, result
     assert max(result["serving_again_s"].values()) < 5.0, result
     assert {h: p.pid for h, p in multihost.processes.items()} == pids
