@@ -1,0 +1,221 @@
+"""Open-loop latency as users measure it: vLLM's own `vllm bench serve` (Poisson arrivals) against epd and a baseline.
+
+    python -m benchmarks.open_loop                        # demo-medium, epd vs vLLM CPU, rates 0.5 1 2 3, image + text
+    python -m benchmarks.open_loop --rates 1,2 --baseline 6fd4072 --name open_loop_arbiter   # epd vs an older epd
+    python -m benchmarks.open_loop --quick                # tiny model, one rate, 6 requests, epd vs itself, temp folder
+
+The load generator is `vllm bench serve` from the vLLM peer venv (benchmarks.peers.vllm_env; FACTS.md's
+command line): `--dataset-name random-mm` (one random 224x224 image, 64 random prompt tokens, 48 output tokens,
+ignore_eos) and `--dataset-name random` (text, same lengths), `--request-rate R` with Poisson arrivals, goodput
+under TTFT <= 2 s and TPOT <= 100 ms.  Both servers are up at once; every (workload, rate) runs A then B, the
+next one B then A, so a drift of the shared machine's load falls on both sides alike.  Baselines: `vllm`
+(`vllm serve` on the same folder, float32; its CPU attention needs head_dim >= 32, the medium demo model has
+64), a git ref (epd at that commit, started beside this tree's: the native kernels this tree built are copied
+into it, their sources being the same), or `self` (this tree twice: the quick mode's smoke run).
+
+Figures, epd / baseline: TTFT p50 and p99, TPOT p50, goodput, per workload and rate.  Writes
+benchmarks/results/<name>.json (every run's `vllm bench serve` result, per-request lists dropped) and, for the
+default vs-vLLM run, the `open-loop` block of docs/benchmarks.md.  --quick writes to a temporary folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import ROOT, Figure, machine, print_figures, ratio, results_dir, write_doc_block, write_json
+from benchmarks.procs import Server, exit_on_sigterm, running, start_epd, tree_at
+
+SERVED = "bench-model"
+GOODPUT = ("ttft:2000", "tpot:100")
+DROP = ("input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times", "queue_times", "generated_texts",
+        "errors")
+WORKLOADS: dict[str, tuple[str, ...]] = {
+    "image": ("--dataset-name", "random-mm", "--random-mm-base-items-per-request", "1",
+              "--random-mm-num-mm-items-range-ratio", "0", "--random-mm-limit-mm-per-prompt",
+              '{"image": 1, "video": 0}', "--random-mm-bucket-config", "{(224, 224, 1): 1.0}"),
+    "text": ("--dataset-name", "random"),
+}
+
+
+@dataclass(frozen=True)
+class Setup:
+    model: str = "demo-medium"
+    rates: tuple[float, ...] = (0.5, 1.0, 2.0, 3.0)
+    workloads: tuple[str, ...] = ("image", "text")
+    num_prompts: int = 40            # per (workload, rate, side)
+    input_len: int = 64
+    output_len: int = 48
+    baseline: str = "vllm"
+    epd_flags: tuple[str, ...] = ()
+    name: str = "open_loop"
+    quick: bool = False
+    seed: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def quick_run(cls) -> Setup:
+        return cls(model="demo", rates=(2.0,), workloads=("image",), num_prompts=6, output_len=8, baseline="self",
+                   name="open_loop_quick", quick=True)
+
+
+def bench_command(setup: Setup, url: str, folder: Path, workload: str, rate: float, out: Path) -> list[str]:
+    """`vllm bench serve` for one (workload, rate) against `url`, its result JSON written to `out`."""
+    from benchmarks.peers import vllm_env
+
+    vllm = vllm_env.venv_dir() / "bin" / "vllm"
+    return [str(vllm), "bench", "serve", "--backend", "openai-chat", "--base-url", url,
+            "--endpoint", "/v1/chat/completions", "--model", SERVED, "--tokenizer", str(folder),
+            *WORKLOADS[workload], "--random-input-len", str(setup.input_len),
+            "--random-output-len", str(setup.output_len), "--random-range-ratio", "0", "--ignore-eos",
+            "--num-prompts", str(setup.num_prompts), "--request-rate", str(rate), "--seed", str(setup.seed),
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+            "--goodput", *GOODPUT, "--disable-tqdm", "--save-result", "--result-dir", str(out.parent),
+            "--result-filename", out.name]
+
+
+def run_bench(setup: Setup, server: Server, folder: Path, workload: str, rate: float, scratch: Path) -> dict[str, Any]:
+    from benchmarks.peers import vllm_env
+
+    out = scratch / f"{server.name}_{workload}_{rate:g}.json"
+    out.unlink(missing_ok=True)
+    env = {**vllm_env.SERVE_ENV}
+    timeout = 300 + setup.num_prompts * 60 / max(rate, 0.1)
+    proc = subprocess.run(bench_command(setup, server.url, folder, workload, rate, out), env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0 or not out.exists():
+        raise RuntimeError(f"vllm bench serve against {server.name} failed ({proc.returncode}):\n"
+                           f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    result = json.loads(out.read_text())
+    return {key: value for key, value in result.items() if key not in DROP}
+
+
+def start_baseline(setup: Setup, folder: Path) -> Server:
+    if setup.baseline == "vllm":
+        from benchmarks.peers import vllm_env
+
+        return vllm_env.start_serve(folder, "--served-model-name", SERVED, timeout_s=1800.0)
+    flags = ("--served-model-name", SERVED, "--max-inflight-requests", "1024", *setup.epd_flags)
+    if setup.baseline == "self":
+        server = start_epd(str(folder), *flags)
+    else:
+        server = start_epd(str(folder), *flags, root=_tree_with_kernels(setup.baseline))
+    server.name = f"epd@{setup.baseline}"
+    return server
+
+
+def _tree_with_kernels(ref: str) -> Path:
+    """epd at `ref`, with this tree's built native kernels copied in (git holds their sources, not the builds)."""
+    tree = tree_at(ref)
+    for built in (ROOT / "services" / "kernels").glob("_*.so"):
+        if not (tree / "services" / "kernels" / built.name).exists():
+            shutil.copy2(built, tree / "services" / "kernels" / built.name)
+    return tree
+
+
+def measure(setup: Setup) -> dict[str, Any]:
+    from services.models.registry import resolve_model
+
+    folder = resolve_model(setup.model)
+    where = machine()
+    scratch = results_dir(True) / "open_loop_runs"
+    scratch.mkdir(parents=True, exist_ok=True)
+    epd = start_epd(str(folder), "--served-model-name", SERVED, "--max-inflight-requests", "1024",
+                    *setup.epd_flags)
+    with running(epd):
+        baseline = start_baseline(setup, folder)
+        with running(baseline):
+            runs: list[dict[str, Any]] = []
+            order = 0
+            for workload in setup.workloads:
+                for rate in setup.rates:
+                    sides = (epd, baseline) if order % 2 == 0 else (baseline, epd)
+                    order += 1
+                    for server in sides:
+                        result = run_bench(setup, server, folder, workload, rate, scratch)
+                        side = "A" if server is epd else "B"
+                        runs.append({"workload": workload, "rate": rate, "side": side, "server": server.name,
+                                     "result": result})
+                        print(f"[open_loop] {workload} {rate:g} req/s {server.name}: TTFT p50 "
+                              f"{result.get('median_ttft_ms', 0):.0f} ms, TPOT p50 "
+                              f"{result.get('median_tpot_ms', 0):.1f} ms, goodput "
+                              f"{result.get('request_goodput') or 0:.2f} req/s", flush=True)
+    return {"setup": {k: v for k, v in setup.__dict__.items() if k != "extra"}, "machine": where,
+            "model_folder": str(folder), "baseline": baseline.name, "runs": runs}
+
+
+def figures(doc: dict[str, Any]) -> list[Figure]:
+    """epd / baseline per (workload, rate): TTFT p50, TTFT p99, TPOT p50 (lower is better), goodput (higher)."""
+    out: list[Figure] = []
+    setup = doc["setup"]
+    for workload in setup["workloads"]:
+        for rate in setup["rates"]:
+            pair = {r["side"]: r["result"] for r in doc["runs"] if r["workload"] == workload and r["rate"] == rate}
+            if set(pair) != {"A", "B"}:
+                continue
+            for key, label, op, unit in (("median_ttft_ms", "TTFT p50", "le", "ms"),
+                                         ("p99_ttft_ms", "TTFT p99", "le", "ms"),
+                                         ("median_tpot_ms", "TPOT p50", "le", "ms"),
+                                         ("request_goodput", "goodput", "ge", "req/s")):
+                a, b = pair["A"].get(key), pair["B"].get(key)
+                note = f"{a:.1f} vs {b:.1f} {unit}" if a is not None and b is not None else "n/a"
+                out.append(Figure(f"{label}, {workload}, {rate:g} req/s, epd / {doc['baseline']}", ratio(a, b),
+                                  None, op, note=note))
+    return out
+
+
+def parse(argv: list[str] | None) -> tuple[Setup, bool]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model, one rate, 6 requests, epd vs itself")
+    parser.add_argument("--model", default=Setup.model, help="demo alias or checkpoint folder (default demo-medium)")
+    parser.add_argument("--rates", default="", help="comma-separated request rates, req/s (default 0.5,1,2,3)")
+    parser.add_argument("--workloads", default="", help="image,text (default both)")
+    parser.add_argument("--num-prompts", type=int, default=0, help="requests per workload, rate and side")
+    parser.add_argument("--baseline", default="", help="vllm (default) | self | a git ref of epd")
+    parser.add_argument("--epd-flag", action="append", default=[], help="an extra `epd serve` flag (both epd sides)")
+    parser.add_argument("--name", default="", help="the JSON's name (default open_loop; other names skip the docs)")
+    args = parser.parse_args(argv)
+    setup = Setup.quick_run() if args.quick else Setup()
+    changes: dict[str, Any] = {"model": args.model if args.model != Setup.model or not args.quick else setup.model}
+    if args.rates:
+        changes["rates"] = tuple(float(r) for r in args.rates.split(","))
+    if args.workloads:
+        changes["workloads"] = tuple(w for w in args.workloads.split(",") if w)
+        unknown = set(changes["workloads"]) - set(WORKLOADS)
+        if unknown:
+            parser.error(f"unknown workloads {sorted(unknown)}; known: {', '.join(WORKLOADS)}")
+    for key, value in (("num_prompts", args.num_prompts), ("baseline", args.baseline), ("name", args.name)):
+        if value:
+            changes[key] = value
+    changes["epd_flags"] = tuple(args.epd_flag)
+    setup = Setup(**{**setup.__dict__, **changes})
+    return setup, not setup.quick and setup.name == "open_loop" and setup.baseline == "vllm"
+
+
+def main(argv: list[str] | None = None) -> int:
+    exit_on_sigterm()
+    setup, docs = parse(argv)
+    doc = measure(setup)
+    found = figures(doc)
+    doc["figures"] = found
+    path = write_json(doc, results_dir(setup.quick) / f"{setup.name}.json")
+    print_figures(found, f"open loop, epd / {doc['baseline']} ({path})")
+    if docs:
+        command = "python -m benchmarks.open_loop " + " ".join(sys.argv[1:] if argv is None else argv)
+        write_doc_block("open-loop", command.strip(), found,
+                        extra=f"`vllm bench serve` (Poisson arrivals), {setup.num_prompts} requests per workload, "
+                              f"rate and side; image: one random 224x224 image + {setup.input_len} random tokens, "
+                              f"text: {setup.input_len} random tokens; {setup.output_len} output tokens, "
+                              f"ignore_eos; {setup.model}, float32; goodput SLO TTFT <= 2 s, TPOT <= 100 ms. "
+                              "Raw results: benchmarks/results/open_loop.json.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
