@@ -128,7 +128,8 @@ def worker_main(conn: Connection, init: Any, init_args: tuple, run: Any) -> None
         if status != "ok":
             _send(conn, (status, slot, value))
             continue
-        arrays = {key: np.ascontiguousarray(array) for key, array in value.arrays.items()}
+        # C order, shapes kept: np.ascontiguousarray would make a scalar (second_per_grid_ts) shape (1,)
+        arrays = {key: np.asarray(array, order="C") for key, array in value.arrays.items()}
         specs, offset = [], 0
         for key, array in arrays.items():
             specs.append((key, array.dtype.str, array.shape, offset))

@@ -196,8 +196,9 @@ def test_a_model_without_video_refuses_it():
         service.close()
 
 
-def test_second_per_grid_ts_is_the_sampled_frames_period():
-    service = RenderService(tiny_model_path("qwen2_5_vl"), "m")
+@pytest.mark.parametrize("workers", [0, 1])   # in render's process, and through a worker's shared memory
+def test_second_per_grid_ts_is_the_sampled_frames_period(workers):
+    service = RenderService(tiny_model_path("qwen2_5_vl"), "m", num_workers=workers)
     try:
         [item] = _render(service, video_part(clip(13, 64, 64, fps=5.0))).items
         seconds = item.kwargs_item["second_per_grid_ts"].data
