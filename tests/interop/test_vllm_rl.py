@@ -181,5 +181,7 @@ def test_processed_logprobs_agree_with_vllm(processed):
                    "logprobs": True, "top_logprobs": 5}
         tops = [client.post(base + "/v1/chat/completions", json=sampled).json()["choices"][0]["logprobs"]
                 ["content"][0]["top_logprobs"] for base in (epd.url, vllm.url)]
-        assert [t["logprob"] for t in tops[0]] == pytest.approx([t["logprob"] for t in tops[1]], abs=TOLERANCE)
+        # as sets: vLLM lists the sampled token first where it is not the most likely, and the draws differ
+        assert sorted(t["logprob"] for t in tops[0]) == pytest.approx(sorted(t["logprob"] for t in tops[1]),
+                                                                      abs=TOLERANCE)
         assert sorted(t["token"] for t in tops[0]) == sorted(t["token"] for t in tops[1])
