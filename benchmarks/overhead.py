@@ -243,8 +243,8 @@ def compare(ref: str, model: str, count: int, rounds: int = 6,
     for half, first in enumerate(("A", "B")):
         starts = {"A": lambda: start_epd(model), "B": lambda: start_epd(model, root=tree)}
         order = (first, "B" if first == "A" else "A")
-        with running(starts[order[0]](), starts[order[1]]()) as servers:
-            by_side = dict(zip(order, servers, strict=True))
+        with running(starts[order[0]]()) as (started,), running(starts[order[1]]()) as (second,):
+            by_side = dict(zip(order, (started, second), strict=True))
             for index in range(half * rounds // 2, (half + 1) * rounds // 2):
                 for side in (("A", "B") if index % 2 == 0 else ("B", "A")):
                     samples[side] += asyncio.run(measure(by_side[side], by_side[side].model_id(), per_round,

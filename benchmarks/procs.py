@@ -128,7 +128,9 @@ def start_epd(model: str, *flags: str, threads: int | None = None, timeout_s: fl
     port = free_port()
     # Under load on this CPU a request can take minutes: the default deadlines (30 s in a role, 60 s to the
     # first token, 30 s between tokens) would fail requests, not measure them (flags given later win).
-    cmd = [sys.executable, "-m", "services.runtime.cli", "serve", "--model", model, "--port", str(port),
+    # The CLI module where that tree has it (services/cli.py before the packages were grouped).
+    cli = "services.runtime.cli" if (root / "services" / "runtime" / "cli.py").exists() else "services.cli"
+    cmd = [sys.executable, "-m", cli, "serve", "--model", model, "--port", str(port),
            "--log-level", "warning", "--request-timeout-s", "1800", "--ttft-timeout-s", "1800",
            "--stream-idle-timeout-s", "600", *flags]
     process, log_path = _spawn(cmd, "epd", _env(threads, env, root), root)

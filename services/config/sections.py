@@ -60,7 +60,8 @@ class ServerConfig:
                              roles="roles")
     instance_id: str = _f("", "unique id of this process; part of every shm and Redis name (default: random)")
     coordinator_url: str = _f("", "role processes: announce this instance to the coordinator's admin API at "
-                              "this URL (POST /v1/instances, with --admin-token) at start and every 10 s",
+                              "this URL (POST /v1/instances, with --admin-token) at start, every 10 s, and every "
+                              "second while no coordinator probe reaches it",
                               roles="roles")
     log_level: str = _f("info", "debug | info | warning | error")
     event_loop: str = _f("uvloop", "the event loop of every epd process: uvloop | asyncio (the standard library's)")

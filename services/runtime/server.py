@@ -39,6 +39,7 @@ from starlette.routing import Route
 
 from services.edge.auth import KeySet, protect
 from services.rpc.fastlane_server import FastLaneServer
+from services.runtime.announce import probed
 from services.runtime.private_dir import private_dir
 from services.runtime.readiness import Readiness
 
@@ -208,7 +209,7 @@ async def serve(role: RoleServer, host: str, grpc_port: int, http_port: int, log
                 tls: grpc.ServerCredentials | None = None, fast_lane: bool = True, instance_id: str = "") -> None:
     server = grpc.aio.server(options=SERVER_OPTIONS)
     role.register_grpc(server)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = _ProbedHealth()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     where = _address(grpc_host or host, grpc_port)
     bound = server.add_secure_port(where, tls) if tls is not None else server.add_insecure_port(where)
@@ -256,6 +257,15 @@ async def serve(role: RoleServer, host: str, grpc_port: int, http_port: int, log
         await result
     readiness.close()
     log.info("%s stopped after draining %.1f s", role.name, loop.time() - started)
+
+
+class _ProbedHealth(health.aio.HealthServicer):
+    """The standard health service, noting each probe (an announcing instance that goes unprobed announces again:
+    services/runtime/announce.py)."""
+
+    async def Check(self, request: Any, context: Any) -> Any:  # noqa: N802 - gRPC's method name
+        probed()
+        return await super().Check(request, context)
 
 
 async def _set_serving(health_servicer: health.aio.HealthServicer, ready: bool) -> None:
