@@ -109,12 +109,6 @@ def bind(request_id: str, label: str, principal: str = "") -> None:
         record.registry.bind(record, request_id, label, principal)
 
 
-def running_now() -> int | None:
-    """How many generation requests the coordinator runs now; None outside the middleware."""
-    record = current_request.get()
-    return None if record is None else len(record.registry)
-
-
 def on_close(cleanup: Cleanup) -> bool:
     """Run `cleanup` when the current request ends; False (nothing registered) outside the middleware."""
     record = current_request.get()

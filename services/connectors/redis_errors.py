@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import redis
 
 from services.connectors.base import BackendUnavailable, ConnectorError, EntryCorrupt
-from services.connectors.redis_resp import RespError
 
 # Replies meaning "the server is there but will not serve now": callers may retry elsewhere or later.
 _REFUSALS = ("OOM", "READONLY", "LOADING", "MASTERDOWN", "BUSY", "NOAUTH", "WRONGPASS", "MISCONF",
@@ -26,10 +22,3 @@ def classify(exc: BaseException, where: str, what: str) -> ConnectorError:
     return ConnectorError(f"redis at {where} failed {what}: {message}")
 
 
-@contextmanager
-def backend_errors(where: str, what: str) -> Iterator[None]:
-    """Raise connector errors instead of redis-py, socket or reply errors."""
-    try:
-        yield
-    except (redis.RedisError, RespError, OSError) as exc:
-        raise classify(exc, where, what) from None

@@ -112,9 +112,6 @@ class DecodeRunner:
         """"fused" or "eager"."""
         return self.step_report.mode
 
-    def describe_step(self) -> StepReport:
-        return self.step_report
-
     @property
     def attention_kernel(self) -> str:
         return self.attention.name

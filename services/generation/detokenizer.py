@@ -16,7 +16,7 @@ decode to nothing, as in a full decode.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 _REPLACEMENT = "\ufffd"
@@ -52,9 +52,6 @@ class IncrementalDetokenizer:
         if len(text) <= len(prefix_text) or text.endswith(_REPLACEMENT):
             return ""
         return self._advance(text, prefix_text)
-
-    def push_many(self, token_ids: Iterable[int]) -> str:
-        return "".join(self.push(t) for t in token_ids)
 
     def flush(self) -> str:
         """Everything still held back (e.g. an incomplete character at the very end)."""

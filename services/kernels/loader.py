@@ -133,17 +133,6 @@ def path_of(name: str, variant: str) -> Path | None:
     return None
 
 
-def load_variant(name: str, variant: str) -> ctypes.CDLL:
-    """One named variant's library, for tests that hold every variant to torch (raises KernelUnavailable
-    where the CPU lacks its features or it is not built)."""
-    if variant not in KERNELS[name].variants or not cpu.has(_features(variant)):
-        raise KernelUnavailable(f"kernel {name}: this CPU cannot run {variant}")
-    path = path_of(name, variant)
-    if path is None:
-        raise KernelUnavailable(f"kernel {name}: {variant} is not built")
-    return _open(KERNELS[name].openmp, path)
-
-
 def _decide(name: str) -> Loaded:
     if name in off_names():
         return Loaded(name, "off", None, f"{ENV_OFF}")

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 
 from services.models.base import MultiModalInput
 from services.models.loading import InvalidMultiModalInput
-from services.models.mrope import pad_runs
 
 if TYPE_CHECKING:
     import torch
@@ -72,15 +71,10 @@ def check_item(token_ids: Sequence[int], item: MultiModalInput, pad_ids: Mapping
     return count
 
 
-def item_runs(token_ids: Sequence[int], item: MultiModalInput, pad_id: int) -> list[tuple[int, int]]:
-    """Where an item's embedding rows go: (start, count) runs, in order (one run for a dense item)."""
-    return pad_runs(token_ids, item.offset, item.length, pad_id)
-
-
 def scatter(embeds: torch.Tensor, items: Sequence[MultiModalInput],
             runs: Sequence[Sequence[tuple[int, int]]] | None = None) -> torch.Tensor:
     """Writes each item's embedding over its placeholder rows of `embeds` ([1, L, hidden]), in place; `runs`
-    (per item, `item_runs`) places the rows of sparse items, else each item's whole range takes them."""
+    (per item, `pad_runs`) places the rows of sparse items, else each item's whole range takes them."""
     for index, item in enumerate(items):
         rows = item.embedding.to(embeds.device, embeds.dtype)
         if runs is None:

@@ -60,13 +60,6 @@ def unavailable_reason(weight_dtype: torch.dtype = torch.float32) -> str:
     return "" if loaded.ok else f"{loaded.variant} ({loaded.reason})"
 
 
-def can_panel(linear: nn.Module) -> bool:
-    """A float32 CPU `nn.Linear` (its panels may still be kept in bfloat16: `PanelLinear`)."""
-    weight = getattr(linear, "weight", None)
-    return (type(linear) is nn.Linear and isinstance(weight, torch.Tensor) and weight.dtype == torch.float32
-            and weight.device.type == "cpu" and weight.dim() == 2)
-
-
 def panelize(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] -> [ceil(N/16), K, 16]: panel q holds rows 16q..16q+15, interleaved by column."""
     out_features, in_features = weight.shape

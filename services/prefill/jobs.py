@@ -17,7 +17,6 @@ A held result must be released, once; it is a context manager for that.
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -91,12 +90,6 @@ class HeldPrefill:
         layout = self._pool.layout
         shape = (layout.num_layers, 2, layout.num_kv_heads, self.num_prompt_tokens, layout.head_dim)
         return {KV_NAME: (layout.dtype, shape, str(self._pool.data.device))}
-
-    @property
-    def kv_nbytes(self) -> int:
-        """The bytes `fill` writes."""
-        [(dtype, shape, _)] = self.kv_spec().values()
-        return math.prod(shape) * dtype.itemsize
 
     def fill(self, views: dict[str, torch.Tensor]) -> None:
         """Copy the prompt's KV into `views["kv"]` (wire layout): the one copy out of the blocks."""
