@@ -109,3 +109,10 @@ def test_the_coordinator_and_render_import_no_torch_at_module_level():
                 offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] in ("torch",
                                                                                                      "transformers")]
     assert offenders == []
+
+
+def test_no_module_reaches_400_lines():
+    """STYLE.md: one concept per module, split before 400 lines (generated stubs aside)."""
+    long = {name: n for name, path in _modules().items()
+            if (n := path.read_text(encoding="utf-8").count("\n")) >= 400}
+    assert long == {}

@@ -1,0 +1,28 @@
+"""benchmarks/open_loop.py --quick end to end: `vllm bench serve` (from the vLLM peer venv this suite installs)
+against two epd clusters, Poisson arrivals; its figures from the JSON it wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from benchmarks.common import RESULTS_ENV, ROOT
+from benchmarks.peers import vllm_env
+
+
+def test_quick_runs_vllm_bench_serve_against_two_epd_clusters(tmp_path):
+    vllm_env.ensure_venv()   # the interop suite's peer venv (tests/interop/conftest.py sets EPD_VLLM_VENV)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), RESULTS_ENV: str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.open_loop", "--quick"], cwd=ROOT, env=env,
+                          timeout=560, capture_output=True, text=True)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    doc = json.loads((tmp_path / "open_loop_quick.json").read_text())
+    assert [(r["side"], r["rate"]) for r in doc["runs"]] == [("A", 2.0), ("B", 2.0)]
+    for run in doc["runs"]:
+        result = run["result"]
+        assert result["completed"] == 6 and result["failed"] == 0, result
+        assert result["total_output_tokens"] == 6 * 8          # ignore_eos: every request its 8 tokens
+        assert result["median_ttft_ms"] > 0 and result["request_goodput"] is not None
+    assert len(doc["figures"]) == 4 and all(f["value"] is not None and f["value"] > 0 for f in doc["figures"])
