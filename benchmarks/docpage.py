@@ -31,7 +31,7 @@ GROUPS: list[tuple[str, tuple[str, ...]]] = [
         "engine-targets", "targets", "epd-dtype", "tpot-under-prefill", "decode-beside-hogs", "stage-overlap",
         "prefill-packing", "render-workers", "decode-kv-memory", "decode-threads", "omp-team")),
     ("Kernels", (
-        "kernel-gains", "kernels", "prefill-kernels", "fused-mlp", "decode-attention", "bf16-gemm", "fused-step",
+        "kernel-gains", "kernels", "prefill-kernels", "fused-mlp", "bf16-gemm", "fused-step",
         "panel-ref", "head-screen", "int8-screen", "linear-kernels")),
     ("Scale-out and stores", ("redis-cluster",)),
     ("RL: rollouts and weight updates", ("rl-rollouts", "weight-update")),

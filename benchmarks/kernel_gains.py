@@ -17,9 +17,10 @@ its row keeps the commit it was measured at.
 
     python -m benchmarks.kernel_gains [--kernels a,b] [--quick] [--no-docs] [--levels 1:8,16:32]
 
-The default run (every case, no --quick/--levels) rewrites benchmarks/results/kernel_gains.json and the
-kernel-gains block of docs/benchmarks.md; `--kernels` reruns some cases and merges them into that JSON (a
-case no longer in CASES keeps its last row and the commit it was measured at).
+Every run but --quick writes benchmarks/results/kernel_gains.json and the kernel-gains block of
+docs/benchmarks.md; `--kernels` reruns some cases and merges them into that JSON, each row showing its newest
+run (with `--levels`, more requests a side where a first reading was near the 10% line) and what the earlier
+ones read (a case no longer in CASES keeps its last row and the commit it was measured at).
 """
 
 from __future__ import annotations
@@ -82,8 +83,6 @@ CASES = (
          off_kernels="fused_step"),
     Case("panel", "decode", "panel linears (decode's small-batch GEMMs) vs oneDNN / F.linear, eager step",
          base="--decode-fused off", off_kernels="panel"),
-    Case("paged_attention", "decode", "paged decode attention vs grouped SDPA, eager step",
-         base="--decode-fused off", off_kernels="paged_attention"),
     Case("head_int8", "decode", "the LM head screen's int8 (VNNI) stage vs its bfloat16 pairs",
          off_kernels="head_int8"),
     Case("lm_head_screen", "decode", "the LM head screen (bfloat16 / int8 copy of the head) vs the full head",
@@ -193,8 +192,24 @@ def table(doc: dict[str, Any]) -> str:
         verdict = "kept" if entry["keep"] else "deleted"
         lines.append(f"| {entry['name']} | {entry['what']} | {figure} | {_pair(one)} | {_pair(many)} | "
                      f"{_gain(one)} | {_gain(many)} | **{verdict}** | {entry['off']} | "
-                     f"{entry['commit']}, {entry['machine']['time']} (load {entry['machine']['loadavg_at_start']}) |")
+                     f"{entry['commit']}, {entry['machine']['time']} (load {entry['machine']['loadavg_at_start']}), "
+                     f"{'/'.join(str(n) for _, n in entry.get('levels', LEVELS))} requests a side"
+                     f"{_earlier(entry)} |")
     return "\n".join(lines)
+
+
+def _summary(entry: dict[str, Any]) -> dict[str, Any]:
+    """What one run of a case read: its gains per concurrency, requests a side, commit and time."""
+    return {"gains": {str(row["concurrency"]): row["gain"] for row in entry["rows"]},
+            "levels": entry.get("levels", [list(level) for level in LEVELS]), "commit": entry["commit"],
+            "time": entry["machine"]["time"], "keep": entry["keep"]}
+
+
+def _earlier(entry: dict[str, Any]) -> str:
+    runs = [f"{', '.join(f'c={c} {g * 100:+.0f}%' for c, g in run['gains'].items() if g is not None)} "
+            f"({'/'.join(str(n) for _, n in run['levels'])} requests a side, {run['commit']})"
+            for run in entry.get("earlier", [])]
+    return f"; earlier: {'; '.join(runs)}" if runs else ""
 
 
 def write_docs(doc: dict[str, Any]) -> None:
@@ -244,12 +259,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{case.name}: requests failed twice, not recorded", flush=True)
             continue
         print(json.dumps({k: entry[k] for k in ("name", "best_gain", "keep")}), flush=True)
-        if not args.levels:
-            doc["cases"][case.name] = entry
-            doc["command"] = "python -m benchmarks.kernel_gains" + (f" --kernels {args.kernels}" if wanted else "")
-            write_json(doc, path)
+        # every run is recorded with its levels: a case rerun with more requests replaces its row
+        entry["command"] = " ".join(["python -m benchmarks.kernel_gains", *argv])
+        entry["levels"] = [list(level) for level in levels]
+        previous = doc["cases"].get(case.name)
+        if previous is not None:   # the row shows the newest run, and what each earlier one read
+            entry["earlier"] = [_summary(previous), *previous.get("earlier", [])][:3]
+        doc["cases"][case.name] = entry
+        doc["command"] = "python -m benchmarks.kernel_gains" + (f" --kernels {args.kernels}" if wanted else "")
+        write_json(doc, path)
     print(table(doc))
-    if not (args.quick or args.levels or args.no_docs):
+    if not (args.quick or args.no_docs):
         write_docs(doc)
     return 0
 

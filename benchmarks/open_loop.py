@@ -8,7 +8,9 @@ The load generator is `vllm bench serve` from the vLLM peer venv (benchmarks.pee
 command line): `--dataset-name random-mm` (one random 224x224 image, 64 random prompt tokens, 48 output tokens,
 ignore_eos) and `--dataset-name random` (text, same lengths), `--request-rate R` with Poisson arrivals, goodput
 under TTFT <= 2 s and TPOT <= 100 ms.  Both servers are up at once; every (workload, rate) runs A then B, the
-next one B then A, so a drift of the shared machine's load falls on both sides alike.  Baselines: `vllm`
+next one B then A, so a drift of the shared machine's load falls on both sides alike.  Each (workload, rate) draws
+its requests from its own seed, the same on both sides: a server never meets an earlier run's prompts and
+images again (both cache them; one seed for every run read the later rates' TTFT off warm caches).  Baselines: `vllm`
 (`vllm serve` on the same folder, float32; its CPU attention needs head_dim >= 32, the medium demo model has
 64), a git ref (epd at that commit, started beside this tree's: the native kernels this tree built are copied
 into it, their sources being the same), or `self` (this tree twice: the quick mode's smoke run).
@@ -65,8 +67,11 @@ class Setup:
                    name="open_loop_quick", quick=True)
 
 
-def bench_command(setup: Setup, url: str, folder: Path, workload: str, rate: float, out: Path) -> list[str]:
-    """`vllm bench serve` for one (workload, rate) against `url`, its result JSON written to `out`."""
+def bench_command(setup: Setup, url: str, folder: Path, workload: str, rate: float, out: Path,
+                  seed: int = 0) -> list[str]:
+    """`vllm bench serve` for one (workload, rate) against `url`, its result JSON written to `out`.  `seed` draws
+    the prompts and images: the two sides of one (workload, rate) get the same seed (the same requests), each
+    (workload, rate) its own, so no run finds the prompts and images of an earlier one in a server's caches."""
     from benchmarks.peers import vllm_env
 
     vllm = vllm_env.venv_dir() / "bin" / "vllm"
@@ -74,20 +79,21 @@ def bench_command(setup: Setup, url: str, folder: Path, workload: str, rate: flo
             "--endpoint", "/v1/chat/completions", "--model", SERVED, "--tokenizer", str(folder),
             *WORKLOADS[workload], "--random-input-len", str(setup.input_len),
             "--random-output-len", str(setup.output_len), "--random-range-ratio", "0", "--ignore-eos",
-            "--num-prompts", str(setup.num_prompts), "--request-rate", str(rate), "--seed", str(setup.seed),
+            "--num-prompts", str(setup.num_prompts), "--request-rate", str(rate), "--seed", str(seed),
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
             "--goodput", *GOODPUT, "--disable-tqdm", "--save-result", "--result-dir", str(out.parent),
             "--result-filename", out.name]
 
 
-def run_bench(setup: Setup, server: Server, folder: Path, workload: str, rate: float, scratch: Path) -> dict[str, Any]:
+def run_bench(setup: Setup, server: Server, folder: Path, workload: str, rate: float, scratch: Path,
+              seed: int = 0) -> dict[str, Any]:
     from benchmarks.peers import vllm_env
 
     out = scratch / f"{server.name}_{workload}_{rate:g}.json"
     out.unlink(missing_ok=True)
     env = {**vllm_env.SERVE_ENV}
     timeout = 300 + setup.num_prompts * 60 / max(rate, 0.1)
-    proc = subprocess.run(bench_command(setup, server.url, folder, workload, rate, out), env=env,
+    proc = subprocess.run(bench_command(setup, server.url, folder, workload, rate, out, seed), env=env,
                           capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0 or not out.exists():
         raise RuntimeError(f"vllm bench serve against {server.name} failed ({proc.returncode}):\n"
@@ -136,12 +142,13 @@ def measure(setup: Setup) -> dict[str, Any]:
             for workload in setup.workloads:
                 for rate in setup.rates:
                     sides = (epd, baseline) if order % 2 == 0 else (baseline, epd)
+                    seed = setup.seed + order
                     order += 1
                     for server in sides:
-                        result = run_bench(setup, server, folder, workload, rate, scratch)
+                        result = run_bench(setup, server, folder, workload, rate, scratch, seed)
                         side = "A" if server is epd else "B"
                         runs.append({"workload": workload, "rate": rate, "side": side, "server": server.name,
-                                     "result": result})
+                                     "seed": seed, "result": result})
                         print(f"[open_loop] {workload} {rate:g} req/s {server.name}: TTFT p50 "
                               f"{result.get('median_ttft_ms', 0):.0f} ms, TPOT p50 "
                               f"{result.get('median_tpot_ms', 0):.1f} ms, goodput "

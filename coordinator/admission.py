@@ -4,6 +4,8 @@
   is started while every healthy decode instance already holds as many
   streams as it has slots plus queue; beyond that the answer is 429 with
   Retry-After at once, before any work (no pile-up, no deadline spent waiting).
+  With `--ttft-slo-ms` a request that would get its first token past that target
+  is refused the same way (ttft_gate.py says how it predicts).
 - Cancellation: the endpoint runs in its own task.  If the client disconnects
   before the response is complete (streaming or not), or POST /abort_requests
   names the request, that task is cancelled, and with it every gRPC call it
@@ -33,6 +35,7 @@ from services.protocol.errors import Aborted, DeadlineExceeded, EpdError, Overlo
 
 from .inflight import InflightRegistry, InflightRequest, current_request
 from .metrics import CoordinatorMetrics
+from .ttft_gate import TtftGate
 
 log = logging.getLogger(__name__)
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/inference/v1/generate"})
@@ -121,10 +124,10 @@ class Exchange:
 class AdmissionMiddleware:
     def __init__(self, app: Any, registry: InflightRegistry, max_inflight: int, metrics: CoordinatorMetrics,
                  saturated: Callable[[], str | None] = lambda: None, max_request_s: float | None = None,
-                 send_stall_s: float | None = None) -> None:
+                 send_stall_s: float | None = None, gate: TtftGate | None = None) -> None:
         self.app, self.registry, self.max_inflight = app, registry, max_inflight
         self.metrics, self.saturated, self.max_request_s = metrics, saturated, max_request_s
-        self.send_stall_s = send_stall_s
+        self.send_stall_s, self.gate = send_stall_s, gate
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in GENERATION_PATHS:
@@ -141,7 +144,9 @@ class AdmissionMiddleware:
             return Overloaded(f"the coordinator is running {self.max_inflight} requests, its limit; retry later",
                               code="too_many_requests", retry_after_s=1.0)
         why = self.saturated()
-        return None if why is None else Overloaded(why, code="cluster_saturated", retry_after_s=1.0)
+        if why is not None:
+            return Overloaded(why, code="cluster_saturated", retry_after_s=1.0)
+        return None if self.gate is None else self.gate.refusal()
 
     async def _refuse(self, scope: Scope, send: Send, err: Overloaded) -> None:
         self.metrics.rejected.labels(err.code).inc()
@@ -156,6 +161,9 @@ class AdmissionMiddleware:
         scope = {**scope, "asgi": {**scope.get("asgi", {}), "spec_version": "2.4"}}
         record = self.registry.open(scope["path"])
         self.metrics.inflight.set(len(self.registry))
+        if self.gate is not None:
+            self.gate.admitted(id(record))
+            record.on_first_token = lambda gate=self.gate: gate.first_token(id(record))
         token = current_request.set(record)  # the endpoint task copies this context
         try:
             record.task = asyncio.create_task(self.app(scope, exchange.receive, exchange.send))
@@ -178,6 +186,8 @@ class AdmissionMiddleware:
                     timer.cancel()
         finally:
             current_request.reset(token)
+            if self.gate is not None:
+                self.gate.ended(id(record))
             await record.close()
             self.registry.discard(record)
             self.metrics.inflight.set(len(self.registry))

@@ -36,6 +36,7 @@ class InflightRequest:
         self.task: asyncio.Task | None = None
         self.started = time.monotonic()
         self.cancel_reason: str | None = None   # "disconnect" | "abort" once cancelled
+        self.on_first_token: Callable[[], None] | None = None   # admission's TTFT gate (ttft_gate.py)
         self._cleanups: list[Cleanup] = []
 
     def cancel(self, reason: str) -> bool:
@@ -107,6 +108,14 @@ def bind(request_id: str, label: str, principal: str = "") -> None:
     record = current_request.get()
     if record is not None and record.request_id != request_id:
         record.registry.bind(record, request_id, label, principal)
+
+
+def first_token() -> None:
+    """The current request's first token went out (the pipeline, once per request; no-op outside the middleware)."""
+    record = current_request.get()
+    if record is not None and record.on_first_token is not None:
+        hook, record.on_first_token = record.on_first_token, None
+        hook()
 
 
 def on_close(cleanup: Cleanup) -> bool:

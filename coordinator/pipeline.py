@@ -167,6 +167,7 @@ class Pipeline:
                         if first:
                             activity.mark("coordinator.first_delta")
                             self.cluster.metrics.ttft_seconds.observe(time.monotonic() - ctx.started)
+                            inflight.first_token()   # admission's TTFT gate learns from it
                             first = False
                         check_answer(ctx, "decode", delta.weight_version or "", self.cluster.metrics)
                         sent.setdefault(delta.index, []).extend(delta.token_ids)

@@ -19,7 +19,6 @@ from typing import Any
 
 from .checks import ConfigError, cpu_only_on_cuda, flag_name, is_loopback
 from .sections import (
-    ATTENTION_KERNELS,
     CPU_DECODE_SLOTS,
     CUDA_DECODE_SLOTS,
     DEMO_ALIASES,
@@ -38,7 +37,7 @@ from .sections import (
     StoresConfig,
 )
 
-__all__ = ["ATTENTION_KERNELS", "DEMO_ALIASES", "EVENT_LOOPS", "LINEAR_KERNELS", "ROLES",
+__all__ = ["DEMO_ALIASES", "EVENT_LOOPS", "LINEAR_KERNELS", "ROLES",
            "ROUTING_POLICIES", "SWITCHES", "ConfigError", "EpdConfig", "add_flags", "env_name", "flag_name",
            "from_args", "is_loopback", "schema", "setting_fields"]
 

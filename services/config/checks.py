@@ -54,8 +54,7 @@ def cpu_only_on_cuda(device: str, engines: Any) -> str:
         return ""
     asked = [f"--linear-kernel {engines.linear_kernel}" if engines.linear_kernel in ("panel", "prepacked") else "",
              "--decode-fused on" if engines.decode_fused == "on" else "",
-             "--lm-head-screen on" if engines.lm_head_screen == "on" else "",
-             f"--decode-attention {engines.decode_attention}" if engines.decode_attention != "auto" else ""]
+             "--lm-head-screen on" if engines.lm_head_screen == "on" else ""]
     asked = [a for a in asked if a]
     if not asked:
         return ""

@@ -28,7 +28,6 @@ CPU_DECODE_SLOTS, CUDA_DECODE_SLOTS = 16, 64   # --decode-slots auto (CUDA: the 
 DEMO_ALIASES = {"demo": ("tiny", "epd-demo-qwen2-vl"), "epd-demo-qwen2-vl": ("tiny", "epd-demo-qwen2-vl"),
                 "demo-medium": ("medium", "epd-demo-qwen2-vl-medium")}
 LINEAR_KERNELS = ("auto", "panel", "prepacked", "default")   # services.models.prepack.MODES (checked by a test)
-ATTENTION_KERNELS = ("auto", "c", "torch")          # services.decode.attention.KERNELS (checked by a test)
 ROLES = ("coordinator", "render", "encode", "prefill", "decode")
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")   # vLLM's LogprobsMode
 EVENT_LOOPS = ("uvloop", "asyncio")   # services.runtime.event_loop.LOOPS (checked by a test)
@@ -224,8 +223,6 @@ class EnginesConfig:
     linear_kernel: str = _f("auto", "matmuls of model roles: auto (time F.linear, the panel C kernel and oneDNN "
                             "prepacked weights at start-up on the role's batch sizes, the LM head apart, keep the "
                             "fastest) | panel | prepacked | default (also transformers' own RoPE ops)")
-    decode_attention: str = _f("auto", "decode attention kernel: auto (the compiled C kernel where it applies) "
-                               "| c | torch")
     decode_fused: str = _f("auto", "decode step as one C call over the whole decoder stack (float32 CPU, panel "
                            "linears, Llama/Qwen-shaped layers): auto (wherever it applies; with --linear-kernel auto "
                            "the decoder stack then uses the panel kernel) | on (refuse to start where it does not "
@@ -249,7 +246,6 @@ class EnginesConfig:
 
     def __post_init__(self) -> None:
         _one_of(self, ("linear_kernel",), LINEAR_KERNELS)
-        _one_of(self, ("decode_attention",), ATTENTION_KERNELS)
         _one_of(self, ("decode_fused", "lm_head_screen"), SWITCHES)
         _one_of(self, ("logprobs_mode",), LOGPROBS_MODES)
         _at_least(self, ("kv_cache_mb", "encode_max_batch_tokens", "prefill_max_queue", "encode_max_queue",
@@ -322,6 +318,9 @@ class LimitsConfig:
                                   "queue, the next decode event)", roles="roles")
     max_inflight_requests: int = _f(256, "generation requests the coordinator runs at once; more are answered "
                                     "429 with Retry-After at once", roles="coordinator")
+    ttft_slo_ms: float = _f(0.0, "time-to-first-token target of admission: past capacity a request that would get "
+                            "its first token later is answered 429 with Retry-After at once, so those admitted "
+                            "still meet it (coordinator/ttft_gate.py); 0: admit and queue", roles="coordinator")
     ttft_timeout_s: float = _f(60.0, "time from a request's body to its first token (render, encode, prefill, the "
                                "first decode step); then 504", roles="coordinator")
     stream_idle_timeout_s: float = _f(30.0, "longest wait for the next token once an answer has started, and for a "
@@ -337,7 +336,7 @@ class LimitsConfig:
     def __post_init__(self) -> None:
         _at_least(self, ("max_images_per_request", "max_image_pixels", "max_image_bytes", "max_inflight_requests"), 1)
         _at_least(self, ("max_video_bytes", "max_video_frames", "max_video_frame_pixels"), 1)
-        _at_least(self, ("max_videos_per_request",), 0)   # 0: no videos
+        _at_least(self, ("max_videos_per_request", "ttft_slo_ms"), 0)   # 0: no videos; no TTFT target
         _at_least(self, ("request_timeout_s", "media_timeout_s", "ttft_timeout_s", "stream_idle_timeout_s",
                          "max_request_timeout_s", "body_read_timeout_s", "max_video_duration_s",
                          "video_decode_timeout_s"), 0, strict=True)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.decode.attention import select_attention
+from services.decode.attention import TorchPagedAttention
 from services.decode.block_pool import BlockPool
 from services.decode.fused import choose_fused
 from services.decode.paged_forward import PagedDecoder
@@ -81,16 +81,13 @@ def check_prefill(layout: KVLayout, kv: torch.Tensor, prompt_len: int) -> None:
 
 class DecodeRunner:
     def __init__(self, lm: LanguageModel, pool: BlockPool, max_rows: int, max_model_len: int, sampler: Sampler,
-                 attention: str = "auto", serial_rows: int = 0, fused: str = "auto",
+                 serial_rows: int = 0, fused: str = "auto",
                  fused_serial_rows: int | None = None, lm_head_screen: str = "auto") -> None:
         self.lm, self.pool, self.sampler = lm, pool, sampler
         self.threads, self.serial_rows = compute_threads.count(), serial_rows
         self.serial_steps = 0       # steps that ran on one thread (engine stats, /metrics)
         self.device = pool.kv.device
-        layout = lm.layout
-        first = lm.model.layers[0].self_attn
-        self.attention = select_attention(attention, layout.dtype, self.device, first.config.num_attention_heads,
-                                          layout.num_kv_heads, layout.head_dim)
+        self.attention = TorchPagedAttention()
         self.decoder = PagedDecoder(lm, pool, self.attention)
         self.max_blocks = pool.blocks_for(max_model_len)
         self.tables = torch.zeros((max_rows, self.max_blocks), dtype=torch.int32)

@@ -3,8 +3,8 @@
 CPU: the blocks-major pool and `DecodeRunner` (C kernels, the fused or the eager step: services/decode/runner.py).
 CUDA: a heads-major pool and `GpuRunner` (flex paged attention, CUDA graphs: services/decode/gpu_runner.py); the
 CPU-only options must be left at auto there (services/models/device_plan.py refuses them in the config; a direct caller
-asking for "c" or "torch" gets a ValueError).  `attention="flex"` runs the CUDA step's code on CPU too, eagerly
-and without graphs: the tests and `scripts/gpu_check.sh --dry-run` check its tokens that way.
+asking for any attention but "auto" or "flex" on CUDA gets a ValueError).  `attention="flex"` runs the CUDA step's
+code on CPU too, eagerly and without graphs: the tests and `scripts/gpu_check.sh --dry-run` check its tokens that way.
 """
 
 from __future__ import annotations
@@ -41,5 +41,5 @@ def make_runner(lm: LanguageModel, pool: BlockPool, max_rows: int, max_model_len
     to spend its minutes on requests)."""
     if uses_gpu_step(lm, attention):
         return GpuRunner(lm, pool, max_rows, max_model_len, sampler, graph_buckets)
-    return DecodeRunner(lm, pool, max_rows, max_model_len, sampler, attention, serial_rows, fused,
+    return DecodeRunner(lm, pool, max_rows, max_model_len, sampler, serial_rows, fused,
                         fused_serial_rows, lm_head_screen)

@@ -44,7 +44,7 @@ ROLE_KERNELS = {
     "render": ("resize",),
     "encode": ("panel",),
     "prefill": ("prefill_attention", "panel", "panel_bf16", "head_int8"),   # + its LM head screen
-    "decode": ("panel", "panel_bf16", "fused_step", "fused_step_bf16", "paged_attention", "head_int8"),
+    "decode": ("panel", "panel_bf16", "fused_step", "fused_step_bf16", "head_int8"),
 }
 RELEVANT = frozenset(feature for variant in VARIANTS.values() for feature in variant.features)
 _LOADED: dict[str, Loaded] = {}

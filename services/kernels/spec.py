@@ -71,8 +71,6 @@ _FAST_MATH = ("-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math")
 KERNELS = {k.name: k for k in (
     Kernel("shm_fence", "shm_fence.c", ("portable",), libs=(), fallback="none: the shm connector refuses to start"),
     Kernel("resize", "resize.c", ("avx2", "portable"), libs=(), fallback="numpy"),
-    Kernel("paged_attention", "paged_attention.c", ("avx512", "avx2", "portable"), ("-fopenmp", *_FAST_MATH),
-           openmp=True, fallback="grouped SDPA"),
     Kernel("panel", "panel.c", ("avx512", "avx2"), ("-fopenmp",), openmp=True, fallback="oneDNN or F.linear"),
     Kernel("panel_bf16", "panel.c", ("avx512_bf16", "avx512", "avx2"), ("-fopenmp",), ("EPD_PANEL_BF16",),
            openmp=True, fallback="oneDNN or F.linear"),

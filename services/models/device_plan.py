@@ -1,7 +1,7 @@
 """What a model role runs where, decided once from --device: the CPU machinery is never reached on CUDA.
 
-CPU-only here: the C kernels built with gcc (panel linears, the fused decode step, paged and prefill attention,
-RoPE, the int8 / bfloat16 LM head screen), oneDNN's packed weights and fused MLPs / patch-embedding GEMM
+CPU-only here: the C kernels built with gcc (panel linears, the fused decode step, prefill attention, the int8 /
+bfloat16 LM head screen), oneDNN's packed weights and fused MLPs / patch-embedding GEMM
 (`torch.ops.mkldnn.*`, which have no CUDA kernels: `_reorder_linear_weight` on a CUDA weight crashes), and the
 process knobs of role_cpu (OpenMP teams and spinning, niceness, the compute lease encode and prefill share, the
 long-prompt board).  `plan_for(config)` is the one place that decides; the role apps (services/{encode,prefill,
@@ -10,7 +10,7 @@ tests/services/test_device_plan.py checks the CUDA plan on the "meta" device: no
 no CPU-only entry point is called.
 
 On CUDA, "auto" choices mean off; an explicit CPU-only choice (--linear-kernel panel|prepacked, --decode-fused
-on, --lm-head-screen on, --decode-attention c|torch) is refused with the reason (checked by the
+on, --lm-head-screen on) is refused with the reason (checked by the
 config itself), never silently ignored.  CUDA's own decode step is services/decode/gpu_runner.py.
 """
 
@@ -33,7 +33,7 @@ class DevicePlan:
     native_attention: bool    # prefill's AVX-512 attention kernel (services/models/attention_kernel.py)
     decode_fused: str         # services/decode/fused.py mode ("off" on CUDA)
     lm_head_screen: str       # services/models/head_screen.py mode ("off" on CUDA)
-    decode_attention: str     # CPU: --decode-attention; CUDA: "flex" (services/decode/flex_paged.py)
+    decode_attention: str     # CPU: "auto" (grouped SDPA, services/decode/attention.py); CUDA: "flex" (flex_paged.py)
     cpu_knobs: bool           # role_cpu.apply and the boards `epd serve` hands out (threads, nice, lease)
 
 
@@ -52,4 +52,4 @@ def plan_for(config: EpdConfig) -> DevicePlan:
     if is_cuda(device):
         return DevicePlan(device, False, "default", False, False, "off", "off", "flex", False)
     return DevicePlan(device, True, engines.linear_kernel, engines.linear_kernel != "default", True,
-                      engines.decode_fused, engines.lm_head_screen, engines.decode_attention, True)
+                      engines.decode_fused, engines.lm_head_screen, "auto", True)

@@ -10,13 +10,13 @@ from benchmarks import open_loop
 
 def test_the_bench_command_is_the_users_poisson_run():
     setup = open_loop.Setup()
-    cmd = open_loop.bench_command(setup, "http://127.0.0.1:9", Path("/m"), "image", 2.0, Path("/r/x.json"))
+    cmd = open_loop.bench_command(setup, "http://127.0.0.1:9", Path("/m"), "image", 2.0, Path("/r/x.json"), seed=7)
     joined = " ".join(cmd)
     assert cmd[1:3] == ["bench", "serve"] and cmd[0].endswith("/bin/vllm")
     for part in ("--backend openai-chat", "--dataset-name random-mm", "--random-mm-base-items-per-request 1",
                  "{(224, 224, 1): 1.0}", "--random-input-len 64", "--random-output-len 48", "--ignore-eos",
                  "--request-rate 2.0", "--goodput ttft:2000 tpot:100", "--result-dir /r", "--result-filename x.json",
-                 "--tokenizer /m", "--model bench-model"):
+                 "--tokenizer /m", "--model bench-model", "--seed 7"):
         assert part in joined, part
     text = " ".join(open_loop.bench_command(setup, "u", Path("/m"), "text", 0.5, Path("/r/y.json")))
     assert "--dataset-name random " in text and "random-mm" not in text

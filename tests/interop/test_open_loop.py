@@ -20,6 +20,7 @@ def test_quick_runs_vllm_bench_serve_against_two_epd_clusters(tmp_path):
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     doc = json.loads((tmp_path / "open_loop_quick.json").read_text())
     assert [(r["side"], r["rate"]) for r in doc["runs"]] == [("A", 2.0), ("B", 2.0)]
+    assert [r["seed"] for r in doc["runs"]] == [0, 0]   # both sides of one rate: the same requests
     for run in doc["runs"]:
         result = run["result"]
         assert result["completed"] == 6 and result["failed"] == 0, result

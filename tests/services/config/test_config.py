@@ -31,8 +31,8 @@ def test_booleans_and_lists():
     (["--decode-slots", "-1"], "decode_slots must be >= 0"),
     (["--gpu-memory-fraction", "1.5"], r"gpu_memory_fraction must be in \(0, 1\]"),
     (["--device", "cuda", "--linear-kernel", "panel"], "--linear-kernel panel: CPU-only"),
-    (["--device", "cuda:1", "--decode-fused", "on", "--decode-attention", "c"],
-     "--decode-fused on, --decode-attention c: CPU-only, not available with --device cuda:1"),
+    (["--device", "cuda:1", "--decode-fused", "on", "--lm-head-screen", "on"],
+     "--decode-fused on, --lm-head-screen on: CPU-only, not available with --device cuda:1"),
     (["--dtype", "int4"], "dtype must be one of"),
     (["--port", "70000"], "ports must be"),
 ])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.decode.attention import CPagedAttention, TorchPagedAttention, select_attention
+from services.decode.attention import TorchPagedAttention
 from services.decode.block_pool import BlockPool
 from services.decode.errors import EngineFull
 from services.decode.paged_forward import PagedDecoder
@@ -55,10 +55,9 @@ def engine_block_bytes(tiny) -> int:
     return block_bytes(tiny.lm.layout, 16)
 
 
-@pytest.mark.parametrize("attention", ["c", "torch"])
-def test_both_kernels_give_generate_tokens(tiny, make_engine, prefilled, submit, attention):
-    engine = make_engine(num_slots=4, block_size=8, attention=attention)
-    assert engine.stats().attention_kernel == attention
+def test_the_eager_steps_attention_gives_generate_tokens(tiny, make_engine, prefilled, submit):
+    engine = make_engine(num_slots=4, block_size=8, fused="off")
+    assert engine.stats().attention_kernel == "torch" and engine.stats().step_mode == "eager"
     sinks = [submit(engine, f"k{i}", p, max_tokens=24, **GREEDY) for i, p in enumerate(prefilled)]
     for sink, pre in zip(sinks, prefilled, strict=True):
         sink.wait_done()
@@ -103,8 +102,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_logits_match_hf_within_1e4_and_the_negative_controls_are_caught(tiny, prefilled):
-    kernels = [TorchPagedAttention()] + ([CPagedAttention()] if CPagedAttention.applies(
-        torch.float32, torch.device("cpu"), 4, 2, 16) else [])
+    kernels = [TorchPagedAttention()]
     for pre in prefilled:
         want = hf_first_step_logits(tiny, pre)
         for kernel in kernels:
@@ -121,18 +119,6 @@ def test_the_engine_comparison_catches_a_wrong_rope_position(tiny, make_engine, 
     sink = submit(engine, "shifted", shifted, max_tokens=16, ignore_eos=True, **GREEDY)
     sink.wait_done()
     assert sink.token_ids != tiny.reference(pre, 16)
-
-
-def test_unknown_kernel_and_c_on_bfloat16_are_refused():
-    with pytest.raises(ValueError, match="supported: auto, c, torch"):
-        select_attention("flash", torch.float32, torch.device("cpu"), 4, 2, 16)
-    with pytest.raises(ValueError, match="float32 on CPU"):
-        select_attention("c", torch.bfloat16, torch.device("cpu"), 4, 2, 16)
-    assert select_attention("auto", torch.bfloat16, torch.device("cpu"), 4, 2, 16).name == "torch"
-    from services.config import ATTENTION_KERNELS
-    from services.decode.attention import KERNELS
-
-    assert ATTENTION_KERNELS == KERNELS
 
 
 def test_steps_of_serial_rows_run_on_one_thread_and_the_rest_on_all(tiny, make_engine, prefilled, submit):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.decode.attention import select_attention
+from services.decode.attention import TorchPagedAttention
 from services.decode.block_pool import BlockPool
 from services.decode.fused import FusedStep, choose_fused, unsupported_reason
 from services.decode.paged_forward import PagedDecoder
@@ -25,8 +25,7 @@ class _Batch:
 
     def __init__(self, tiny, prefilled, position_shift: int = 0, len_shift: int = 0) -> None:
         self.pool = BlockPool(tiny.lm.layout, 32 << 20, block_size=16)
-        self.decoder = PagedDecoder(tiny.lm, self.pool, select_attention("c", torch.float32, torch.device("cpu"),
-                                                                         *_heads(tiny)))
+        self.decoder = PagedDecoder(tiny.lm, self.pool, TorchPagedAttention())
         rows = []
         for pre in prefilled:
             assert self.pool.try_reserve(self.pool.blocks_for(pre.prompt_len + 1))
@@ -47,11 +46,6 @@ class _Batch:
     def new_kv(self) -> torch.Tensor:
         """[rows, layers, 2, Hkv, D]: the K/V this step wrote for each row's new token."""
         return torch.stack([self.pool.kv[:, :, block, :, offset] for block, offset in self.written])
-
-
-def _heads(tiny) -> tuple[int, int, int]:
-    layout = tiny.lm.layout
-    return tiny.lm.model.layers[0].self_attn.config.num_attention_heads, layout.num_kv_heads, layout.head_dim
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -107,7 +101,7 @@ def test_it_is_refused_clearly_where_it_does_not_apply(tiny):
 
     plain = adapter_for(tiny.path).load_language(tiny.path, "cpu", "float32", 512)   # F.linear, no panels
     pool = BlockPool(plain.layout, 4 << 20, block_size=16)
-    decoder = PagedDecoder(plain, pool, select_attention("c", torch.float32, torch.device("cpu"), *_heads(tiny)))
+    decoder = PagedDecoder(plain, pool, TorchPagedAttention())
     assert unsupported_reason(decoder) == "layer 0's linears are not panel layers (--linear-kernel panel)"
     assert choose_fused(decoder, "auto", 4) == (None, unsupported_reason(decoder))
     with pytest.raises(ValueError, match="--decode-fused on: layer 0's linears are not panel layers"):

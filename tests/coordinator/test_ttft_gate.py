@@ -1,0 +1,43 @@
+"""The TTFT gate's rule (coordinator/ttft_gate.py): admit while the predicted first token meets the target."""
+
+from __future__ import annotations
+
+import time
+
+from coordinator.ttft_gate import TtftGate
+
+
+def test_admits_until_measured_then_refuses_what_would_miss_the_target():
+    gate = TtftGate(slo_s=0.05)
+    assert gate.refusal() is None                  # nothing measured yet
+    gate.admitted(1)
+    gate.admitted(2)                               # found one waiting
+    assert gate.refusal() is None                  # still nothing measured: admitted
+    time.sleep(0.03)
+    gate.first_token(1)                            # alone: ~30 ms
+    assert 0.03 <= (gate.alone_s or 0) < 0.5 and gate.waiting == 1
+    time.sleep(0.03)
+    gate.first_token(2)                            # 30 ms after the first while it waited: the drain interval
+    assert gate.interval_s is not None and 0.03 <= gate.interval_s < 0.5 and gate.waiting == 0
+    assert gate.refusal() is None                  # nothing waits: always admitted
+    gate.admitted(3)
+    refused = gate.refusal()                       # predicted ~60 ms > 50 ms
+    assert refused is not None and refused.status == 429 and refused.code == "ttft_slo"
+    assert refused.retry_after_s == 1.0
+    gate.ended(3)                                  # failed before its first token: no longer waits
+    assert gate.waiting == 0 and gate.refusal() is None
+
+
+def test_a_generous_target_admits_a_queue_and_retry_after_grows_with_it():
+    gate = TtftGate(slo_s=1.0)
+    gate.alone_s, gate.interval_s = 0.2, 0.3
+    for key in range(2):
+        gate.admitted(key)
+    assert gate.refusal() is None                  # 0.2 + 2 * 0.3 = 0.8 s: within the target
+    gate.admitted(2)
+    refused = gate.refusal()                       # 0.2 + 3 * 0.3 = 1.1 s
+    assert refused is not None and refused.retry_after_s == 1.0
+    for key in range(3, 20):
+        gate.admitted(key)
+    refused = gate.refusal()                       # 0.2 + 20 * 0.3 = 6.2 s: come back in 6 s
+    assert refused is not None and refused.retry_after_s == 6.0
