@@ -1,6 +1,6 @@
 """One OpenMP team per model role vs the old threading, two epd clusters side by side.
 
-A = `epd serve --model demo-medium` as shipped (`--single-omp-team on`, `--omp-spin-count` auto),
+A = `epd serve --model demo-medium` as shipped (`--single-omp-team on`, GOMP_SPINCOUNT 10000),
 B = the same with `--single-omp-team off` (every thread of a role runs torch on all cores, libgomp's
 default spin), or with the flags given by `--b-flags`.  Workload: 64 words + one 224x224 image,
 48 output tokens (greedy, ignore_eos), requests alternating between the two clusters in rounds, at

@@ -242,7 +242,9 @@ class EnginesConfig:
                             roles="prefill, decode")
     decode_serial_rows: int = _f(-1, "decode steps of at most this many rows run on one thread; -1 (auto): none for "
                                   "the fused step (its one OpenMP region wins at every batch size on 2 cores); "
-                                  "unfused, 4 rows where decode may use at most 2 cores, else 1; 0: never")
+                                  "unfused, 4 rows where decode may use at most 2 cores, else 1; 0: never.  Why: to "
+                                  "retune "
+                                  "the eager step on another core count (benchmarks/decode_threads.py measures it)")
 
     def __post_init__(self) -> None:
         _one_of(self, ("linear_kernel",), LINEAR_KERNELS)
@@ -264,25 +266,27 @@ class CpuConfig:
     """How role processes on one machine share its CPUs."""
 
     role_threads: str = _f("", "engine threads per role: '' (one per core), N, or 'encode=1,decode=2' (prefill-long=N: "
-                           "prefill's while it runs a chunked prompt)", roles="roles")
+                           "prefill's while it runs a chunked prompt).  Why: roles or instances that share a machine "
+                           "with other work, or "
+                           "each other, and should not each take every core", roles="roles")
     single_omp_team: str = _f("on", "on: only a model role's engine thread runs torch multi-threaded, so libgomp "
-                              "keeps spinning between regions (services/hostcpu/compute_threads.py) | off",
+                              "keeps spinning between regions (services/hostcpu/compute_threads.py) | off.  Why: "
+                              "only to measure what it "
+                              "gains (benchmarks/omp_team.py)",
                               roles="roles")
-    omp_spin_count: int = _f(-1, "GOMP_SPINCOUNT of model roles: -1 auto (10000 for `epd serve`'s model roles with "
-                             "one team, else libgomp's default; services/hostcpu/role_cpu.py) | N", roles="roles")
-    omp_wait_policy: str = _f("", "OpenMP wait policy of model roles: passive (idle threads sleep, no spinning) "
-                              "| active | '' (libgomp's default)", roles="roles")
     compute_lease: str = _f("auto", "auto: under `epd serve` encode's and prefill's forwards take turns on the cores "
-                            "(services/hostcpu/compute_lease.py) | off", roles="roles")
+                            "(services/hostcpu/compute_lease.py) | off.  Why: roles pinned to cores of their own, "
+                            "which need no turns, "
+                            "or to measure it", roles="roles")
     role_nice: str = _f("auto", "niceness per role and its autogroup ('decode=0,prefill=5'; prefill-long=N: prefill's "
                         "while it runs a chunked prompt, decode-long=N: decode's meanwhile); auto under `epd serve`: "
-                        "decode=15,decode-long=5,prefill-long=19, none alone", roles="roles")
+                        "decode=15,decode-long=5,prefill-long=19, none alone.  Why: to weigh the roles against other "
+                        "work on the "
+                        "machine, or each other on another core count", roles="roles")
 
     def __post_init__(self) -> None:
         _one_of(self, ("single_omp_team",), ("on", "off"))
         _one_of(self, ("compute_lease",), ("auto", "off"))
-        _one_of(self, ("omp_wait_policy",), ("", "passive", "active"))
-        _check(self.omp_spin_count >= -1, "omp_spin_count must be -1 (auto) or a count >= 0")
         nice = self.role_nice.replace("auto", "")
         for name, raw, keys in (("role_threads", self.role_threads, (*ROLES, "prefill-long")),
                                 ("role_nice", nice, (*ROLES, "prefill-long", "decode-long"))):

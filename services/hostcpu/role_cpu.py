@@ -12,12 +12,11 @@ use.  The knobs, all flags (docs/configuration.md):
 - `--role-threads`: "" (torch's default), "N" for every role, or "prefill=2,decode=2,...";
   with `--single-omp-team on` (default) this is the engine thread's count, every other thread of a
   model role runs torch on one (services/hostcpu/compute_threads.py says why);
-- `--omp-wait-policy`: "passive" (idle OpenMP threads sleep at once; GOMP_SPINCOUNT=0),
-  "active" (they spin), "" (leave the environment alone);
-- `--omp-spin-count`: GOMP_SPINCOUNT; auto is libgomp's default (300000 spins: ~15 ms where a pause
-  instruction takes ~140 cycles) except 10000 for `epd serve`'s model roles with one OpenMP team each:
-  between the parallel regions of a forward (tens of microseconds) a thread still catches the next
-  region spinning, but an idle role no longer spins through the others' time;
+- GOMP_SPINCOUNT (no flag): libgomp's default (300000 spins: ~15 ms where a pause instruction takes ~140
+  cycles) except 10000 for `epd serve`'s model roles with one OpenMP team each: between the parallel
+  regions of a forward (tens of microseconds) a thread still catches the next region spinning, but an idle
+  role no longer spins through the others' time.  libgomp's own variables (GOMP_SPINCOUNT,
+  OMP_WAIT_POLICY) set in the environment are left as they are: that is how to change the wait policy;
 - `--role-nice`: niceness added per role; "auto" (default) is "decode=15,decode-long=5,prefill-long=19"
   for the children of `epd serve` (one machine: short prompts' encode and prefill run well ahead of
   decode's steps, so new requests join the decode batch sooner and steps carry more rows, 1.17x output
@@ -77,9 +76,9 @@ def role_values(raw: str, role: str) -> int | None:
 
 
 def spin_count(config: EpdConfig, role: str) -> int | None:
-    """GOMP_SPINCOUNT for `role`, or None to leave libgomp's default (--omp-spin-count)."""
-    if config.cpu.omp_spin_count >= 0:
-        return config.cpu.omp_spin_count
+    """GOMP_SPINCOUNT for `role`, or None to leave libgomp's default (or what the environment sets)."""
+    if "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ:
+        return None
     if config.cpu.single_omp_team == "on" and role in MODEL_ROLES and os.environ.get(SERVE_CHILD):
         return SERVE_SPIN
     return None
@@ -159,16 +158,8 @@ def _open_long_board(role: str) -> None:
 def apply(config: EpdConfig, role: str) -> str:
     """Set this process's threads, wait policy and niceness for `role`; returns a one-line summary."""
     done = []
-    if config.cpu.omp_wait_policy:
-        policy = config.cpu.omp_wait_policy.upper()
-        if "torch" in sys.modules:
-            logger.warning("torch already imported: OMP_WAIT_POLICY=%s may not take effect", policy)
-        os.environ["OMP_WAIT_POLICY"] = policy
-        if policy == "PASSIVE":
-            os.environ["GOMP_SPINCOUNT"] = "0"
-        done.append(f"OMP_WAIT_POLICY={policy}")
     spin = spin_count(config, role)
-    if spin is not None and config.cpu.omp_wait_policy != "passive":
+    if spin is not None:
         os.environ["GOMP_SPINCOUNT"] = str(spin)
         done.append(f"GOMP_SPINCOUNT={spin}")
     threads = role_values(config.cpu.role_threads, role)

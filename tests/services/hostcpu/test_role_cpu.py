@@ -17,8 +17,7 @@ PROBE = """
 import json, os, sys
 from services.config import EpdConfig
 from services.hostcpu.role_cpu import apply
-config = EpdConfig.of(role_threads=sys.argv[1], omp_wait_policy=sys.argv[2], role_nice=sys.argv[3],
-                   single_omp_team=sys.argv[5])
+config = EpdConfig.of(role_threads=sys.argv[1], role_nice=sys.argv[3], single_omp_team=sys.argv[5])
 before = os.nice(0)
 summary = apply(config, sys.argv[4])
 import threading
@@ -46,6 +45,7 @@ def _probe(threads: str, wait: str, nice: str, role: str, serve_child: bool = Fa
             "EPD_COMPUTE_THREADS", "EPD_LONG_COMPUTE_THREADS")
     env = {k: v for k, v in os.environ.items() if k not in skip} | ({"EPD_SERVE_CHILD": "1"} if serve_child else {})
     env |= {"OMP_NUM_THREADS": omp} if omp else {}
+    env |= {"OMP_WAIT_POLICY": wait} if wait else {}   # the user's own libgomp setting
     out = subprocess.run([sys.executable, "-c", PROBE, threads, wait, nice, role, team], capture_output=True,
                          text=True, timeout=120, env=env, check=True, start_new_session=session)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -58,7 +58,11 @@ def _raised(by: int) -> int:
 
 def test_per_role_values_reach_torch_the_environment_and_the_scheduler():
     prefill = _probe("prefill=1,decode=2", "passive", "encode=5,prefill=3", "prefill")
-    assert (prefill["threads"], prefill["nice"], prefill["wait"], prefill["spin"]) == (1, _raised(3), "PASSIVE", "0")
+    assert (prefill["threads"], prefill["nice"], prefill["wait"], prefill["spin"]) == (1, _raised(3), "passive", None)
+    # under `epd serve` a model role spins 10000 times unless the environment says how libgomp waits
+    assert _probe("", "", "", "decode", serve_child=True)["spin"] == "10000"
+    assert _probe("", "passive", "", "decode", serve_child=True)["spin"] is None
+    assert _probe("", "", "", "decode")["spin"] is None
     decode = _probe("prefill=1,decode=2", "", "encode=5,prefill=3", "decode")
     assert (decode["threads"], decode["main"], decode["helper"], decode["nice"], decode["wait"]) == (2, 1, 1, 0, None)
     assert decode["summary"] == "decode cpu policy: one OpenMP team: compute threads=2, other threads 1"
@@ -179,7 +183,7 @@ def test_role_maps_parse_and_bad_ones_are_refused():
     assert role_values("", "decode") is None and role_values("3", "decode") == 3
     assert role_values("decode=2,prefill=1", "prefill") == 1 and role_values("decode=2", "encode") is None
     EpdConfig.of(role_nice="encode=5,prefill=5,prefill-long=10,decode-long=2", role_threads="prefill=2,prefill-long=1")
-    for bad in ({"role_threads": "decoder=2"}, {"role_nice": "prefill=high"}, {"omp_wait_policy": "spin"},
+    for bad in ({"role_threads": "decoder=2"}, {"role_nice": "prefill=high"},
                 {"role_threads": "decode-long=2"}, {"role_nice": "encode-long=3"}):
         with pytest.raises(ConfigError):
             EpdConfig.of(**bad)
