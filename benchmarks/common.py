@@ -190,13 +190,19 @@ def replace_block(path: Path, name: str, body: str) -> None:
     path.write_text(text, encoding="utf-8")
 
 
+def script_module(frame_globals: dict[str, Any]) -> str:
+    """The module a frame runs in: run with `python -m`, a script's __name__ is "__main__" and its spec names it."""
+    spec = frame_globals.get("__spec__")
+    return str(getattr(spec, "name", None) or frame_globals.get("__name__", ""))
+
+
 def _save_doc_block(name: str, body: str) -> None:
     import inspect
 
-    caller = next((f for f in inspect.stack()[2:] if f.frame.f_globals.get("__name__", "").startswith("benchmarks.")
-                   and f.frame.f_globals["__name__"] != __name__), None)
+    caller = next((f for f in inspect.stack()[2:] if script_module(f.frame.f_globals).startswith("benchmarks.")
+                   and script_module(f.frame.f_globals) != __name__), None)
     module = caller.frame.f_globals if caller is not None else {}
-    script = str(module.get("__name__", ""))
+    script = script_module(module) if module else ""
     title = ((module.get("__doc__") or "").strip().splitlines() or [name])[0].rstrip(".")
     write_json({"name": name, "script": script, "title": title, "written": machine()["time"], "body": body.rstrip()},
                DOC_BLOCKS_DIR / f"{name}.json")
