@@ -2,6 +2,8 @@
 
     python -m benchmarks.open_loop                        # demo-medium, epd vs vLLM CPU, rates 0.5 1 2 3, image + text
     python -m benchmarks.open_loop --rates 1,2 --baseline 6fd4072 --name open_loop_arbiter   # epd vs an older epd
+    python -m benchmarks.open_loop --rates 1,2 --baseline self --baseline-flag=--role-nice=decode=0 --name nice0
+                                                          # epd as shipped vs epd with other flags (B only)
     python -m benchmarks.open_loop --quick                # tiny model, one rate, 6 requests, epd vs itself, temp folder
 
 The load generator is `vllm bench serve` from the vLLM peer venv (benchmarks.peers.vllm_env; FACTS.md's
@@ -56,6 +58,7 @@ class Setup:
     output_len: int = 48
     baseline: str = "vllm"
     epd_flags: tuple[str, ...] = ()
+    baseline_flags: tuple[str, ...] = ()   # an epd baseline's own extra flags (after epd_flags: they win)
     name: str = "open_loop"
     quick: bool = False
     seed: int = 0
@@ -107,7 +110,8 @@ def start_baseline(setup: Setup, folder: Path) -> Server:
         from benchmarks.peers import vllm_env
 
         return vllm_env.start_serve(folder, "--served-model-name", SERVED, timeout_s=1800.0)
-    flags = ("--served-model-name", SERVED, "--max-inflight-requests", "1024", *setup.epd_flags)
+    flags = ("--served-model-name", SERVED, "--max-inflight-requests", "1024", *setup.epd_flags,
+             *setup.baseline_flags)
     if setup.baseline == "self":
         server = start_epd(str(folder), *flags)
     else:
@@ -186,8 +190,12 @@ def parse(argv: list[str] | None) -> tuple[Setup, bool]:
     parser.add_argument("--num-prompts", type=int, default=0, help="requests per workload, rate and side")
     parser.add_argument("--baseline", default="", help="vllm (default) | self | a git ref of epd")
     parser.add_argument("--epd-flag", action="append", default=[], help="an extra `epd serve` flag (both epd sides)")
+    parser.add_argument("--baseline-flag", action="append", default=[],
+                        help="an extra `epd serve` flag for an epd baseline only (self or a git ref): A/B of a setting")
     parser.add_argument("--name", default="", help="the JSON's name (default open_loop; other names skip the docs)")
     args = parser.parse_args(argv)
+    if args.baseline_flag and args.baseline in ("", "vllm"):
+        parser.error("--baseline-flag needs an epd baseline (--baseline self or a git ref)")
     setup = Setup.quick_run() if args.quick else Setup()
     changes: dict[str, Any] = {"model": args.model if args.model != Setup.model or not args.quick else setup.model}
     if args.rates:
@@ -201,6 +209,7 @@ def parse(argv: list[str] | None) -> tuple[Setup, bool]:
         if value:
             changes[key] = value
     changes["epd_flags"] = tuple(args.epd_flag)
+    changes["baseline_flags"] = tuple(args.baseline_flag)
     setup = Setup(**{**setup.__dict__, **changes})
     return setup, not setup.quick and setup.name == "open_loop" and setup.baseline == "vllm"
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from benchmarks import open_loop
 
 
@@ -38,3 +40,13 @@ def test_figures_are_epd_over_the_baseline_per_workload_and_rate():
     assert found["TPOT p50, image, 1 req/s, epd / vllm"].value == 1.25
     assert found["goodput, image, 1 req/s, epd / vllm"].value == 2.0 and found["goodput, image, 1 req/s, "
                                                                               "epd / vllm"].op == "ge"
+
+
+def test_baseline_flags_go_to_an_epd_baseline_only(capsys):
+    setup, docs = open_loop.parse(["--baseline", "self", "--baseline-flag=--role-nice=decode=0", "--rates", "1,2",
+                                   "--name", "nice0"])
+    assert setup.baseline_flags == ("--role-nice=decode=0",) and setup.epd_flags == () and not docs
+    assert setup.rates == (1.0, 2.0)
+    with pytest.raises(SystemExit):
+        open_loop.parse(["--baseline-flag=--role-nice=decode=0"])   # the vLLM baseline takes no epd flag
+    assert "--baseline-flag needs an epd baseline" in capsys.readouterr().err
