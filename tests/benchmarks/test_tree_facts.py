@@ -12,7 +12,8 @@ def test_lines_are_the_files_newlines_and_stubs_are_left_out():
     assert counted["services/decode/engine.py"] == (ROOT / "services/decode/engine.py").read_bytes().count(b"\n")
     doc = tree_facts.facts()
     assert doc["lines"] == sum(counted.values()) == sum(doc["lines_per_package"].values())
-    assert doc["import_circles"] == [] and doc["files_over_400_lines"] == {}
+    assert doc["lines_per_package"]["services/decode"] == sum(
+        n for f, n in counted.items() if f.startswith("services/decode/") and f.count("/") == 2)
 
 
 def test_a_commit_is_counted_from_git():
