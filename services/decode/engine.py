@@ -216,7 +216,8 @@ class DecodeEngine(SampleGroups, StepLoop):
                                self._tokens, self._finished, self.pool.stats(), self._bytes_copied,
                                self._runner.attention_kernel, self._runner.step_mode,
                                self._runner.serial_steps, *self._runner.screen_counts,
-                               self._runner.screen.kernel if self._runner.screen is not None else "")
+                               self._runner.screen.kernel if self._runner.screen is not None else "",
+                               float(getattr(self._runner, "yielded_s", 0.0)))
 
     @property
     def graph_replays(self) -> int:

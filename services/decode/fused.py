@@ -68,6 +68,29 @@ def _kernel(weight_dtype: torch.dtype = torch.float32) -> Any:
     return lib
 
 
+def _yield_to_prompt(lib: Any) -> tuple[Any, list[Any]]:
+    """Point the step's per-layer yield (fused_step.c's epd_fused_yield_to) at the compute lease's board where this
+    decode follows one (services/hostcpu/compute_lease.py), or at none; (the library's pause counter, the boards'
+    buffers: the step keeps them so the memory the kernel reads stays mapped)."""
+    from services.hostcpu import compute_lease, role_cpu
+
+    setter, counter = lib.epd_fused_yield_to, lib.epd_fused_yielded_ns
+    setter.argtypes = [_P, ctypes.c_int, _P, ctypes.c_int, ctypes.c_int64]
+    setter.restype = None
+    counter.argtypes, counter.restype = [], ctypes.c_int64
+    follower, longs = compute_lease.follower(), role_cpu.long_board()
+    if follower is None:
+        setter(None, 0, None, 0, 0)   # the library's settings outlive a step: an earlier one's are undone
+        return counter, []
+    kept = [ctypes.c_char.from_buffer(follower.board)]
+    if longs is not None:
+        kept.append(ctypes.c_char.from_buffer(longs))
+    setter(ctypes.addressof(kept[0]), compute_lease.BOARD_BYTES,
+           ctypes.addressof(kept[1]) if longs is not None else None,
+           role_cpu.LONG_BOARD_BYTES if longs is not None else 0, int(compute_lease.YIELD_BUDGET_S * 1e9))
+    return counter, kept
+
+
 def _is_rms_norm(module: Any) -> bool:
     name = type(module).__name__
     weight = getattr(module, "weight", None)
@@ -127,7 +150,9 @@ class FusedStep:
             raise ValueError(f"fused decode step: {reason}")
         self.decoder, self.max_rows = decoder, max_rows
         self.weight_dtype = panel_dtype(decoder)
-        self._fn = _kernel(self.weight_dtype).epd_fused_step
+        lib = _kernel(self.weight_dtype)
+        self._fn = lib.epd_fused_step
+        self._yielded_ns, self._boards = _yield_to_prompt(lib)
         first = decoder.layers[0]
         self.hidden_size = first.input_layernorm.weight.shape[0]
         self.intermediate = first.mlp.gate_proj.out_features
@@ -156,6 +181,11 @@ class FusedStep:
         self._buffers = {name: torch.empty(max_rows, width, dtype=torch.float32) for name, width in widths.items()}
         self._scratch = _Scratch(**{name: _ptr(buf) for name, buf in self._buffers.items()},
                                  x_threads=self.max_threads)
+
+    @property
+    def yielded_s(self) -> float:
+        """Seconds this process's fused steps paused for prompt-side forwards (fused_step.c's counter)."""
+        return self._yielded_ns() / 1e9
 
     @torch.inference_mode()
     def __call__(self, token_ids: torch.Tensor, positions: torch.Tensor, write_blocks: torch.Tensor,

@@ -37,6 +37,7 @@ class EngineStats:
     screen_full_rows: int = 0     # rows the screen sent back to the full head
     screen_candidates: int = 0    # float32 logits the screen computed for its candidates
     screen_kernel: str = ""       # the screen's kernel now: int8 | pairs | widened ("" without a screen)
+    yielded_s: float = 0.0        # steps paused for prompt-side forwards on the same cores (compute_lease.py)
 
 
 ENGINE_GAUGES: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
@@ -65,6 +66,9 @@ ENGINE_GAUGES: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
     "epd_decode_lm_head_screen_int8": ("1 while the LM head screen runs its int8 kernel; --lm-head-screen auto moves "
                                        "to the bfloat16 pairs for good if int8 does not suit its first 64 rows",
                                        lambda s: float(s.screen_kernel == "int8")),
+    "epd_decode_yield_seconds_total": ("Seconds decode steps paused, at a layer's start, while encode or prefill "
+                                       "computed on the same cores (services/hostcpu/compute_lease.py)",
+                                       lambda s: s.yielded_s),
     "epd_decode_kv_copied_bytes_total": ("Prompt KV bytes copied into the pool (one copy per request)",
                                    lambda s: s.kv_bytes_copied),
 }

@@ -15,12 +15,14 @@ One step: rows b = 0..B-1 each feed one token at `positions[b]`; its K/V is writ
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from services.decode.block_pool import BlockPool
+from services.hostcpu import compute_lease, role_cpu
 from services.models.base import LanguageModel
 
 AttentionFn = Callable[..., torch.Tensor]
@@ -50,6 +52,7 @@ class PagedDecoder:
         check_supported(stack)
         self.lm, self.pool, self.attention = lm, pool, attention
         self.layers = list(stack.layers)
+        self.yielded_s = 0.0   # paused for prompt-side forwards (services/hostcpu/compute_lease.py)
         self.norm = stack.norm
         layout = lm.layout
         first = self.layers[0].self_attn
@@ -77,7 +80,11 @@ class PagedDecoder:
         hidden = self.lm.embed(token_ids[:, None])[:, 0]
         cos, sin = self.rope(positions)
         cos, sin = cos[:, None], sin[:, None]
+        follower = compute_lease.follower()
+        deadline = time.monotonic() + compute_lease.YIELD_BUDGET_S
         for index, layer in enumerate(self.layers):
+            if follower is not None and follower.busy():   # as the fused step: prompt-side forwards go first
+                self.yielded_s += follower.pause(deadline, role_cpu.long_prompt_prefilling)
             attn = layer.self_attn
             x = layer.input_layernorm(hidden)
             q = attn.q_proj(x).view(rows, self.num_heads, self.head_dim)

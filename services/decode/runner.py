@@ -34,7 +34,7 @@ from services.decode.block_pool import BlockPool
 from services.decode.fused import choose_fused
 from services.decode.paged_forward import PagedDecoder
 from services.decode.request_blocks import RequestBlocks
-from services.hostcpu import compute_threads, role_cpu
+from services.hostcpu import compute_lease, compute_threads, role_cpu
 from services.models.base import KVLayout, LanguageModel
 from services.models.head_screen import HeadScreen, build_screen
 from services.observability.compute_metrics import compute_timer
@@ -86,6 +86,7 @@ class DecodeRunner:
         self.lm, self.pool, self.sampler = lm, pool, sampler
         self.threads, self.serial_rows = compute_threads.count(), serial_rows
         self.serial_steps = 0       # steps that ran on one thread (engine stats, /metrics)
+        self._yielded_before = 0.0  # yielded_s before the last step (before_step)
         self.device = pool.kv.device
         self.attention = TorchPagedAttention()
         self.decoder = PagedDecoder(lm, pool, self.attention)
@@ -122,8 +123,15 @@ class DecodeRunner:
         compute_threads.enter()
 
     def before_step(self) -> None:
-        """Decode's niceness while a long prompt prefills (role_cpu.py)."""
+        """Decode's niceness while a long prompt prefills (role_cpu.py); a compute-lease flag a killed prompt-side
+        holder left is cleared once a step paused its whole budget for it (compute_lease.py)."""
         role_cpu.follow_long_prefill()
+        yielded = self.yielded_s
+        if yielded - self._yielded_before >= 0.9 * compute_lease.YIELD_BUDGET_S:
+            follower = compute_lease.follower()
+            if follower is not None:
+                follower.clear_stale()
+        self._yielded_before = yielded
 
     def place(self, row: int, blocks: RequestBlocks) -> None:
         """Row `row` now belongs to `blocks`: copy its block table in (done when a request joins)."""
@@ -184,6 +192,11 @@ class DecodeRunner:
             for i, token in zip(full, picked, strict=True):
                 tokens[i] = token
         return tokens
+
+    @property
+    def yielded_s(self) -> float:
+        """Seconds the steps paused for prompt-side forwards sharing the cores (compute_lease.py)."""
+        return self.decoder.yielded_s + (self.fused.yielded_s if self.fused is not None else 0.0)
 
     @property
     def screen_counts(self) -> tuple[int, int, int]:

@@ -5,12 +5,19 @@ one thread per core, and a forward is hundreds of parallel regions, each ending 
 prefill's forwards run at once, four threads share two cores and every region waits for the thread the
 scheduler preempted (services/models/timing_lock.py met the same at start-up: kernels timed side by side came
 out 0.23x-0.81x of their speed alone).  With the lease the two roles' forwards take turns, each on all cores.
-Decode is not part of it: its steps are short, and `--role-nice` already gives the prompt roles the cores first.
+Decode does not take the lease: it follows it.  A decode step pauses at the start of each layer while a prompt-side
+forward holds or waits for the lease, for at most YIELD_BUDGET_S a step (`follow_from_env`, the fused step's
+epd_fused_yield_to, the eager step's `yield_to_prompt`).  Niceness alone did not keep decode off the cores: a
+nice-15 team runs in every gap a prompt forward's threads leave, and, once running, keeps the core for a scheduler
+slice while the prompt team waits at its next barrier (at 2 req/s, Poisson, encode and prefill forwards took
+1.6-1.9x their time alone, decode holding half a core through them).  vLLM's one scheduler gets the same order by
+running a new prompt's prefill before the next decode step.
 
 The lease is an exclusive flock on a small file in /dev/shm (`epd serve` makes one per cluster and gives its path
-to the encode and prefill processes); the kernel drops a dead holder's lock.  The file's first bytes are a
-board of waiting flags, one per process (its slot); a process that held the lease last lets another that is
-waiting go first (for at most FAIR_S), so a role whose forwards follow each other closely cannot keep it.
+to the encode, prefill and decode processes); the kernel drops a dead holder's lock.  The file's first bytes are a
+board of flags, one per prompt-side process (its slot): WAITING while it waits, HOLDING while it holds.  A
+process that held the lease last lets another that is waiting go first (for at most FAIR_S), so a role whose
+forwards follow each other closely cannot keep it.
 A wait longer than `wait_s` computes without the lease (and says so in the log); the wait itself is observed
 in `epd_compute_lease_wait_seconds{stage}`, outside the stage's compute time.  `taken_now` never waits: an
 engine about to run a small forward on its event loop (compute_threads.INLINE_FORWARD_FLOPS) takes the lease
@@ -26,7 +33,7 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import Histogram
 
@@ -37,6 +44,8 @@ SLOT_ENV = "EPD_COMPUTE_LEASE_SLOT"        # this process's waiting flag on the 
 BOARD_BYTES = 64
 STAGES = ("encode", "prefill")             # the compute stages that hold the lease (decode's steps do not)
 FAIR_S = 0.05                              # how long the last holder defers to a waiter
+WAITING, HOLDING = 1, 2                    # a slot's flag on the board
+YIELD_BUDGET_S = 0.5                       # the most a decode step pauses for prompt-side forwards
 WAIT_S = 10.0                              # the longest wait for the lease before computing without it
 _POLL_S = (5e-5, 5e-4)                     # the waiting poll's first and longest sleep
 LEASE_WAIT = Histogram("epd_compute_lease_wait_seconds", "Time a forward waited for the compute lease (encode and "
@@ -66,7 +75,7 @@ class ComputeLease:
 
     def _others_waiting(self) -> bool:
         board = self._board[:BOARD_BYTES]
-        return any(flag for index, flag in enumerate(board) if index != self.slot)
+        return any(flag == WAITING for index, flag in enumerate(board) if index != self.slot)
 
     def _try(self) -> bool:
         try:
@@ -82,9 +91,11 @@ class ComputeLease:
             began = time.monotonic()
             got = self._acquire(began)
             LEASE_WAIT.labels(stage).observe(time.monotonic() - began)
+            self._board[self.slot] = HOLDING   # decode pauses meanwhile (also when computing without the lease)
             try:
                 yield got
             finally:
+                self._board[self.slot] = 0     # before the unlock: a flag never outlives its holder's lock
                 if got:
                     fcntl.flock(self._fd, fcntl.LOCK_UN)
                 self._held_last = got
@@ -96,9 +107,11 @@ class ComputeLease:
         if (self._held_last and self._others_waiting()) or not self._try():
             self._mutex.release()
             return False
+        self._board[self.slot] = HOLDING
         return True
 
     def release(self) -> None:
+        self._board[self.slot] = 0
         fcntl.flock(self._fd, fcntl.LOCK_UN)
         self._held_last = True
         self._mutex.release()
@@ -106,7 +119,7 @@ class ComputeLease:
     def _acquire(self, began: float) -> bool:
         if not (self._held_last and self._others_waiting()) and self._try():
             return True
-        self._board[self.slot] = 1
+        self._board[self.slot] = WAITING
         try:
             pause = _POLL_S[0]
             while True:
@@ -128,6 +141,63 @@ class ComputeLease:
         os.close(self._fd)
 
 
+class Follower:
+    """Decode's view of the lease at `path`: whether a prompt-side forward holds or waits for it.  Never takes it."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_RDWR)
+        self.board = mmap.mmap(self._fd, BOARD_BYTES)   # read here; its address goes to the fused step
+        self.stale_cleared = 0
+
+    def busy(self) -> bool:
+        return self.board[:BOARD_BYTES] != bytes(BOARD_BYTES)
+
+    def clear_stale(self) -> bool:
+        """HOLDING flags no lock stands behind (a holder killed mid-forward) cleared; True if there were any.
+        A flag is set after its lock is taken and cleared before it is dropped, so with a shared lock of our
+        own (no holder can exist) a HOLDING flag left is stale."""
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        try:
+            stale = [index for index, flag in enumerate(self.board[:BOARD_BYTES]) if flag == HOLDING]
+            for index in stale:
+                self.board[index] = 0
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        if stale:
+            self.stale_cleared += len(stale)
+            logger.warning("compute lease %s: cleared %d flag(s) a killed holder left", self.path, len(stale))
+        return bool(stale)
+
+    def pause(self, deadline: float, long_running: Callable[[], bool] = lambda: False) -> float:
+        """Sleeps while the board is busy (and no long prompt prefills), until `deadline` (monotonic);
+        the seconds paused (the eager step, between layers; the fused step does the same in C)."""
+        began = now = time.monotonic()
+        while now < deadline and self.busy() and not long_running():
+            time.sleep(1e-4)
+            now = time.monotonic()
+        return now - began
+
+
+_FOLLOWER: list[Follower] = []
+
+
+def follow_from_env() -> str:
+    """Decode's start-up: the lease `epd serve` made, followed (EPD_COMPUTE_LEASE_PATH without a slot)."""
+    path = os.environ.get(LEASE_ENV, "")
+    if not path:
+        return ""
+    _FOLLOWER[:] = [Follower(path)]
+    return f"decode steps yield to prompt-side forwards on {path} (at most {YIELD_BUDGET_S:g} s a step)"
+
+
+def follower() -> Follower | None:
+    return _FOLLOWER[0] if _FOLLOWER else None
+
+
 _LEASE: list[ComputeLease] = []
 _TAKEN = threading.local()   # .on: this thread took the lease with taken_now; its forwards' `held` is a no-op
 
@@ -135,6 +205,7 @@ _TAKEN = threading.local()   # .on: this thread took the lease with taken_now; i
 def configure(path: str, slot: int) -> ComputeLease:
     """This process's lease (the roles' start-up); compute_metrics.compute_timer holds it around forwards."""
     lease = ComputeLease(path, slot)
+    lease._board[slot] = 0   # a flag an earlier process in this slot left when it was killed
     _LEASE[:] = [lease]
     return lease
 
@@ -178,5 +249,5 @@ def taken_now(stage: str) -> Iterator[bool]:
         lease.release()
 
 
-__all__ = ["BOARD_BYTES", "LEASE_ENV", "SLOT_ENV", "STAGES", "ComputeLease", "configure", "configure_from_env",
-           "create", "held", "taken_now"]
+__all__ = ["BOARD_BYTES", "HOLDING", "LEASE_ENV", "SLOT_ENV", "STAGES", "WAITING", "YIELD_BUDGET_S", "ComputeLease",
+           "Follower", "configure", "configure_from_env", "create", "follow_from_env", "follower", "held", "taken_now"]

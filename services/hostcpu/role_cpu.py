@@ -121,6 +121,17 @@ def long_prompt_running(running: bool) -> None:
         _GROUP["now"] = value
 
 
+def long_board() -> mmap.mmap | None:
+    """The long-prompt board where this process opened one (decode's steps do not yield to a long prompt)."""
+    board = _LONG.get("map")
+    return board if isinstance(board, mmap.mmap) else None
+
+
+def long_prompt_prefilling() -> bool:
+    board = long_board()
+    return board is not None and any(board[:LONG_BOARD_BYTES])
+
+
 def follow_long_prefill() -> None:
     """Decode's engine, before each step: its autogroup's niceness back to decode-long while any prefill of the
     cluster runs a chunked prompt (that prefill's own group is at prefill-long then), to its base after.  So
@@ -194,10 +205,10 @@ def apply(config: EpdConfig, role: str) -> str:
             if group and longer is not None:
                 _GROUP.update(base=os.nice(0), long=max(0, min(19, os.nice(0) - nice + longer)), now=os.nice(0))
                 done.append(f"autogroup nice={_GROUP['long']} while a chunked prompt prefills")
-    if role in ("encode", "prefill"):
+    if role in ("encode", "prefill", "decode"):
         from services.hostcpu import compute_lease
 
-        lease = compute_lease.configure_from_env()
+        lease = compute_lease.follow_from_env() if role == "decode" else compute_lease.configure_from_env()
         if lease:
             done.append(lease)
     summary = f"{role} cpu policy: " + (", ".join(done) or "defaults")

@@ -194,17 +194,21 @@ def long_prefill_env(config: EpdConfig, children: list[Child]) -> dict[str, dict
 
 
 def compute_lease_env(config: EpdConfig, children: list[Child]) -> dict[str, dict[str, str]]:
-    """The compute lease encode and prefill take turns on (services/hostcpu/compute_lease.py, --compute-lease auto): one
-    in /dev/shm under this cluster's instance id (remove_segments removes it), a waiting flag per process."""
+    """The compute lease encode and prefill take turns on and decode's steps yield to (compute_lease.py, --compute-lease
+    auto): one in /dev/shm under this cluster's instance id (remove_segments removes it), a flag per prompt-side
+    process; decode processes get its path without a slot (they follow it, never take it)."""
     from services.hostcpu import compute_lease
 
     takers = [c for c in children if c.role in ("encode", "prefill")]
-    if (config.cpu.compute_lease != "auto" or not os.path.isdir("/dev/shm") or len(takers) < 2
-            or len(takers) > compute_lease.BOARD_BYTES):
+    followers = [c for c in children if c.role == "decode"]
+    if (config.cpu.compute_lease != "auto" or not os.path.isdir("/dev/shm") or not takers
+            or len(takers) + len(followers) < 2 or len(takers) > compute_lease.BOARD_BYTES):
         return {}
     path = compute_lease.create(os.path.join("/dev/shm", f"epd-lease-{config.server.instance_id}"))
-    return {c.instance_id: {compute_lease.LEASE_ENV: path, compute_lease.SLOT_ENV: str(slot)}
-            for slot, c in enumerate(takers)}
+    env = {c.instance_id: {compute_lease.LEASE_ENV: path, compute_lease.SLOT_ENV: str(slot)}
+           for slot, c in enumerate(takers)}
+    env.update({c.instance_id: {compute_lease.LEASE_ENV: path} for c in followers})
+    return env
 
 
 def start_order(config: EpdConfig, roles: list[Child]) -> list[list[Child]]:

@@ -109,20 +109,27 @@ def _held_elsewhere(path: str) -> bool:
     return False
 
 
-def test_epd_serve_gives_encode_and_prefill_one_lease_and_their_own_slots():
+def test_epd_serve_gives_encode_and_prefill_one_lease_and_their_own_slots_and_decode_its_path():
     children = [Child(role, f"i_{role}{n}", 0, 0) for role, n in
                 (("render", 0), ("encode", 0), ("prefill", 0), ("prefill", 1), ("decode", 0))]
     config = EpdConfig.of(instance_id="leasetest")
     env = compute_lease_env(config, children)
     try:
-        assert set(env) == {"i_encode0", "i_prefill0", "i_prefill1"}
+        assert set(env) == {"i_encode0", "i_prefill0", "i_prefill1", "i_decode0"}
         assert {e[compute_lease.LEASE_ENV] for e in env.values()} == {"/dev/shm/epd-lease-leasetest"}
-        assert sorted(e[compute_lease.SLOT_ENV] for e in env.values()) == ["0", "1", "2"]
+        assert sorted(e[compute_lease.SLOT_ENV] for e in env.values() if compute_lease.SLOT_ENV in e) == \
+            ["0", "1", "2"]
+        assert compute_lease.SLOT_ENV not in env["i_decode0"]   # decode follows the lease, never takes it
         assert os.path.getsize("/dev/shm/epd-lease-leasetest") == compute_lease.BOARD_BYTES
     finally:
         os.unlink("/dev/shm/epd-lease-leasetest")
     assert compute_lease_env(config.with_(compute_lease="off"), children) == {}
-    alone = [c for c in children if c.role != "encode" and c.instance_id != "i_prefill1"]   # one prompt role: none
+    text_only = [c for c in children if c.role != "encode" and c.instance_id != "i_prefill1"]
+    try:   # one prompt role and a decode: decode still yields to prefill's forwards
+        assert set(compute_lease_env(config, text_only)) == {"i_prefill0", "i_decode0"}
+    finally:
+        os.unlink("/dev/shm/epd-lease-leasetest")
+    alone = [c for c in text_only if c.role != "decode"]   # nobody to share the cores with: none
     assert compute_lease_env(config, alone) == {}
     with pytest.raises(ConfigError, match="compute_lease must be one of auto, off"):
         EpdConfig.of(compute_lease="on")

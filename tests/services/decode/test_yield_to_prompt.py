@@ -1,0 +1,160 @@
+"""Decode steps yield to prompt-side forwards (services/hostcpu/compute_lease.py, fused_step.c's epd_fused_yield_to).
+
+A real process holds the real lease file (as encode's or prefill's forward does): a fused step and an eager step
+started meanwhile pause at a layer's start until it lets go, then give exactly the logits of a step that never
+paused.  The negative controls: the same step with no lease followed, or while a long prompt prefills, does not
+wait.  A holder killed mid-forward leaves its flag; a step then pauses only its budget, and the flag is cleared
+(not while a live holder stands behind it)."""
+
+from __future__ import annotations
+
+import mmap
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.decode.attention import TorchPagedAttention
+from services.decode.block_pool import BlockPool
+from services.decode.fused import FusedStep
+from services.decode.paged_forward import PagedDecoder
+from services.decode.request_blocks import RequestBlocks
+from services.hostcpu import compute_lease, role_cpu
+
+ROOT = Path(__file__).resolve().parents[3]
+_HOLDER = textwrap.dedent("""
+    import sys, time
+    from services.hostcpu import compute_lease
+    path, hold_s = sys.argv[1], float(sys.argv[2])
+    compute_lease.configure(path, 0)
+    with compute_lease.held("prefill"):
+        print("held", flush=True)
+        time.sleep(hold_s)             # the forward (sleeping, so the step under test has the cores)
+    print("released", flush=True)
+""")
+
+
+def _hold(path: str, hold_s: float) -> subprocess.Popen:
+    """A process holding the lease for `hold_s`; returns once it holds it."""
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, path, str(hold_s)], cwd=ROOT, stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+    return proc
+
+
+@pytest.fixture
+def lease(tmp_path, monkeypatch):
+    """A lease file this process follows as decode does; no long-prompt board unless a test opens one."""
+    path = compute_lease.create(str(tmp_path / "lease"))
+    monkeypatch.setenv(compute_lease.LEASE_ENV, path)
+    monkeypatch.setattr(role_cpu, "_LONG", {})
+    assert compute_lease.follow_from_env()
+    yield path
+    compute_lease._FOLLOWER.clear()
+
+
+class _Step:
+    """One decode step's inputs over a fresh pool (the prompts' KV loaded), fused or eager."""
+
+    def __init__(self, tiny, prefilled) -> None:
+        self.pool = BlockPool(tiny.lm.layout, 32 << 20, block_size=16)
+        self.decoder = PagedDecoder(tiny.lm, self.pool, TorchPagedAttention())
+        rows = []
+        for pre in prefilled:
+            assert self.pool.try_reserve(self.pool.blocks_for(pre.prompt_len + 1))
+            blocks = RequestBlocks(self.pool, self.pool.blocks_for(pre.prompt_len + 1))
+            blocks.load(pre.kv)
+            position = blocks.num_tokens
+            block, offset, _ = blocks.append_slot()
+            rows.append((pre.first_token, position + pre.rope_delta, block, offset, blocks))
+        tables = torch.zeros((len(rows), max(len(r[4].blocks) for r in rows)), dtype=torch.int32)
+        for index, row in enumerate(rows):
+            tables[index, :len(row[4].blocks)] = torch.tensor(row[4].blocks, dtype=torch.int32)
+        self.inputs = (torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows]),
+                       torch.tensor([r[2] for r in rows]), torch.tensor([r[3] for r in rows]), tables,
+                       torch.tensor([r[4].num_tokens for r in rows], dtype=torch.int32))
+
+    @torch.inference_mode()
+    def run(self, fused: bool) -> tuple[torch.Tensor, float]:
+        began = time.monotonic()
+        out = FusedStep(self.decoder, 4)(*self.inputs) if fused else self.decoder.forward(*self.inputs)
+        return out, time.monotonic() - began
+
+
+def _reference(tiny, prefilled, fused: bool) -> torch.Tensor:
+    follower = compute_lease._FOLLOWER[:]
+    compute_lease._FOLLOWER.clear()
+    try:
+        return _Step(tiny, prefilled).run(fused)[0]
+    finally:
+        compute_lease._FOLLOWER[:] = follower
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "eager"])
+def test_a_step_pauses_while_a_prompt_forward_holds_the_lease_and_gives_the_same_logits(tiny, prefilled, lease,
+                                                                                        fused):
+    want = _reference(tiny, prefilled, fused)
+    step = _Step(tiny, prefilled)
+    holder = _hold(lease, 0.6)
+    try:
+        board = compute_lease.follower().board
+        assert board[0] == compute_lease.HOLDING
+        got, took = step.run(fused)
+    finally:
+        holder.wait(timeout=30)
+    assert torch.equal(got, want)                       # paused at a layer's start, then went on where it was
+    assert 0.3 <= took < 5.0, took                      # the holder's remaining ~0.6 s, not the 0.5 s... budget
+    assert board[0] == 0                                # the holder cleared its flag before letting go
+    again, quick = step.run(fused)                      # nobody holds it now: no pause
+    assert quick < 0.3 and again.shape == want.shape
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "eager"])
+def test_negative_controls_no_lease_followed_or_a_long_prompt_prefilling_do_not_wait(tiny, prefilled, lease,
+                                                                                     tmp_path, fused):
+    holder = _hold(lease, 1.5)
+    try:
+        follower = compute_lease._FOLLOWER[:]
+        compute_lease._FOLLOWER.clear()
+        try:
+            _, took = _Step(tiny, prefilled).run(fused)         # this decode follows no lease
+        finally:
+            compute_lease._FOLLOWER[:] = follower
+        assert took < 0.4, took
+        longs = tmp_path / "long"
+        longs.write_bytes(bytes(role_cpu.LONG_BOARD_BYTES))
+        with open(longs, "r+b") as file:
+            board = mmap.mmap(file.fileno(), role_cpu.LONG_BOARD_BYTES)
+        board[0] = 1                                            # prefill runs a chunked prompt: decode goes first
+        role_cpu._LONG["map"] = board
+        _, took = _Step(tiny, prefilled).run(fused)
+        assert took < 0.4, took
+    finally:
+        holder.wait(timeout=30)
+
+
+def test_a_killed_holders_flag_costs_a_step_its_budget_and_is_cleared(tiny, prefilled, lease, monkeypatch):
+    monkeypatch.setattr(compute_lease, "YIELD_BUDGET_S", 0.25)
+    holder = _hold(lease, 60)
+    follower = compute_lease.follower()
+    assert follower.clear_stale() is False                     # a live holder stands behind its flag
+    holder.kill()
+    holder.wait(timeout=30)
+    assert follower.board[0] == compute_lease.HOLDING          # SIGKILL: its flag stayed
+    step = _Step(tiny, prefilled)
+    _, took = step.run(fused=True)
+    assert 0.25 <= took < 2.0, took                            # the budget, not forever
+    _, took = step.run(fused=False)
+    assert 0.25 <= took < 2.0, took
+    assert step.decoder.yielded_s >= 0.25
+    assert follower.clear_stale() is True and not follower.busy()
+    _, took = step.run(fused=True)
+    assert took < 0.2, took
+    # a new process in that slot clears what its predecessor left
+    follower.board[0] = compute_lease.HOLDING
+    compute_lease.configure(lease, 0).close()
+    assert follower.board[0] == 0
