@@ -26,7 +26,7 @@ GROUPS: list[tuple[str, tuple[str, ...]]] = [
         "vs-vllm", "open-loop", "vs-vllm-bf16", "vs-vllm-video", "ttft-vs-vllm", "datapath-ttft",
         "vs-transformers-serve", "vs-llama-cpp")),
     ("Latency of one request: where the time goes", (
-        "datapath-overhead", "datapath-overhead-demo-medium", "request-trace", "hop-latency")),
+        "open-loop-stages", "datapath-overhead", "datapath-overhead-demo-medium", "request-trace", "hop-latency")),
     ("Engines and throughput", (
         "engine-targets", "targets", "epd-dtype", "tpot-under-prefill", "decode-beside-hogs", "stage-overlap",
         "prefill-packing", "render-workers", "decode-kv-memory", "decode-threads", "omp-team")),

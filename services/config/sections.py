@@ -275,6 +275,7 @@ class CpuConfig:
                               "gains (benchmarks/omp_team.py)",
                               roles="roles")
     compute_lease: str = _f("auto", "auto: under `epd serve` encode's and prefill's forwards take turns on the cores "
+                            "and decode steps pause (at most 0.5 s a step) while one runs "
                             "(services/hostcpu/compute_lease.py) | off.  Why: roles pinned to cores of their own, "
                             "which need no turns, "
                             "or to measure it", roles="roles")
