@@ -8,7 +8,7 @@ Each side is a fresh `epd serve` with `EPD_ACTIVITY_DIR` (every process logs its
 services/observability/activity.py), loaded by `vllm bench serve` at one rate (benchmarks/open_loop.py's image
 workload: one random 224x224 image, 64 random tokens, 48 output tokens), the same seed on both sides; the sides
 run one after the other, each alone on the machine.  For each side it reads, over the run: the coordinator's
-per-request stage times (`epd_stage_seconds`: render, encode, prefill, the first decode chunk), each model role's
+per-request stage times (`epd_coordinator_stage_seconds`: render, encode, prefill) and TTFT, each model role's
 forward time (`epd_stage_compute_seconds`), the compute-lease waits, decode's pauses for prompt work
 (`epd_decode_yield_seconds_total`, 0 before it existed), and the stages' busy fraction of the run; and draws the
 compute spans of the run's middle 10 s as one lane per stage (docs/img/open_loop_stages_<side>.png).  The default
@@ -32,7 +32,7 @@ from benchmarks.procs import Server, exit_on_sigterm, running, start_epd
 from benchmarks.stage_overlap import draw, summary
 
 BEFORE = "311e186"          # epd before decode steps yielded to prompt-side forwards
-STEPS = ("render", "encode", "prefill", "decode_first_chunk")
+STEPS = ("render", "encode", "prefill")
 COMPUTE = ("encode", "prefill", "decode_step")
 WINDOW_S = 10.0
 _SAMPLE = re.compile(r'^(epd_[a-z_]+?)(?:_(sum|count|total))?(?:\{([^}]*)\})?\s+([-+.\deE]+|NaN)$')
@@ -79,14 +79,19 @@ def run_side(setup: Setup, folder: Path, label: str, root: Path, rate: float, se
         after = _snapshot(server)
     spans = read_spans(activity)
     busy = summary(spans, start, end)
-    coordinator = {step: _mean_ms(before["coordinator"], after["coordinator"], "epd_stage_seconds",
+    coordinator = {step: _mean_ms(before["coordinator"], after["coordinator"], "epd_coordinator_stage_seconds",
                                   f'stage="{step}"') for step in STEPS}
+    coordinator["first token (TTFT)"] = _mean_ms(before["coordinator"], after["coordinator"],
+                                                 "epd_coordinator_ttft_seconds", "")
     compute = {stage: _mean_ms(before[role], after[role], "epd_stage_compute_seconds", f'stage="{stage}"')
                for stage, role in (("encode", "encode"), ("prefill", "prefill"), ("decode_step", "decode"))}
     lease = {stage: _mean_ms(before[stage], after[stage], "epd_compute_lease_wait_seconds", f'stage="{stage}"')
              for stage in ("encode", "prefill")}
     yielded = (after["decode"].get(("epd_decode_yield_seconds_total", ""), 0.0)
                - before["decode"].get(("epd_decode_yield_seconds_total", ""), 0.0))
+    steps = (after["decode"].get(("epd_stage_compute_seconds_count", 'stage="decode_step"'), 0.0)
+             - before["decode"].get(("epd_stage_compute_seconds_count", 'stage="decode_step"'), 0.0))
+    compute["decode_step pause"] = round(1000 * yielded / steps, 1) if steps else None   # inside decode_step
     if png is not None:   # the run's middle WINDOW_S seconds
         middle = (start + end) // 2
         lo, hi = max(start, middle - int(WINDOW_S * 5e8)), min(end, middle + int(WINDOW_S * 5e8))
@@ -117,9 +122,9 @@ def stage_table(doc: dict[str, Any]) -> str:
         values = [pick(s) for s in (before, after)]
         rows.append(f"| {name} | " + " | ".join("-" if v is None else f"{v:g}" for v in values) + " |")
 
-    for step in STEPS:
-        row(f"coordinator step: {step}", lambda s, step=step: s["coordinator_stage_ms"].get(step))
-    for stage in COMPUTE:
+    for step in (*STEPS, "first token (TTFT)"):
+        row(f"coordinator: {step}", lambda s, step=step: s["coordinator_stage_ms"].get(step))
+    for stage in (*COMPUTE, "decode_step pause"):
         row(f"forward: {stage}", lambda s, stage=stage: s["compute_ms"].get(stage))
     for stage in ("encode", "prefill"):
         row(f"lease wait: {stage}", lambda s, stage=stage: s["lease_wait_ms"].get(stage))

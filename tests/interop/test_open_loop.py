@@ -44,5 +44,6 @@ def test_stages_quick_reads_where_each_sides_time_goes(tmp_path):
         assert side["compute_ms"]["encode"] > 0 and side["compute_ms"]["prefill"] > 0
         assert side["decode_yield_s_per_s"] >= 0
         assert 0 < side["busy"]["busy_fraction"]["prefill"] < 1
+        assert steps["first token (TTFT)"] >= steps["prefill"]
     assert [f["name"].split(",")[0] for f in doc["figures"]] == ["TTFT p50", "TTFT p99", "TPOT p50"]
-    assert "| coordinator step: encode |" in proc.stdout
+    assert "| coordinator: encode |" in proc.stdout
