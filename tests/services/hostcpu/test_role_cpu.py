@@ -234,3 +234,15 @@ def test_only_the_compute_thread_starts_an_openmp_team():
     helpers = len(os.sched_getaffinity(0)) - 1
     assert counts["on"][0] == 0 and counts["on"][1] >= 1 + helpers   # main: no helper; the engine thread: its own
     assert counts["off"][0] == helpers                               # negative control: the main thread's team
+
+
+def test_decode_follows_the_compute_lease_prefill_takes(tmp_path, monkeypatch):
+    from services.hostcpu import compute_lease
+
+    path = compute_lease.create(str(tmp_path / "lease"))
+    monkeypatch.setenv(compute_lease.LEASE_ENV, path)   # as `epd serve` gives decode (no slot) and prefill (slot 0)
+    decode = _probe("", "", "", "decode")
+    assert decode["summary"].endswith(f"decode steps yield to prompt-side forwards on {path} (at most 0.5 s a step)")
+    assert _probe("", "", "", "prefill")["summary"].endswith(f"compute lease {path} (slot 0)")
+    monkeypatch.delenv(compute_lease.LEASE_ENV)
+    assert "yield" not in _probe("", "", "", "decode")["summary"]   # no lease given: nothing followed
