@@ -69,6 +69,7 @@ class ComputeLease:
         self.path, self.slot, self.wait_s = path, slot, wait_s
         self._fd = os.open(path, os.O_RDWR)
         self._board = mmap.mmap(self._fd, BOARD_BYTES)
+        self._board[slot] = 0   # a flag an earlier process in this slot left when it was killed
         self._mutex = threading.Lock()       # one holder per process (flock is per open file, not per thread)
         self._held_last = False
         self.timeouts = 0
@@ -205,7 +206,6 @@ _TAKEN = threading.local()   # .on: this thread took the lease with taken_now; i
 def configure(path: str, slot: int) -> ComputeLease:
     """This process's lease (the roles' start-up); compute_metrics.compute_timer holds it around forwards."""
     lease = ComputeLease(path, slot)
-    lease._board[slot] = 0   # a flag an earlier process in this slot left when it was killed
     _LEASE[:] = [lease]
     return lease
 

@@ -156,5 +156,5 @@ def test_a_killed_holders_flag_costs_a_step_its_budget_and_is_cleared(tiny, pref
     assert took < 0.2, took
     # a new process in that slot clears what its predecessor left
     follower.board[0] = compute_lease.HOLDING
-    compute_lease.configure(lease, 0).close()
+    compute_lease.ComputeLease(lease, 0).close()
     assert follower.board[0] == 0
