@@ -181,8 +181,8 @@ def main(argv: list[str] | None = None) -> int:
                 "once on a core, kept it for a scheduler slice while the prompt forward's other thread waited at "
                 "its next barrier, so each forward took longer than alone and the next request's forward waited "
                 "longer for the lease.  After, decode steps pause at a layer's start while a prompt-side forward "
-                "runs (services/hostcpu/compute_lease.py): the forwards take their time alone, and decode's steps "
-                "use the cores between them (a decode step's span includes its pauses: the pause row says how "
+                "runs (services/hostcpu/compute_lease.py): decode no longer computes inside the forwards, and its "
+                "steps use the cores between them (a decode step's span includes its pauses: the pause row says how "
                 "long they were).  Raw results: benchmarks/results/open_loop_stages.json.")
         replace_block(ROOT / "docs" / "benchmarks.md", "open-loop-stages", body)
     return 0

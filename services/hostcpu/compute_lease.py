@@ -7,11 +7,11 @@ scheduler preempted (services/models/timing_lock.py met the same at start-up: ke
 out 0.23x-0.81x of their speed alone).  With the lease the two roles' forwards take turns, each on all cores.
 Decode does not take the lease: it follows it.  A decode step pauses at the start of each layer while a prompt-side
 forward holds or waits for the lease, for at most YIELD_BUDGET_S a step (`follow_from_env`, the fused step's
-epd_fused_yield_to, the eager step's `yield_to_prompt`).  Niceness alone did not keep decode off the cores: a
+epd_fused_yield_to, the eager step through `Follower.pause`).  Niceness alone did not keep decode off the cores: a
 nice-15 team runs in every gap a prompt forward's threads leave, and, once running, keeps the core for a scheduler
-slice while the prompt team waits at its next barrier (at 2 req/s, Poisson, encode and prefill forwards took
-1.6-1.9x their time alone, decode holding half a core through them).  vLLM's one scheduler gets the same order by
-running a new prompt's prefill before the next decode step.
+slice while the prompt team waits at its next barrier (at 2 req/s under `vllm bench serve`, encode and prefill
+forwards took 172 and 252 ms with decode only niced, 107 and 175 ms with it yielding: open_loop_stages.json).
+vLLM's one scheduler gets the same order by running a new prompt's prefill before the next decode step.
 
 The lease is an exclusive flock on a small file in /dev/shm (`epd serve` makes one per cluster and gives its path
 to the encode, prefill and decode processes); the kernel drops a dead holder's lock.  The file's first bytes are a
@@ -47,6 +47,7 @@ FAIR_S = 0.05                              # how long the last holder defers to 
 WAITING, HOLDING = 1, 2                    # a slot's flag on the board
 YIELD_BUDGET_S = 0.5                       # the most a decode step pauses for prompt-side forwards
 WAIT_S = 10.0                              # the longest wait for the lease before computing without it
+_EMPTY = bytes(BOARD_BYTES)
 _POLL_S = (5e-5, 5e-4)                     # the waiting poll's first and longest sleep
 LEASE_WAIT = Histogram("epd_compute_lease_wait_seconds", "Time a forward waited for the compute lease (encode and "
                        "prefill take turns on the cores: services/hostcpu/compute_lease.py)", ["stage"],
@@ -152,7 +153,7 @@ class Follower:
         self.stale_cleared = 0
 
     def busy(self) -> bool:
-        return self.board[:BOARD_BYTES] != bytes(BOARD_BYTES)
+        return self.board[:BOARD_BYTES] != _EMPTY
 
     def clear_stale(self) -> bool:
         """HOLDING flags no lock stands behind (a holder killed mid-forward) cleared; True if there were any.

@@ -21,8 +21,9 @@
  * prompt-side forward holds or waits for the cores; at the start of every layer each thread then sleeps
  * until the board clears, for at most the budget per step, and the step goes on where it stopped.  A
  * nice-15 decode team otherwise runs in every gap the prompt forward's threads leave and, once running,
- * holds the core for a scheduler slice while the prompt forward's team waits at its next barrier: under
- * Poisson arrivals encode and prefill forwards took 1.6-1.9x their time alone.
+ * holds the core for a scheduler slice while the prompt forward's team waits at its next barrier
+ * (benchmarks/results/open_loop_stages.json: encode and prefill forwards at 2 req/s, 172 and 252 ms
+ * with decode only niced, 107 and 175 ms with it yielding).
  *
  * Numerics: float32 throughout (built with -DEPD_PANEL_BF16 the weights are bfloat16 panels, widened
  * exactly in registers; activations, KV and sums stay float32).  Norms sum squares in double; each matmul output is the panel

@@ -16,6 +16,10 @@ from typing import Any
 import pytest
 import torch
 
+from services.decode.attention import TorchPagedAttention
+from services.decode.block_pool import BlockPool
+from services.decode.paged_forward import PagedDecoder
+from services.decode.request_blocks import RequestBlocks
 from services.decode.stream import DecodeEvent
 from services.generation.params import DecodeParams
 from services.models.base import LanguageModel
@@ -181,3 +185,31 @@ def make_engine(tiny):
     yield make
     for engine in engines:
         engine.close()
+
+
+class StepBatch:
+    """Every prompt's KV loaded into one pool, and the first decode step's inputs for all rows."""
+
+    def __init__(self, tiny, prefilled, position_shift: int = 0, len_shift: int = 0) -> None:
+        self.pool = BlockPool(tiny.lm.layout, 32 << 20, block_size=16)
+        self.decoder = PagedDecoder(tiny.lm, self.pool, TorchPagedAttention())
+        rows = []
+        for pre in prefilled:
+            assert self.pool.try_reserve(self.pool.blocks_for(pre.prompt_len + 1))
+            blocks = RequestBlocks(self.pool, self.pool.blocks_for(pre.prompt_len + 1))
+            blocks.load(pre.kv)
+            position = blocks.num_tokens
+            block, offset, _ = blocks.append_slot()
+            rows.append((pre.first_token, position + pre.rope_delta + position_shift, block, offset, blocks))
+        width = max(len(r[4].blocks) for r in rows)
+        self.tables = torch.zeros((len(rows), width), dtype=torch.int32)
+        for index, row in enumerate(rows):
+            self.tables[index, :len(row[4].blocks)] = torch.tensor(row[4].blocks, dtype=torch.int32)
+        self.inputs = (torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows]),
+                       torch.tensor([r[2] for r in rows]), torch.tensor([r[3] for r in rows]), self.tables,
+                       torch.tensor([r[4].num_tokens + len_shift for r in rows], dtype=torch.int32))
+        self.written = [(r[2], r[3]) for r in rows]
+
+    def new_kv(self) -> torch.Tensor:
+        """[rows, layers, 2, Hkv, D]: the K/V this step wrote for each row's new token."""
+        return torch.stack([self.pool.kv[:, :, block, :, offset] for block, offset in self.written])

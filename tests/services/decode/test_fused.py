@@ -12,40 +12,11 @@ from services.decode.attention import TorchPagedAttention
 from services.decode.block_pool import BlockPool
 from services.decode.fused import FusedStep, choose_fused, unsupported_reason
 from services.decode.paged_forward import PagedDecoder
-from services.decode.request_blocks import RequestBlocks
-from tests.services.decode.conftest import GREEDY, hf_first_step_logits
+from tests.services.decode.conftest import GREEDY, StepBatch, hf_first_step_logits
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
-
-
-class _Batch:
-    """Every prompt's KV loaded into one pool, and the first decode step's inputs for all rows."""
-
-    def __init__(self, tiny, prefilled, position_shift: int = 0, len_shift: int = 0) -> None:
-        self.pool = BlockPool(tiny.lm.layout, 32 << 20, block_size=16)
-        self.decoder = PagedDecoder(tiny.lm, self.pool, TorchPagedAttention())
-        rows = []
-        for pre in prefilled:
-            assert self.pool.try_reserve(self.pool.blocks_for(pre.prompt_len + 1))
-            blocks = RequestBlocks(self.pool, self.pool.blocks_for(pre.prompt_len + 1))
-            blocks.load(pre.kv)
-            position = blocks.num_tokens
-            block, offset, _ = blocks.append_slot()
-            rows.append((pre.first_token, position + pre.rope_delta + position_shift, block, offset, blocks))
-        width = max(len(r[4].blocks) for r in rows)
-        self.tables = torch.zeros((len(rows), width), dtype=torch.int32)
-        for index, row in enumerate(rows):
-            self.tables[index, :len(row[4].blocks)] = torch.tensor(row[4].blocks, dtype=torch.int32)
-        self.inputs = (torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows]),
-                       torch.tensor([r[2] for r in rows]), torch.tensor([r[3] for r in rows]), self.tables,
-                       torch.tensor([r[4].num_tokens + len_shift for r in rows], dtype=torch.int32))
-        self.written = [(r[2], r[3]) for r in rows]
-
-    def new_kv(self) -> torch.Tensor:
-        """[rows, layers, 2, Hkv, D]: the K/V this step wrote for each row's new token."""
-        return torch.stack([self.pool.kv[:, :, block, :, offset] for block, offset in self.written])
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -54,7 +25,7 @@ def test_fused_logits_and_pool_writes_match_the_eager_step_and_hf(tiny, prefille
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        eager, fused = _Batch(tiny, prefilled), _Batch(tiny, prefilled)
+        eager, fused = StepBatch(tiny, prefilled), StepBatch(tiny, prefilled)
         want = eager.decoder.forward(*eager.inputs)
         got = FusedStep(fused.decoder, max_rows=4)(*fused.inputs)
     finally:
@@ -70,9 +41,9 @@ def test_fused_logits_and_pool_writes_match_the_eager_step_and_hf(tiny, prefille
 @torch.inference_mode()
 def test_a_wrong_rope_position_or_length_is_caught(tiny, prefilled):
     want = torch.stack([hf_first_step_logits(tiny, pre) for pre in prefilled])
-    shifted = _Batch(tiny, prefilled, position_shift=1)
+    shifted = StepBatch(tiny, prefilled, position_shift=1)
     assert _rel(FusedStep(shifted.decoder, 4)(*shifted.inputs), want) > 1e-3
-    short = _Batch(tiny, prefilled, len_shift=-1)      # each row misses its newest token
+    short = StepBatch(tiny, prefilled, len_shift=-1)      # each row misses its newest token
     assert _rel(FusedStep(short.decoder, 4)(*short.inputs), want) > 1e-3
 
 
@@ -171,11 +142,11 @@ def test_bfloat16_panels_run_fused_as_float32_over_the_rounded_weights(tiny, pre
     # one LM head for all three (bf16 panels), so the logits differ only by the decoder stacks
     for lm in (rounded, exact):
         lm.lm_head = bf16.lm_head
-    got_batch = _Batch(SimpleNamespace(lm=bf16), prefilled)
+    got_batch = StepBatch(SimpleNamespace(lm=bf16), prefilled)
     got = FusedStep(got_batch.decoder, max_rows=4)(*got_batch.inputs)
-    want_batch = _Batch(SimpleNamespace(lm=rounded), prefilled)
+    want_batch = StepBatch(SimpleNamespace(lm=rounded), prefilled)
     want = want_batch.decoder.forward(*want_batch.inputs)
-    off_batch = _Batch(SimpleNamespace(lm=exact), prefilled)
+    off_batch = StepBatch(SimpleNamespace(lm=exact), prefilled)
     off = off_batch.decoder.forward(*off_batch.inputs)
     assert _rel(got, want) <= 1e-5
     assert _rel(got_batch.new_kv(), want_batch.new_kv()) <= 1e-5
