@@ -82,21 +82,32 @@ class DecodeApi:
     @endpoint
     async def generate(self, request: Request) -> Response:
         body = await parse_body(request, GenerateRequest)
-        check_model(body.model, self.model_id)
-        if body.kv_transfer_params is None:
-            raise InvalidRequest("decode needs kv_transfer_params (from a prefill answer)",
-                                 code="missing_kv_transfer_params")
         header = header_request_id(request)
-        sampling = body.sampling_params.model_dump(exclude={"extra_args"})
-        version = self.service.serving_version()
-        events = self.service.decode(header or body.request_id, body.kv_transfer_params, sampling,
-                                     list(body.token_ids), weight_version=version)  # the prompt: for penalties
-        first = await anext(events)  # before any byte is sent: setup errors become plain HTTP errors
+        deltas = await self._decode(body, header or body.request_id)
         built = decode_answer(body, response_id(body.request_id, header), body.model or self.model_id)
-        deltas = output_deltas(first, events, version or None)
         if body.stream:
             return sse_response(built.sse(deltas))
         return model_response(await built.collect(deltas))
+
+    async def _decode(self, body: GenerateRequest, request_id: str,
+                      kind: Literal["chat", "completion"] | None = None) -> AsyncIterator[OutputDelta]:
+        """Start decoding `body` (an OpenAI-format `kind` of call: its prompt must be the prefill's); the first
+        event is awaited before any byte is sent, so setup errors become plain HTTP errors."""
+        check_model(body.model, self.model_id)
+        kv = body.kv_transfer_params
+        if kv is None:
+            raise InvalidRequest("decode needs kv_transfer_params (from a prefill answer)",
+                                 code="missing_kv_transfer_params")
+        if kind is not None and kv.get("num_prompt_tokens") != len(body.token_ids):
+            raise InvalidRequest(f"kv_transfer_params hold the KV of {kv.get('num_prompt_tokens')} prompt tokens "
+                                 f"but this {kind} renders to {len(body.token_ids)}: send the {kind} the prefill "
+                                 "had", code="kv_prompt_mismatch")
+        sampling = body.sampling_params.model_dump(exclude={"extra_args"})
+        version = self.service.serving_version()
+        events = self.service.decode(request_id, kv, sampling, list(body.token_ids),  # the prompt: for penalties
+                                     weight_version=version)
+        first = await anext(events)
+        return output_deltas(first, events, version or None)
 
     @endpoint
     async def chat(self, request: Request) -> Response:
@@ -112,24 +123,10 @@ class DecodeApi:
     async def _openai(self, request: Request, kind: Literal["chat", "completion"]) -> Response:
         call = await openai_call(request, self.render, lambda _: "none", kind)  # decode needs the token ids only
         body = call.generate
-        check_model(body.model, self.model_id)
-        kv = body.kv_transfer_params
-        if kv is None:
-            raise InvalidRequest("decode needs kv_transfer_params (from a prefill answer)",
-                                 code="missing_kv_transfer_params")
-        if kv.get("num_prompt_tokens") != len(body.token_ids):
-            raise InvalidRequest(f"kv_transfer_params hold the KV of {kv.get('num_prompt_tokens')} prompt tokens "
-                                 f"but this {kind} renders to {len(body.token_ids)}: send the {kind} the prefill "
-                                 "had", code="kv_prompt_mismatch")
-        sampling = body.sampling_params.model_dump(exclude={"extra_args"})
-        version = self.service.serving_version()
-        events = self.service.decode(header_request_id(request) or body.request_id, kv, sampling,
-                                     list(body.token_ids), weight_version=version)
-        first = await anext(events)
+        deltas = await self._decode(body, header_request_id(request) or body.request_id, kind)
         built = OpenAIAnswer(kind, body.request_id, body.model or self.model_id, None, len(body.token_ids),
                              call.include_usage, list(body.token_ids) if call.body.get("return_token_ids") is True
                              else None, samples=body.sampling_params.n)
-        deltas = output_deltas(first, events, version or None)
         if body.stream:
             return sse_response(built.sse(deltas))
         return JSONResponse(await built.collect(deltas))

@@ -115,6 +115,19 @@ class LanguageModel(ABC):
     hidden_size: int
     device: Any         # torch.device of every parameter
 
+    def _hold(self, hf_model: Any, decoder: Any, path: str | Path, max_model_len: int | None) -> None:
+        """Take a loaded checkpoint's decoder stack, LM head and the shape facts of its text config."""
+        from services.models.loading import eos_token_ids
+
+        text = decoder.config
+        self.model, self.lm_head, self.device = decoder, hf_model.lm_head, hf_model.device
+        self.vocab_size, self.hidden_size = int(text.vocab_size), int(text.hidden_size)
+        self.eos_token_ids = eos_token_ids(path, hf_model.config)
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self.layout = KVLayout(num_layers=text.num_hidden_layers, num_kv_heads=text.num_key_value_heads,
+                               head_dim=head_dim, dtype=hf_model.dtype,
+                               max_model_len=max_model_len or text.max_position_embeddings)
+
     @abstractmethod
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """[B, L] ids -> [B, L, hidden] embeddings."""

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from services.models.base import (
-    KVLayout,
     LanguageModel,
     ModelAdapter,
     MultiModalInput,
@@ -23,7 +22,7 @@ from services.models.base import (
     VisionModel,
 )
 from services.models.items import checked_items, scatter
-from services.models.loading import InvalidMultiModalInput, ModelLoadError, eos_token_ids, load_part
+from services.models.loading import InvalidMultiModalInput, ModelLoadError, load_part
 
 if TYPE_CHECKING:
     import torch
@@ -34,18 +33,8 @@ class TextLanguage(LanguageModel):
 
     def __init__(self, hf_model: Any, decoder: Any, path: str | Path, max_model_len: int | None,
                  image_token_id: int | None = None) -> None:
-        text = decoder.config
-        self.model = decoder
-        self.lm_head = hf_model.lm_head
+        self._hold(hf_model, decoder, path, max_model_len)
         self.image_token_id = image_token_id
-        self.vocab_size = int(text.vocab_size)
-        self.hidden_size = int(text.hidden_size)
-        self.device = hf_model.device
-        self.eos_token_ids = eos_token_ids(path, hf_model.config)
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        self.layout = KVLayout(num_layers=text.num_hidden_layers, num_kv_heads=text.num_key_value_heads,
-                               head_dim=head_dim, dtype=hf_model.dtype,
-                               max_model_len=max_model_len or text.max_position_embeddings)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(token_ids.to(self.device))

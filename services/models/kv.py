@@ -27,12 +27,3 @@ def kv_from_cache(cache: Any, row: int = 0, start: int = 0) -> torch.Tensor:
     return torch.stack([
         torch.stack([layer.keys[row, :, start:], layer.values[row, :, start:]]) for layer in cache.layers
     ])
-
-
-def cache_from_kv(kv: torch.Tensor) -> Any:
-    """A DynamicCache holding a copy of `kv` ([num_layers, 2, kv_heads, L, head_dim]) as batch of one."""
-    from transformers import DynamicCache
-
-    if kv.dim() != 5 or kv.shape[1] != 2:
-        raise ValueError(f"KV must be [num_layers, 2, kv_heads, L, head_dim], got {tuple(kv.shape)}")
-    return DynamicCache(ddp_cache_data=[(layer[0][None], layer[1][None]) for layer in kv])

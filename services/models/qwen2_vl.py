@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from services.models.base import (
-    KVLayout,
     LanguageModel,
     ModelAdapter,
     MultiModalInput,
@@ -27,7 +26,7 @@ from services.models.base import (
 )
 from services.models.input_norm import NormParams, normalize_pixels
 from services.models.items import checked_items, scatter
-from services.models.loading import InvalidMultiModalInput, eos_token_ids, load_part, read_config
+from services.models.loading import InvalidMultiModalInput, load_part, read_config
 from services.models.mrope import Segment, mrope_positions
 
 if TYPE_CHECKING:
@@ -94,20 +93,10 @@ class QwenVLLanguage(LanguageModel):
     """The text decoder stack and LM head of a Qwen-VL checkpoint, with M-RoPE position rules."""
 
     def __init__(self, hf_model: Any, path: str | Path, max_model_len: int | None) -> None:
-        text = hf_model.config.text_config
+        self._hold(hf_model, hf_model.model.language_model, path, max_model_len)
         self._base = hf_model.model  # owns get_rope_index
-        self.model = hf_model.model.language_model
-        self.lm_head = hf_model.lm_head
         self.image_token_id = int(hf_model.config.image_token_id)
         self.video_token_id = getattr(hf_model.config, "video_token_id", None)
-        self.vocab_size = int(text.vocab_size)
-        self.hidden_size = int(text.hidden_size)
-        self.device = hf_model.device
-        self.eos_token_ids = eos_token_ids(path, hf_model.config)
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        self.layout = KVLayout(num_layers=text.num_hidden_layers, num_kv_heads=text.num_key_value_heads,
-                               head_dim=head_dim, dtype=hf_model.dtype,
-                               max_model_len=max_model_len or text.max_position_embeddings)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(token_ids.to(self.device))
@@ -172,26 +161,6 @@ class QwenVLLanguage(LanguageModel):
         segments = [seg for item in items for seg in self.segments(token_ids, item)]
         positions, delta = mrope_positions(len(token_ids), segments, merge)
         return torch.from_numpy(positions)[:, None].to(self.device), delta
-
-    def hf_positions(self, ids: torch.Tensor, items: list[MultiModalInput]) -> tuple[torch.Tensor, int]:
-        """The model's own `get_rope_index` for the same prompt (tests compare `mrope_positions` with it)."""
-        import torch
-
-        token_ids = ids[0].tolist()
-        token_types = torch.zeros_like(ids)
-        grids: dict[str, list[torch.Tensor]] = {"image": [], "video": []}
-        seconds = []
-        for item in sorted(items, key=lambda i: i.offset):
-            for seg in self.segments(token_ids, item):
-                token_types[0, seg.offset:seg.offset + seg.tokens] = 1 if item.modality == "image" else 2
-            grids[item.modality].append(_grid(item.metadata))
-            if "second_per_grid_ts" in item.metadata:
-                seconds.append(item.metadata["second_per_grid_ts"].reshape(-1)[0].float())
-        kwargs = {f"{m}_grid_thw": torch.stack(g).to(self.device) for m, g in grids.items() if g}
-        if seconds:
-            kwargs["second_per_grid_ts"] = torch.stack(seconds)
-        position_ids, deltas = self._base.get_rope_index(ids, token_types, **kwargs)
-        return position_ids, int(deltas.reshape(-1)[0])
 
     sparse_modalities: tuple[str, ...] = ()   # a Qwen3-VL video's range holds its timestamps too
 

@@ -28,11 +28,11 @@ O = TypeVar("O")  # noqa: E741 - the owner type
 Read = Callable[[Any], float]
 
 
-class OwnedGauges(Generic[O]):
-    def __init__(self, owner: O, gauges: dict[str, tuple[str, Read]],
-                 registry: CollectorRegistry = REGISTRY) -> None:
+class OwnedCollector:
+    """A collector read from `owner` at scrape time, holding it weakly: unregistered once the owner is gone."""
+
+    def __init__(self, owner: Any, registry: CollectorRegistry = REGISTRY) -> None:
         self._owner = weakref.ref(owner)
-        self._gauges = gauges
         self._registry = registry
         registry.register(self)
         weakref.finalize(owner, self._unregister)
@@ -41,14 +41,7 @@ class OwnedGauges(Generic[O]):
         return []
 
     def collect(self) -> Iterator[Metric]:
-        owner = self._owner()
-        if owner is None:
-            return
-        for name, (doc, read) in self._gauges.items():
-            if name.endswith("_total"):  # a monotonic count the owner keeps (e.g. bytes copied)
-                yield CounterMetricFamily(name.removesuffix("_total"), doc, value=_safe(read, owner))
-            else:
-                yield GaugeMetricFamily(name, doc, value=_safe(read, owner))
+        raise NotImplementedError
 
     def _unregister(self) -> None:
         try:
@@ -57,7 +50,24 @@ class OwnedGauges(Generic[O]):
             pass
 
 
-def _safe(read: Read, owner: Any) -> float:
+class OwnedGauges(OwnedCollector, Generic[O]):
+    def __init__(self, owner: O, gauges: dict[str, tuple[str, Read]],
+                 registry: CollectorRegistry = REGISTRY) -> None:
+        self._gauges = gauges
+        super().__init__(owner, registry)
+
+    def collect(self) -> Iterator[Metric]:
+        owner = self._owner()
+        if owner is None:
+            return
+        for name, (doc, read) in self._gauges.items():
+            if name.endswith("_total"):  # a monotonic count the owner keeps (e.g. bytes copied)
+                yield CounterMetricFamily(name.removesuffix("_total"), doc, value=read_safely(read, owner))
+            else:
+                yield GaugeMetricFamily(name, doc, value=read_safely(read, owner))
+
+
+def read_safely(read: Read, owner: Any) -> float:
     try:
         return float(read(owner))
     except Exception:  # noqa: BLE001 - a scrape must never fail because of what it measures

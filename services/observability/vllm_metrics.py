@@ -18,12 +18,13 @@ The collector holds its owner weakly, like services.observability.owned_metrics:
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
+
+from services.observability.owned_metrics import OwnedCollector, read_safely
 
 LABELS = ("model_name", "engine")
 ENGINE_INDEX = "0"
@@ -65,19 +66,13 @@ ROLE_READS: dict[str, Callable[[], Reads]] = {"decode": _decode_reads, "prefill"
                                               "encode": _encode_reads}
 
 
-class VllmGauges:
+class VllmGauges(OwnedCollector):
     """vLLM's three load gauges over one role core (EncodeService, PrefillService, DecodeService)."""
 
     def __init__(self, owner: Any, role: str, model_name: str, registry: CollectorRegistry = REGISTRY) -> None:
-        self._owner = weakref.ref(owner)
         self._reads = ROLE_READS[role]()
         self.model_name = model_name
-        self._registry = registry
-        registry.register(self)
-        weakref.finalize(owner, self._unregister)
-
-    def describe(self) -> list[Metric]:
-        return []  # claims no names: a test process may build several owners
+        super().__init__(owner, registry)   # claims no names: a test process may build several owners
 
     def collect(self) -> Iterator[Metric]:
         owner = self._owner()
@@ -85,18 +80,5 @@ class VllmGauges:
             return
         for name, read in self._reads.items():
             family = GaugeMetricFamily(name, HELP[name], labels=LABELS)
-            family.add_metric([self.model_name, ENGINE_INDEX], _safe(read, owner))
+            family.add_metric([self.model_name, ENGINE_INDEX], read_safely(read, owner))
             yield family
-
-    def _unregister(self) -> None:
-        try:
-            self._registry.unregister(self)
-        except KeyError:
-            pass
-
-
-def _safe(read: Callable[[Any], float], owner: Any) -> float:
-    try:
-        return float(read(owner))
-    except Exception:  # noqa: BLE001 - a scrape must never fail because of what it measures
-        return 0.0

@@ -163,10 +163,6 @@ class MultiModalFeatures(ProtocolModel):
         """True when some item has mm_metadata but no kwargs_data (it needs ec_transfer_params)."""
         return any(item.metadata_b64 is not None and item.kwargs_b64 is None for item in self.items())
 
-    def without_kwargs(self) -> MultiModalFeatures:
-        """The features as prefill gets them: mm_metadata only, no kwargs_data."""
-        return self.model_copy(update={"kwargs_data": None})
-
 
 def _entry(modality: str, index: int, entry: Any) -> Any:
     if not isinstance(entry, dict):

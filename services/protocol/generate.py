@@ -122,10 +122,6 @@ class GenerateRequest(ProtocolModel):
         """Every rendered multimodal item in prompt order; empty without features."""
         return self.features.items() if self.features is not None else []
 
-    @property
-    def is_multimodal(self) -> bool:
-        return bool(self.content_parts) or (self.features is not None and self.features.num_items > 0)
-
 
 class GenerateChoice(ProtocolModel):
     """Generated tokens of one choice; in a stream chunk, the delta since the last event."""

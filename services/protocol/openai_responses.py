@@ -12,7 +12,6 @@ from typing import Any, Literal
 from pydantic import Field, model_serializer
 
 from services.protocol.common import ProtocolModel, Usage, fresh_id, now_s
-from services.protocol.errors import EpdError
 
 
 def chat_completion_id() -> str:
@@ -139,7 +138,3 @@ class ErrorResponse(ProtocolModel):
     """The body of every error answer, also sent in-stream as `data: {"error": ...}`."""
 
     error: ErrorInfo = Field(description="The error.")
-
-    @classmethod
-    def from_error(cls, error: EpdError) -> ErrorResponse:
-        return cls.model_validate(error.to_body())

@@ -138,10 +138,5 @@ class SamplingParams(ProtocolModel):
         return self
 
     @property
-    def top_k_limit(self) -> int | None:
-        """top_k as a limit, or None when top-k filtering is off (0 or -1)."""
-        return self.top_k if self.top_k > 0 else None
-
-    @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0

@@ -29,13 +29,3 @@ def sse_event(payload: BaseModel | dict[str, Any]) -> bytes:
 def sse_error(error: EpdError) -> bytes:
     """The in-stream form of an error."""
     return sse_event(error.to_body())
-
-
-def parse_sse_data(line: bytes | str) -> Any | None:
-    """The JSON of one `data: ...` line; None for [DONE], blank lines and comments."""
-    text = line.decode("utf-8") if isinstance(line, bytes) else line
-    text = text.strip()
-    if not text.startswith("data:"):
-        return None
-    body = text[len("data:"):].strip()
-    return None if body == "[DONE]" else json.loads(body)

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from services.models.base import RenderSpec
+from services.models.context import declared_context
 from services.models.processing import load_tokenizer
 from services.observability.activity import span
 from services.protocol.common import fresh_id
@@ -288,29 +289,20 @@ def _read_config(model_path: str | Path) -> dict[str, Any]:
 
 
 def _context_length(configured: int | None, model_path: str | Path, tokenizer: Any) -> int:
-    """The context render enforces and reports: the configured one, never beyond the checkpoint's.
+    """The context render enforces and reports: the configured one, never beyond the checkpoint's (its
+    config.json's, else its tokenizer's model_max_length).
 
     (/v1/models and /tokenize said 8192 for a 4096-position checkpoint; vLLM reports the checkpoint's.)
     """
-    try:
-        declared = _checkpoint_context(model_path, tokenizer)
-    except ValueError:
-        if configured is None:
-            raise
-        return configured
-    return declared if configured is None else min(configured, declared)
-
-
-def _checkpoint_context(model_path: str | Path, tokenizer: Any) -> int:
-    """The context length the checkpoint declares (text config first, then the tokenizer)."""
-    config = _read_config(model_path)
-    for source in (config.get("text_config") or {}, config):
-        if isinstance(source.get("max_position_embeddings"), int):
-            return source["max_position_embeddings"]
+    declared = declared_context(model_path)
     limit = getattr(tokenizer, "model_max_length", None)
-    if isinstance(limit, int) and 1 < limit < 10**9:
-        return limit
-    raise ValueError(f"cannot tell the context length of {model_path}: set RenderLimits.max_model_len")
+    if declared is None and isinstance(limit, int) and 1 < limit < 10**9:
+        declared = limit
+    if declared is not None:
+        return declared if configured is None else min(configured, declared)
+    if configured is None:
+        raise ValueError(f"cannot tell the context length of {model_path}: set RenderLimits.max_model_len")
+    return configured
 
 
 def _checkpoint_vocab(model_path: str | Path) -> int:

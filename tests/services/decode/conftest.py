@@ -138,7 +138,7 @@ class Collector:
 def hf_first_step_logits(tiny: TinyModel, pre: Prefilled) -> torch.Tensor:
     """Hugging Face's logits for the first decode step after `pre` (its KV as the cache): the reference of the
     paged and fused steps' tests."""
-    from services.models.kv import cache_from_kv
+    from tests.services.models.helpers import cache_from_kv
 
     lm = tiny.lm
     position = torch.tensor([pre.prompt_len + pre.rope_delta])

@@ -15,7 +15,7 @@ from services.decode.api_router import decode_answer, output_deltas
 from services.decode.stream import DecodeEvent, StreamTimeout
 from services.protocol.errors import InternalError
 from services.protocol.generate import GenerateRequest
-from services.protocol.streaming import parse_sse_data
+from tests.support.sse import parse_sse_data
 
 
 def _request(**extra):

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from PIL import Image
 
 from services.models.base import LanguageModel, MultiModalInput, VisionModel
-from services.models.kv import cache_from_kv
 from services.prefill.engine import PrefillEngine, PrefillResult
 
 IMAGE_TOKEN_ID = 151655
@@ -91,3 +92,12 @@ def generate_reference(model, inputs: dict, max_new_tokens: int) -> list[int]:
     with torch.no_grad():
         out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)
     return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def cache_from_kv(kv: torch.Tensor) -> Any:
+    """A DynamicCache holding a copy of `kv` ([num_layers, 2, kv_heads, L, head_dim]) as batch of one."""
+    from transformers import DynamicCache
+
+    if kv.dim() != 5 or kv.shape[1] != 2:
+        raise ValueError(f"KV must be [num_layers, 2, kv_heads, L, head_dim], got {tuple(kv.shape)}")
+    return DynamicCache(ddp_cache_data=[(layer[0][None], layer[1][None]) for layer in kv])

@@ -18,6 +18,7 @@ import torch
 from services.models.base import MultiModalInput
 from services.models.loading import InvalidMultiModalInput
 from services.models.mrope import Segment, mrope_positions
+from services.models.qwen2_vl import _grid
 from services.models.registry import adapter_for
 from services.models.tiny import VIDEO_PAD, VISION_END, VISION_START, tiny_model_path
 
@@ -47,13 +48,32 @@ def layouts(merge: int, count: int, seed: int):
         yield at + rng.randint(0, 9), items
 
 
+def hf_positions(lm, ids: torch.Tensor, items: list[MultiModalInput]) -> tuple[torch.Tensor, int]:
+    """The model's own `get_rope_index` for the same prompt (what `mrope_positions` must equal)."""
+    token_ids = ids[0].tolist()
+    token_types = torch.zeros_like(ids)
+    grids: dict[str, list[torch.Tensor]] = {"image": [], "video": []}
+    seconds = []
+    for item in sorted(items, key=lambda i: i.offset):
+        for seg in lm.segments(token_ids, item):
+            token_types[0, seg.offset:seg.offset + seg.tokens] = 1 if item.modality == "image" else 2
+        grids[item.modality].append(_grid(item.metadata))
+        if "second_per_grid_ts" in item.metadata:
+            seconds.append(item.metadata["second_per_grid_ts"].reshape(-1)[0].float())
+    kwargs = {f"{m}_grid_thw": torch.stack(g).to(lm.device) for m, g in grids.items() if g}
+    if seconds:
+        kwargs["second_per_grid_ts"] = torch.stack(seconds)
+    position_ids, deltas = lm._base.get_rope_index(ids, token_types, **kwargs)
+    return position_ids, int(deltas.reshape(-1)[0])
+
+
 def test_image_positions_equal_get_rope_index(lm):
     merge = lm._base.config.vision_config.spatial_merge_size
     checked = 0
     for length, items in layouts(merge, 60, seed=7):
         ids = [0] * length
         got, got_delta = lm._positions(ids, items)
-        want, want_delta = lm.hf_positions(torch.tensor([ids]), items)
+        want, want_delta = hf_positions(lm, torch.tensor([ids]), items)
         assert got.dtype == want.dtype and torch.equal(got, want), [(i.offset, i.length) for i in items]
         assert got_delta == want_delta
         checked += 1
@@ -83,7 +103,7 @@ def test_short_video_positions_equal_get_rope_index(lm, groups, rows, cols, seco
     image = _image(2 + len(ids) + 3, 2, 3, lm._base.config.vision_config.spatial_merge_size)
     prompt = [1, 2] + ids + [3, 4, 5] + [0] * image.length + [6, 7]
     got, got_delta = lm._positions(prompt, [video, image])
-    want, want_delta = lm.hf_positions(torch.tensor([prompt]), [video, image])
+    want, want_delta = hf_positions(lm, torch.tensor([prompt]), [video, image])
     assert torch.equal(got, want) and got_delta == want_delta
 
 

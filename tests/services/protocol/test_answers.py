@@ -9,7 +9,7 @@ from services.protocol.answers import GenerateAnswer, OpenAIAnswer, OutputDelta
 from services.protocol.errors import Unavailable
 from services.protocol.generate import StreamOptions
 from services.protocol.logprobs import TokenLogprob
-from services.protocol.streaming import parse_sse_data
+from tests.support.sse import parse_sse_data
 
 DELTAS = [OutputDelta([5], "Hel"), OutputDelta([6, 7], "lo"), OutputDelta([8], "!", "stop", 8)]
 

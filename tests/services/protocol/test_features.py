@@ -37,8 +37,6 @@ def test_optional_maps():
     features = parse_model(MultiModalFeatures, _features(kwargs_data=None, mm_metadata=None))
     assert all(i.kwargs_b64 is None and i.metadata_b64 is None for i in features.items())
     assert not features.has_metadata_only_items()
-    without = parse_model(MultiModalFeatures, _features()).without_kwargs()
-    assert without.kwargs_data is None and without.mm_metadata is not None
 
 
 def test_modality_key_sets_must_match():

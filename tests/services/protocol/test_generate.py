@@ -39,7 +39,6 @@ def test_minimal_request_defaults():
         GenerateRequest, {"token_ids": [1]}).request_id
     assert request.sampling_params.max_tokens is None and request.stream is False
     assert request.priority == 0 and request.model is None and request.items() == []
-    assert not request.is_multimodal
 
 
 def test_token_ids_rules():
@@ -52,7 +51,7 @@ def test_content_parts_and_features_are_mutually_exclusive():
     parts = [{"type": "image_url", "url": "http://x/cat.png"}]
     assert _error(_request(features=FEATURES, content_parts=parts)) == (
         "content_parts and features are mutually exclusive")
-    assert parse_model(GenerateRequest, _request(content_parts=parts)).is_multimodal
+    assert parse_model(GenerateRequest, _request(content_parts=parts)).content_parts
 
 
 def test_placeholder_must_fit_in_token_ids():

@@ -70,7 +70,7 @@ def test_model_list():
 
 
 def test_error_response_from_taxonomy():
-    body = _json(ErrorResponse.from_error(InvalidRequest("token_ids: must not be empty")))
+    body = _json(ErrorResponse.model_validate(InvalidRequest("token_ids: must not be empty").to_body()))
     assert body["error"]["message"] == "token_ids: must not be empty"
     assert body["error"]["type"] == "invalid_request_error" and body["error"]["code"] == "invalid_request"
-    assert _json(ErrorResponse.from_error(Overloaded("busy")))["error"]["type"] == "rate_limit_error"
+    assert _json(ErrorResponse.model_validate(Overloaded("busy").to_body()))["error"]["type"] == "rate_limit_error"

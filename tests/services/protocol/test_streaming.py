@@ -4,7 +4,8 @@ import pytest
 
 from services.protocol.errors import InvalidRequest
 from services.protocol.generate import GenerateChoice, GenerateStreamChunk
-from services.protocol.streaming import SSE_DONE, parse_sse_data, sse_error, sse_event
+from services.protocol.streaming import SSE_DONE, sse_error, sse_event
+from tests.support.sse import parse_sse_data
 
 
 def test_event_framing_round_trip():
