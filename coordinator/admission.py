@@ -5,7 +5,8 @@
   streams as it has slots plus queue; beyond that the answer is 429 with
   Retry-After at once, before any work (no pile-up, no deadline spent waiting).
   With `--ttft-slo-ms` a request that would get its first token past that target
-  is refused the same way (ttft_gate.py says how it predicts).
+  is refused the same way, and with `--tpot-slo-ms` one that arrives while the streams decoding are past
+  that target (slo_gate.py says how it predicts).
 - Cancellation: the endpoint runs in its own task.  If the client disconnects
   before the response is complete (streaming or not), or POST /abort_requests
   names the request, that task is cancelled, and with it every gRPC call it
@@ -35,7 +36,7 @@ from services.protocol.errors import Aborted, DeadlineExceeded, EpdError, Overlo
 
 from .inflight import InflightRegistry, InflightRequest, current_request
 from .metrics import CoordinatorMetrics
-from .ttft_gate import TtftGate
+from .slo_gate import SloGate
 
 log = logging.getLogger(__name__)
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/inference/v1/generate"})
@@ -124,7 +125,7 @@ class Exchange:
 class AdmissionMiddleware:
     def __init__(self, app: Any, registry: InflightRegistry, max_inflight: int, metrics: CoordinatorMetrics,
                  saturated: Callable[[], str | None] = lambda: None, max_request_s: float | None = None,
-                 send_stall_s: float | None = None, gate: TtftGate | None = None) -> None:
+                 send_stall_s: float | None = None, gate: SloGate | None = None) -> None:
         self.app, self.registry, self.max_inflight = app, registry, max_inflight
         self.metrics, self.saturated, self.max_request_s = metrics, saturated, max_request_s
         self.send_stall_s, self.gate = send_stall_s, gate
@@ -164,6 +165,7 @@ class AdmissionMiddleware:
         if self.gate is not None:
             self.gate.admitted(id(record))
             record.on_first_token = lambda gate=self.gate: gate.first_token(id(record))
+            record.on_tokens = lambda count, gate=self.gate: gate.tokens(id(record), count)
         token = current_request.set(record)  # the endpoint task copies this context
         try:
             record.task = asyncio.create_task(self.app(scope, exchange.receive, exchange.send))

@@ -49,7 +49,7 @@ from .inflight import InflightRegistry
 from .openai_api import OpenAIApi
 from .openapi import OpenApiRoute
 from .pipeline import Pipeline
-from .ttft_gate import TtftGate
+from .slo_gate import SloGate
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +61,9 @@ class CoordinatorApp:
         self.pipeline = Pipeline(self.cluster)
         self.inflight = InflightRegistry()
         self.drain = Drain(self.inflight, config.server.shutdown_grace_s)
-        slo_s = config.limits.ttft_slo_ms / 1000   # one gate for both copies of the middleware (build)
-        self.ttft_gate = TtftGate(slo_s) if slo_s > 0 else None
+        limits = config.limits   # one gate for both copies of the middleware (build)
+        self.slo_gate = SloGate(limits.ttft_slo_ms / 1000, limits.tpot_slo_ms / 1000) \
+            if limits.ttft_slo_ms > 0 or limits.tpot_slo_ms > 0 else None
         self.generate_api = GenerateApi(config, self.cluster, self.pipeline)
         self.openai_api = OpenAIApi(config, self.cluster, self.pipeline)
 
@@ -117,7 +118,7 @@ class CoordinatorApp:
                 Middleware(AdmissionMiddleware, registry=self.inflight, metrics=self.cluster.metrics,
                            max_inflight=limits.max_inflight_requests, saturated=self.decode_saturated,
                            max_request_s=limits.max_request_timeout_s + limits.body_read_timeout_s + 5.0,
-                           send_stall_s=limits.stream_idle_timeout_s, gate=self.ttft_gate)]
+                           send_stall_s=limits.stream_idle_timeout_s, gate=self.slo_gate)]
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _: Starlette) -> AsyncIterator[None]:

@@ -36,7 +36,8 @@ class InflightRequest:
         self.task: asyncio.Task | None = None
         self.started = time.monotonic()
         self.cancel_reason: str | None = None   # "disconnect" | "abort" once cancelled
-        self.on_first_token: Callable[[], None] | None = None   # admission's TTFT gate (ttft_gate.py)
+        self.on_first_token: Callable[[], None] | None = None   # admission's SLO gate (slo_gate.py)
+        self.on_tokens: Callable[[int], None] | None = None     # the same, per later delta (its token count)
         self._cleanups: list[Cleanup] = []
 
     def cancel(self, reason: str) -> bool:
@@ -116,6 +117,13 @@ def first_token() -> None:
     if record is not None and record.on_first_token is not None:
         hook, record.on_first_token = record.on_first_token, None
         hook()
+
+
+def tokens(count: int) -> None:
+    """A later delta of the current request went out with `count` tokens (no-op outside the middleware)."""
+    record = current_request.get()
+    if record is not None and record.on_tokens is not None:
+        record.on_tokens(count)
 
 
 def on_close(cleanup: Cleanup) -> bool:

@@ -167,8 +167,10 @@ class Pipeline:
                         if first:
                             activity.mark("coordinator.first_delta")
                             self.cluster.metrics.ttft_seconds.observe(time.monotonic() - ctx.started)
-                            inflight.first_token()   # admission's TTFT gate learns from it
+                            inflight.first_token()   # admission's SLO gate learns from it
                             first = False
+                        else:
+                            inflight.tokens(len(delta.token_ids))   # and from the gaps between tokens
                         check_answer(ctx, "decode", delta.weight_version or "", self.cluster.metrics)
                         sent.setdefault(delta.index, []).extend(delta.token_ids)
                         if delta.finish_reason:

@@ -267,23 +267,18 @@ class CpuConfig:
 
     role_threads: str = _f("", "engine threads per role: '' (one per core), N, or 'encode=1,decode=2' (prefill-long=N: "
                            "prefill's while it runs a chunked prompt).  Why: roles or instances that share a machine "
-                           "with other work, or "
-                           "each other, and should not each take every core", roles="roles")
+                           "with other work, or each other, and should not each take every core", roles="roles")
     single_omp_team: str = _f("on", "on: only a model role's engine thread runs torch multi-threaded, so libgomp "
                               "keeps spinning between regions (services/hostcpu/compute_threads.py) | off.  Why: "
-                              "only to measure what it "
-                              "gains (benchmarks/omp_team.py)",
-                              roles="roles")
+                              "only to measure what it gains (benchmarks/omp_team.py)", roles="roles")
     compute_lease: str = _f("auto", "auto: under `epd serve` encode's and prefill's forwards take turns on the cores "
                             "and decode steps pause (at most 0.5 s a step) while one runs "
                             "(services/hostcpu/compute_lease.py) | off.  Why: roles pinned to cores of their own, "
-                            "which need no turns, "
-                            "or to measure it", roles="roles")
+                            "which need no turns, or to measure it", roles="roles")
     role_nice: str = _f("auto", "niceness per role and its autogroup ('decode=0,prefill=5'; prefill-long=N: prefill's "
                         "while it runs a chunked prompt, decode-long=N: decode's meanwhile); auto under `epd serve`: "
                         "decode=15,decode-long=5,prefill-long=19, none alone.  Why: to weigh the roles against other "
-                        "work on the "
-                        "machine, or each other on another core count", roles="roles")
+                        "work on the machine, or each other on another core count", roles="roles")
 
     def __post_init__(self) -> None:
         _one_of(self, ("single_omp_team",), ("on", "off"))
@@ -325,7 +320,10 @@ class LimitsConfig:
                                     "429 with Retry-After at once", roles="coordinator")
     ttft_slo_ms: float = _f(0.0, "time-to-first-token target of admission: past capacity a request that would get "
                             "its first token later is answered 429 with Retry-After at once, so those admitted "
-                            "still meet it (coordinator/ttft_gate.py); 0: admit and queue", roles="coordinator")
+                            "still meet it (coordinator/slo_gate.py); 0: admit and queue", roles="coordinator")
+    tpot_slo_ms: float = _f(0.0, "time-per-output-token target of admission: while the decoding streams' tokens come "
+                            "further apart (a running mean) a new request is answered 429 with Retry-After at once "
+                            "(coordinator/slo_gate.py); 0: admit", roles="coordinator")
     ttft_timeout_s: float = _f(60.0, "time from a request's body to its first token (render, encode, prefill, the "
                                "first decode step); then 504", roles="coordinator")
     stream_idle_timeout_s: float = _f(30.0, "longest wait for the next token once an answer has started, and for a "
@@ -341,7 +339,7 @@ class LimitsConfig:
     def __post_init__(self) -> None:
         _at_least(self, ("max_images_per_request", "max_image_pixels", "max_image_bytes", "max_inflight_requests"), 1)
         _at_least(self, ("max_video_bytes", "max_video_frames", "max_video_frame_pixels"), 1)
-        _at_least(self, ("max_videos_per_request", "ttft_slo_ms"), 0)   # 0: no videos; no TTFT target
+        _at_least(self, ("max_videos_per_request", "ttft_slo_ms", "tpot_slo_ms"), 0)   # 0: no videos; no target
         _at_least(self, ("request_timeout_s", "media_timeout_s", "ttft_timeout_s", "stream_idle_timeout_s",
                          "max_request_timeout_s", "body_read_timeout_s", "max_video_duration_s",
                          "video_decode_timeout_s"), 0, strict=True)
