@@ -169,7 +169,7 @@ class Pipeline:
                             self.cluster.metrics.ttft_seconds.observe(time.monotonic() - ctx.started)
                             inflight.first_token()   # admission's SLO gate learns from it
                             first = False
-                        else:
+                        elif delta.index == 0:   # one sample's gaps (n > 1 samples' deltas interleave)
                             inflight.tokens(len(delta.token_ids))   # and from the gaps between tokens
                         check_answer(ctx, "decode", delta.weight_version or "", self.cluster.metrics)
                         sent.setdefault(delta.index, []).extend(delta.token_ids)

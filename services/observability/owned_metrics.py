@@ -18,6 +18,7 @@ process builds one.
 from __future__ import annotations
 
 import weakref
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
@@ -28,7 +29,7 @@ O = TypeVar("O")  # noqa: E741 - the owner type
 Read = Callable[[Any], float]
 
 
-class OwnedCollector:
+class OwnedCollector(ABC):
     """A collector read from `owner` at scrape time, holding it weakly: unregistered once the owner is gone."""
 
     def __init__(self, owner: Any, registry: CollectorRegistry = REGISTRY) -> None:
@@ -40,8 +41,9 @@ class OwnedCollector:
     def describe(self) -> list[Metric]:
         return []
 
+    @abstractmethod
     def collect(self) -> Iterator[Metric]:
-        raise NotImplementedError
+        """The owner's metrics now (nothing once it is gone)."""
 
     def _unregister(self) -> None:
         try:
