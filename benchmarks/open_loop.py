@@ -1,6 +1,8 @@
 """Open-loop latency as users measure it: vLLM's own `vllm bench serve` (Poisson arrivals) against epd and a baseline.
 
     python -m benchmarks.open_loop                        # demo-medium, epd vs vLLM CPU, rates 0.5 1 2 3, image + text
+    python -m benchmarks.open_loop --model demo-deep      # the second shape: 16 layers, 6 heads of 128 (open_loop_deep)
+    python -m benchmarks.open_loop --model smollm2 --workloads text   # real weights, text only (open_loop_smollm2)
     python -m benchmarks.open_loop --rates 1,2 --baseline 6fd4072 --name open_loop_arbiter   # epd vs an older epd
     python -m benchmarks.open_loop --rates 1,2 --baseline self --baseline-flag=--role-nice=decode=0 --name nice0
                                                           # epd as shipped vs epd with other flags (B only)
@@ -18,14 +20,17 @@ images again (both cache them; one seed for every run read the later rates' TTFT
 into it, their sources being the same), or `self` (this tree twice: the quick mode's smoke run).
 
 Figures, epd / baseline: TTFT p50 and p99, TPOT p50, goodput, per workload and rate.  Writes
-benchmarks/results/<name>.json (every run's `vllm bench serve` result, per-request lists dropped) and, for the
-default vs-vLLM run, the `open-loop` block of docs/benchmarks.md.  --quick writes to a temporary folder.
+benchmarks/results/<name>.json (every run's `vllm bench serve` result, per-request lists dropped) and, for a
+vs-vLLM run of one of the SHAPES under its own name, its block of docs/benchmarks.md (`open-loop`,
+`open-loop-deep`, `open-loop-smollm2`): a default is checked on more than one checkpoint shape.  --quick writes
+to a temporary folder.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -37,6 +42,8 @@ from benchmarks.common import ROOT, Figure, machine, print_figures, ratio, resul
 from benchmarks.procs import Server, exit_on_sigterm, running, start_epd, tree_at
 
 SERVED = "bench-model"
+# The checkpoint shapes whose vs-vLLM runs the docs show, and each one's results name.
+SHAPES = {"demo-medium": "open_loop", "demo-deep": "open_loop_deep", "smollm2": "open_loop_smollm2"}
 GOODPUT = ("ttft:2000", "tpot:100")
 DROP = ("input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times", "queue_times", "generated_texts",
         "errors")
@@ -181,6 +188,11 @@ def figures(doc: dict[str, Any]) -> list[Figure]:
     return out
 
 
+def default_name(model: str) -> str:
+    """The results name of a run on `model`: its shape's, or open_loop_<folder name> (never a shape's JSON)."""
+    return SHAPES.get(model) or "open_loop_" + (re.sub(r"\W+", "_", Path(model).name).strip("_") or "model")
+
+
 def parse(argv: list[str] | None) -> tuple[Setup, bool]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, one rate, 6 requests, epd vs itself")
@@ -192,7 +204,8 @@ def parse(argv: list[str] | None) -> tuple[Setup, bool]:
     parser.add_argument("--epd-flag", action="append", default=[], help="an extra `epd serve` flag (both epd sides)")
     parser.add_argument("--baseline-flag", action="append", default=[],
                         help="an extra `epd serve` flag for an epd baseline only (self or a git ref): A/B of a setting")
-    parser.add_argument("--name", default="", help="the JSON's name (default open_loop; other names skip the docs)")
+    parser.add_argument("--name", default="", help="the JSON's name (default: the shape's, open_loop for "
+                        "demo-medium, else open_loop_<folder name>; names other than a shape's skip the docs)")
     args = parser.parse_args(argv)
     if args.baseline_flag and args.baseline in ("", "vllm"):
         parser.error("--baseline-flag needs an epd baseline (--baseline self or a git ref)")
@@ -205,13 +218,14 @@ def parse(argv: list[str] | None) -> tuple[Setup, bool]:
         unknown = set(changes["workloads"]) - set(WORKLOADS)
         if unknown:
             parser.error(f"unknown workloads {sorted(unknown)}; known: {', '.join(WORKLOADS)}")
-    for key, value in (("num_prompts", args.num_prompts), ("baseline", args.baseline), ("name", args.name)):
+    for key, value in (("num_prompts", args.num_prompts), ("baseline", args.baseline),
+                       ("name", args.name or ("" if args.quick else default_name(changes["model"])))):
         if value:
             changes[key] = value
     changes["epd_flags"] = tuple(args.epd_flag)
     changes["baseline_flags"] = tuple(args.baseline_flag)
     setup = Setup(**{**setup.__dict__, **changes})
-    return setup, not setup.quick and setup.name == "open_loop" and setup.baseline == "vllm"
+    return setup, not setup.quick and setup.name == SHAPES.get(setup.model) and setup.baseline == "vllm"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,12 +238,12 @@ def main(argv: list[str] | None = None) -> int:
     print_figures(found, f"open loop, epd / {doc['baseline']} ({path})")
     if docs:
         command = "python -m benchmarks.open_loop " + " ".join(sys.argv[1:] if argv is None else argv)
-        write_doc_block("open-loop", command.strip(), found,
+        write_doc_block(setup.name.replace("_", "-"), command.strip(), found,
                         extra=f"`vllm bench serve` (Poisson arrivals), {setup.num_prompts} requests per workload, "
                               f"rate and side; image: one random 224x224 image + {setup.input_len} random tokens, "
                               f"text: {setup.input_len} random tokens; {setup.output_len} output tokens, "
                               f"ignore_eos; {setup.model}, float32; goodput SLO TTFT <= 2 s, TPOT <= 100 ms. "
-                              "Raw results: benchmarks/results/open_loop.json.")
+                              f"Raw results: benchmarks/results/{setup.name}.json.")
     return 0
 
 

@@ -26,7 +26,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 CPU_DECODE_SLOTS, CUDA_DECODE_SLOTS = 16, 64   # --decode-slots auto (CUDA: the rows its CUDA graphs are captured for)
 # The built-in demo models: alias -> (the size services/models/demo.py builds, the model id clients send).
 DEMO_ALIASES = {"demo": ("tiny", "epd-demo-qwen2-vl"), "epd-demo-qwen2-vl": ("tiny", "epd-demo-qwen2-vl"),
-                "demo-medium": ("medium", "epd-demo-qwen2-vl-medium")}
+                "demo-medium": ("medium", "epd-demo-qwen2-vl-medium"), "demo-deep": ("deep", "epd-demo-qwen2-vl-deep")}
 LINEAR_KERNELS = ("auto", "panel", "prepacked", "default")   # services.models.prepack.MODES (checked by a test)
 ROLES = ("coordinator", "render", "encode", "prefill", "decode")
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")   # vLLM's LogprobsMode

@@ -65,7 +65,11 @@ TINY_VISION = {"depth": 2, "embed_dim": 32, "num_heads": 2, "mlp_ratio": 2}
 MEDIUM_TEXT = {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8, "num_attention_heads": 16,
                "num_key_value_heads": 4, "max_position_embeddings": 32768}
 MEDIUM_VISION = {"depth": 8, "embed_dim": 512, "num_heads": 8, "mlp_ratio": 4}
-SIZES = {"tiny": (TINY_TEXT, TINY_VISION), "medium": (MEDIUM_TEXT, MEDIUM_VISION)}
+# A second shape for checking that a default holds beyond one checkpoint: twice the layers, a third of the heads
+# (head_dim 128, as the real Qwen2-VL), about the medium model's compute per token.
+DEEP_TEXT = {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 6,
+             "num_key_value_heads": 2, "max_position_embeddings": 32768}
+SIZES = {"tiny": (TINY_TEXT, TINY_VISION), "medium": (MEDIUM_TEXT, MEDIUM_VISION), "deep": (DEEP_TEXT, MEDIUM_VISION)}
 
 
 def default_cache_dir() -> Path:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import open_loop
+from benchmarks import docpage, open_loop
 
 
 def test_the_bench_command_is_the_users_poisson_run():
@@ -50,3 +50,18 @@ def test_baseline_flags_go_to_an_epd_baseline_only(capsys):
     with pytest.raises(SystemExit):
         open_loop.parse(["--baseline-flag=--role-nice=decode=0"])   # the vLLM baseline takes no epd flag
     assert "--baseline-flag needs an epd baseline" in capsys.readouterr().err
+
+
+def test_each_shape_runs_under_its_own_name_and_docs_block():
+    assert open_loop.parse([]) == (open_loop.Setup(), True)                  # demo-medium: open_loop, `open-loop`
+    deep, docs = open_loop.parse(["--model", "demo-deep"])
+    assert (deep.name, docs) == ("open_loop_deep", True)
+    smol, docs = open_loop.parse(["--model", "smollm2", "--workloads", "text"])
+    assert (smol.name, smol.workloads, docs) == ("open_loop_smollm2", ("text",), True)
+    assert open_loop.parse(["--model", "demo-deep", "--name", "trial"])[1] is False   # another name: no docs
+    assert open_loop.parse(["--model", "demo-deep", "--baseline", "self"])[1] is False   # not beside vLLM
+    assert open_loop.parse(["--quick"])[0].name == "open_loop_quick"
+    assert open_loop.parse(["--model", "/ckpt/Qwen2-VL-2B"]) == (open_loop.Setup(
+        model="/ckpt/Qwen2-VL-2B", name="open_loop_Qwen2_VL_2B"), False)   # not a known shape: its own JSON only
+    assert {name.replace("_", "-") for name in open_loop.SHAPES.values()} <= set(
+        name for _, names in docpage.GROUPS for name in names)
