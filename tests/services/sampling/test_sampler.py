@@ -10,7 +10,7 @@ import torch
 
 from services.generation.params import DecodeParams
 from services.protocol.errors import InvalidRequest
-from services.sampling.sampler import RowSampling, Sampler, sample_first, seeded_uniform
+from services.sampling.sampler import RowSampling, Sampler, _draw_plain, sample_first, seeded_uniform
 
 VOCAB = 1000
 
@@ -85,6 +85,28 @@ def test_temperature_sampling_follows_the_distribution():
     assert set(top_p) == {2, 3}                 # 0.6 < 0.65: the 0.3 token is needed, the 0.1 one is not
     min_p = Counter(sample_first(logits[0], DecodeParams(seed=s, min_p=0.4)) for s in range(500))
     assert set(min_p) == {2, 3}                 # 0.1 < 0.4 * 0.6
+
+
+def test_a_plain_draw_is_the_inverse_cdf_of_the_softmax_in_place():
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.0])                     # the last token suppressed (-inf)
+    logits = torch.log(probs).repeat(6, 1) + torch.arange(6.0)[:, None]  # a shift per row changes nothing
+    uniforms = torch.tensor([[0.05], [0.15], [0.35], [0.65], [0.95], [1.0]])
+    # running mass 0.1 0.3 0.6 1.0: the first column past u; u * sum rounded to the sum takes the likeliest
+    assert _draw_plain(logits, uniforms).flatten().tolist() == [0, 1, 2, 3, 3, 3]
+    assert torch.allclose(logits[0], torch.tensor([0.1, 0.3, 0.6, 1.0, 1.0]) / 0.4)   # drawn in place: running sums
+
+
+def test_an_engines_logits_drawn_in_place_still_give_true_logprobs():
+    logits = _logits(3, seed=5)
+    original = logits.clone()
+    rows = [RowSampling(DecodeParams(temperature=0.7, seed=i, logprobs=2)) for i in range(3)]
+    tokens = Sampler(logprobs_mode="processed_logprobs").sample(logits, rows, inplace=True)
+    for i, (row, token) in enumerate(zip(rows, tokens, strict=True)):
+        record = row.take_logprobs()   # of the distribution drawn from: the logits / the temperature
+        assert record is not None and record.token_id == token
+        assert abs(record.logprob - torch.log_softmax(original[i] / 0.7, dim=0)[token].item()) < 1e-5
+    unread = [RowSampling(DecodeParams(temperature=0.7, seed=i)) for i in range(3)]
+    assert Sampler().sample(original.clone(), unread, inplace=True) == tokens   # the same draws, no logprobs
 
 
 def test_penalties():
