@@ -35,7 +35,7 @@ import aiohttp
 
 from benchmarks.common import ROOT, machine, replace_block, results_dir, scratch_dir, write_json
 from benchmarks.overhead import _bodies, _first_token_s
-from benchmarks.procs import running, start_epd
+from benchmarks.procs import Server, running, start_epd
 
 COMPUTE = ("render", "encode", "prefill")
 CLIENT_SEND, CLIENT_FIRST = "client.send", "client.first_token"
@@ -111,10 +111,15 @@ def run(model: str, count: int, warmup: int = 3) -> dict[str, Any]:
     from services.observability.activity import ENV
 
     with running(start_epd(model, env={ENV: str(folder)})) as (epd,):
-        bodies = _bodies(epd.model_id(), count + warmup, random.randrange(1 << 30))
-        windows = asyncio.run(_send(epd.url, bodies))[warmup:]
-        time.sleep(0.2)  # the last marks' lines are on disk (line-buffered) once written; give the writes time
-        return segments(paths(events_in(folder), windows))
+        return trace(epd, folder, count, warmup)
+
+
+def trace(epd: Server, folder: Path, count: int, warmup: int = 3) -> dict[str, Any]:
+    """`count` requests (after `warmup`) to a running epd whose activity log goes to `folder`: their segments."""
+    bodies = _bodies(epd.model_id(), count + warmup, random.randrange(1 << 30))
+    windows = asyncio.run(_send(epd.url, bodies))[warmup:]
+    time.sleep(0.2)  # the last marks' lines are on disk (line-buffered) once written; give the writes time
+    return segments(paths(events_in(folder), windows))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 from collections.abc import Iterator
 
@@ -17,7 +16,7 @@ import uvicorn
 
 from services.config import EpdConfig
 from services.runtime import event_loop
-from services.runtime.heap import keep_freed_memory
+from services.runtime.heap import keep_freed_memory, startup_done
 
 from .app import CoordinatorApp
 from .drain import DrainingServer
@@ -58,6 +57,6 @@ def run_coordinator(config: EpdConfig) -> int:
     security = config.security
     admin = _AdminServer(uvicorn.Config(coordinator.build_admin(), host=security.admin_host, port=security.admin_port,
                                         log_level="warning", lifespan="off", timeout_graceful_shutdown=1))
-    gc.freeze()  # what start-up built lives as long as the process: no full collection rescans it (as the roles)
+    startup_done()  # what start-up built lives as long as the process: no full collection rescans it (as the roles)
     event_loop.run(_serve(public, admin, config), config.server.event_loop)
     return 0 if public.started else 1

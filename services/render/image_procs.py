@@ -30,6 +30,7 @@ its place.  The main process's per-image work is the two memcpys and a few hundr
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import mmap
 import multiprocessing
@@ -44,6 +45,7 @@ import numpy as np
 
 from services.protocol.errors import InternalError, InvalidRequest, Unavailable
 from services.render.processor import ProcessedImage
+from services.runtime.heap import startup_done
 
 log = logging.getLogger(__name__)
 ALIGN = 64
@@ -107,7 +109,9 @@ def _attach(buffers: list[_Buffer | None], slot: int, fd: int, size: int) -> Non
 
 def worker_main(conn: Connection, init: Any, init_args: tuple, run: Any) -> None:
     """The worker's loop: `init(*init_args)` once, then `run(bytes, kind) -> (status, value)` per job."""
+    gc.disable()   # while `init` imports and loads (services/runtime/heap.py: startup_done)
     init(*init_args)
+    startup_done()
     _send(conn, ("ready",))
     inbox: list[_Buffer | None] = [None] * SLOTS
     out: list[_Buffer | None] = [None] * SLOTS

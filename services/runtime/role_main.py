@@ -11,6 +11,7 @@ import sys
 from services.config import EpdConfig
 from services.observability import setup_logging
 from services.runtime import event_loop
+from services.runtime.heap import startup_done
 from services.runtime.server import free_port
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ NO_TORCH_MESSAGE = "PyTorch was not found"
 
 
 def run(role: str, config: EpdConfig) -> int:
+    gc.disable()   # until start-up is over (services/runtime/heap.py: startup_done)
     setup_logging(role, config.server.instance_id, config.server.log_level)
     from services.kernels.loader import configure
 
@@ -81,7 +83,7 @@ def run(role: str, config: EpdConfig) -> int:
         role_server = await module.build(config)
         # Everything loaded so far (torch, transformers, the model) lives as long as the process: keep the
         # cyclic GC from rescanning it, in every full collection and once more at exit (seconds of CPU here).
-        gc.freeze()
+        startup_done()
         announcer = start_announcing(config, role, grpc_port, http_port)
         try:
             server = config.server

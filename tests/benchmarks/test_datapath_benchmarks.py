@@ -1,7 +1,8 @@
 """The data-path benchmarks' arithmetic and tables, on known numbers (their runs take minutes).
 
 render_workers: the median of per-round ratios and the CPU-bound ceiling; overhead: the breakdown line
-of its docs block; ttft_vs_vllm: the two image sizes it measures and its docs table.
+of its docs block; ttft_vs_vllm: the two image sizes it measures and its docs table.  request_trace and idle_ttft
+measure the package's tiny cluster (tests/benchmarks/conftest.py).
 """
 
 from __future__ import annotations
@@ -98,13 +99,13 @@ def test_request_trace_takes_the_common_path_and_medians_each_segment():
 
 
 @pytest.mark.timeout(180)
-def test_request_trace_sees_one_request_cross_every_process_in_order():
-    """A real tiny cluster with the activity log on: each request's path runs through the coordinator's steps,
-    every role's handler, the engines' threads, the stores and the compute spans, in this order, one whole call
-    per hop."""
-    from benchmarks.request_trace import run
+def test_request_trace_sees_one_request_cross_every_process_in_order(tiny_cluster):
+    """A real tiny cluster with the activity log on (the package's: tests/benchmarks/conftest.py): each request's
+    path runs through the coordinator's steps, every role's handler, the engines' threads, the stores and the
+    compute spans, in this order, one whole call per hop."""
+    from benchmarks.request_trace import trace
 
-    result = run("demo", 3, warmup=2)
+    result = trace(*tiny_cluster, 3, warmup=2)
     order = [result["rows"][0]["from"]] + [row["to"] for row in result["rows"]]
     expected = ["client.send", "coordinator.http_in", "coordinator.render.start", "RenderChat.in", "RenderChat.out",
                 "coordinator.render.end", "coordinator.encode.start", "Encode.in", "encode.engine_batch",
@@ -120,12 +121,10 @@ def test_request_trace_sees_one_request_cross_every_process_in_order():
 
 
 @pytest.mark.timeout(180)
-def test_idle_ttft_measures_each_pause_on_a_real_cluster():
+def test_idle_ttft_measures_each_pause_on_a_real_cluster(tiny_cluster):
     from benchmarks.idle_ttft import PAUSES_S, figures, measure
-    from benchmarks.procs import running, start_epd
 
-    with running(start_epd("demo")) as (epd,):
-        got = measure({"A": epd}, 2, rounds=1)
+    got = measure({"A": tiny_cluster[0]}, 2, rounds=1)
     assert sorted(got["A"]) == sorted(PAUSES_S) and all(len(times) == 2 for times in got["A"].values())
     assert all(0 < t < 10_000 for times in got["A"].values() for t in times)
     rows = figures(got, "demo")

@@ -1,9 +1,10 @@
 """Issue 10's benchmark scripts: their --quick runs measure what they claim, the overlap arithmetic and
 the generated targets table are right.
 
-Both --quick runs measure one tiny cluster started here as each script would start its own (same model,
-flags and activity log), through their --epd-url: one cluster start instead of two.  Each run waits
-until the cluster is idle first, and the overlap figures count only spans inside their own window.
+Both --quick runs measure the package's tiny cluster (tests/benchmarks/conftest.py), started as each
+script would start its own (same model, flags and activity log), through their --epd-url: one cluster start
+instead of two.  Each run waits until the cluster is idle first, and the overlap figures count only spans
+inside their own window.
 """
 
 from __future__ import annotations
@@ -16,26 +17,12 @@ import time
 
 import pytest
 
-from benchmarks import engine_targets, stage_overlap, tpot_under_prefill
+from benchmarks import engine_targets
 from benchmarks.common import RESULTS_ENV, ROOT, Figure, write_json
-from benchmarks.procs import metric_sum, running, start_epd
+from benchmarks.procs import metric_sum
 from benchmarks.stage_overlap import STAGES, summary, union
 
 S = 1_000_000_000
-
-
-@pytest.fixture(scope="module")
-def tiny_cluster(tmp_path_factory):
-    """(server, activity folder): the cluster both quick runs would start, started once."""
-    from services.models.demo import demo_model_path
-    from services.observability.activity import ENV
-
-    assert stage_overlap.QUICK_FLAGS == tpot_under_prefill.QUICK_FLAGS  # what makes one cluster serve both
-    assert stage_overlap.Setup.quick().model == tpot_under_prefill.Setup.quick().model == "tiny"
-    folder = tmp_path_factory.mktemp("activity")
-    with running(start_epd(str(demo_model_path("tiny")), *stage_overlap.QUICK_FLAGS, env={ENV: str(folder)})) \
-            as (server,):
-        yield server, folder
 
 
 def _wait_idle(server, timeout: float = 120.0) -> None:

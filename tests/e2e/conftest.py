@@ -1,7 +1,9 @@
 """Real clusters for end-to-end tests: `epd serve` with shm connectors, and with Redis.
 
 The shared clusters are package-scoped: they stop when the last test of tests/e2e is done (not at the end
-of the whole run, idling beside the unit tests), all at once (`stopped_together`).
+of the whole run, idling beside the unit tests), all at once (`stopped_together`).  The tiny families' clusters
+are shared by test_model_families.py and test_video.py and stop when the last of them is done with each
+(`family_clusters`, tests/support/family_clusters.py).
 """
 
 from __future__ import annotations
@@ -9,6 +11,35 @@ from __future__ import annotations
 import pytest
 
 from tests.support.cluster import start_cluster
+from tests.support.family_clusters import FamilyClusters
+
+FAMILIES = pytest.StashKey[FamilyClusters]()
+FAMILY_MODULES = ("test_model_families.py", "test_video.py")   # in this order, next to each other
+
+
+@pytest.hookimpl(trylast=True)   # after pytest's own ordering by fixture parameters
+def pytest_collection_modifyitems(config, items):
+    """test_video.py right after test_model_families.py; which module needs which family cluster."""
+    families = config.stash.setdefault(FAMILIES, FamilyClusters())
+    later = [item for item in items if item.path.name == FAMILY_MODULES[1] and item.path.parent.name == "e2e"]
+    earlier = [i for i, item in enumerate(items) if item.path.name == FAMILY_MODULES[0]]
+    if later and earlier:
+        rest = [item for item in items if item not in later]
+        at = rest.index(items[earlier[-1]]) + 1
+        items[:] = rest[:at] + later + rest[at:]
+    for item in items:
+        key_of = getattr(item.module, "family_key", None)
+        key = key_of(item.callspec.params) if key_of is not None and hasattr(item, "callspec") else None
+        if key is not None:
+            families.need(item.module.__name__, key)
+
+
+@pytest.fixture(scope="package")
+def family_clusters(request, stopped_together):
+    families = request.config.stash.setdefault(FAMILIES, FamilyClusters())
+    families.stopped = stopped_together
+    yield families
+    families.stop_all()
 
 
 @pytest.fixture(scope="package")

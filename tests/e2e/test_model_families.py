@@ -1,6 +1,7 @@
 """Every supported family, served by a real cluster, answers exactly like `generate` in one process.
 
-One cluster per family (tiny random checkpoint from services.models.tiny), a
+One cluster per family (tiny random checkpoint from services.models.tiny; test_video.py's
+Qwen2.5-VL and Qwen3-VL ones are the same clusters: tests/support/family_clusters.py), a
 text chat and, for VLM families, a one- and a two-image chat; greedy output
 through the coordinator must equal `model.generate(do_sample=False)` token for
 token.  Text-only families run no encoder and refuse images with a 400.
@@ -15,7 +16,6 @@ import os
 
 import pytest
 
-from tests.support.cluster import start_cluster
 from tests.support.images import chat, noise_image
 
 MAX_TOKENS = 8
@@ -28,8 +28,14 @@ CASES = {
 }
 
 
-def _serve(family: str):
-    """(family, running cluster, reference); the caller stops the cluster."""
+def family_key(params: dict) -> tuple[str, str] | None:
+    """The family cluster a test with these parameters uses (tests/support/family_clusters.py)."""
+    family = params.get("vlm") or params.get("text_lm")
+    return (family, DEVICE) if family else None
+
+
+def _serve(family: str, families):
+    """(family, running cluster, reference); the caller releases the cluster."""
     from services.models.tiny import tiny_model_path
     from tests.support.reference import Reference
 
@@ -37,26 +43,22 @@ def _serve(family: str):
         torch = pytest.importorskip("torch")
         if not torch.cuda.is_available():
             pytest.skip("EPD_TEST_DEVICE is set but no CUDA device is available")
-    path = tiny_model_path(family)
-    cluster = start_cluster("--model", str(path), "--ec-capacity-mb", "32", "--kv-capacity-mb", "32",
-                            "--decode-slots", "4", "--max-images-per-request", "2", "--device", DEVICE)
-    return family, cluster, Reference(path, device=DEVICE)
+    cluster = families.cluster(__name__, (family, DEVICE))   # test_video.py serves Qwen2.5-VL and Qwen3-VL too
+    return family, cluster, Reference(tiny_model_path(family), device=DEVICE)
 
 
 @pytest.fixture(scope="module", params=VLMS)
-def vlm(request, stopped_together):
-    name, cluster, reference = _serve(request.param)
+def vlm(request, family_clusters):
+    name, cluster, reference = _serve(request.param, family_clusters)
     yield name, cluster, reference
-    cluster.terminate()   # its drain overlaps the next family's start-up; waited for with the shared ones
-    stopped_together.append(cluster)
+    family_clusters.release(__name__, (name, DEVICE))   # stopped unless test_video.py needs it next
 
 
 @pytest.fixture(scope="module", params=["qwen2", "llama"])
-def text_lm(request, stopped_together):
-    name, cluster, reference = _serve(request.param)
+def text_lm(request, family_clusters):
+    name, cluster, reference = _serve(request.param, family_clusters)
     yield name, cluster, reference
-    cluster.terminate()   # its drain overlaps the next family's start-up; waited for with the shared ones
-    stopped_together.append(cluster)
+    family_clusters.release(__name__, (name, DEVICE))
 
 
 def _ask(cluster, text, images):

@@ -27,21 +27,32 @@ GROUPS = {"qwen2_vl": 4, "qwen2_5_vl": 2, "qwen3_vl": 4}   # frame groups of a c
 
 
 # Every family on shm; the redis connectors on one (what they move does not depend on the family, and each
-# cluster costs the suite ~30 s).
+# cluster costs the suite ~15 s).  The shm ones are the family clusters test_model_families.py uses too.
 CASES = [*((f, "shm") for f in FAMILIES), ("qwen2_5_vl", "redis")]
 
 
+def family_key(params: dict) -> tuple[str, str] | None:
+    """The shared family cluster a test with these parameters uses (tests/support/family_clusters.py)."""
+    family, connector = params["served"]
+    return (family, "cpu") if connector == "shm" else None
+
+
 @pytest.fixture(scope="module", params=CASES, ids=lambda p: f"{p[0]}-{p[1]}")
-def served(request, stopped_together):
+def served(request, family_clusters, stopped_together):
     from services.models.tiny import tiny_model_path
+    from tests.support.family_clusters import family_flags
     from tests.support.reference import Reference
 
     family, connector = request.param
     path = tiny_model_path(family)
-    flags = ["--model", str(path), "--ec-capacity-mb", "32", "--kv-capacity-mb", "32", "--decode-slots", "4"]
-    if connector == "redis":
-        redis = request.getfixturevalue("redis_server")
-        flags += ["--ec-connector", "redis", "--kv-connector", "redis", "--redis-url", redis.url]
+    key = family_key({"served": request.param})
+    if key is not None:
+        yield family, family_clusters.cluster(__name__, key), Reference(path)
+        family_clusters.release(__name__, key)
+        return
+    redis = request.getfixturevalue("redis_server")
+    flags = [*family_flags((family, "cpu")), "--ec-connector", "redis", "--kv-connector", "redis",
+             "--redis-url", redis.url]
     cluster = start_cluster(*flags, timeout=600)   # a loaded 2-core machine: the first start compiles decode
     yield family, cluster, Reference(path)
     cluster.terminate()
