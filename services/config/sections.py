@@ -228,7 +228,8 @@ class EnginesConfig:
                            "the decoder stack then uses the panel kernel) | on (refuse to start where it does not "
                            "apply) | off (the eager step)", roles="decode")
     lm_head_screen: str = _f("auto", "greedy tokens from an int8 or bfloat16 copy of a float32 panel LM head, "
-                             "decided exactly in float32 on the candidates a proven bound leaves: auto | on | off",
+                             "decided exactly in float32 on the candidates a proven bound leaves, and temperature "
+                             "draws by rejection from the int8 copy's bound: auto | on | off",
                              roles="prefill, decode")
     kernels_off: str = _f("", "native kernels to leave off, comma-separated (services/kernels/spec.py names them: "
                           "resize, panel, fused_step, ...); torch's path runs instead: to rule a kernel out "

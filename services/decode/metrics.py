@@ -57,8 +57,10 @@ ENGINE_GAUGES: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
                                   lambda s: (s.kv.used_blocks + s.kv.reserved_blocks) / s.kv.num_blocks),
     "epd_decode_serial_steps": ("Decode steps of at most --decode-serial-rows rows, run on one thread",
                                 lambda s: s.serial_steps),
-    "epd_decode_lm_head_screened_rows_total": ("Greedy rows whose token the LM head screen (int8 or bfloat16) decided "
-                                               "exactly (services/models/head_screen.py)", lambda s: s.screened_rows),
+    "epd_decode_lm_head_screened_rows_total": ("Rows whose token the LM head screen decided: greedy rows exactly "
+                                               "(int8 or bfloat16: services/models/head_screen.py), temperature rows "
+                                               "by its exact draw (int8: services/sampling/screened.py)",
+                                               lambda s: s.screened_rows),
     "epd_decode_lm_head_screen_full_rows_total": ("Rows the LM head screen sent back to the full float32 head",
                                                   lambda s: s.screen_full_rows),
     "epd_decode_lm_head_screen_candidates_total": ("float32 logits the LM head screen computed for its candidates",

@@ -38,6 +38,7 @@ from services.hostcpu import compute_lease, compute_threads, role_cpu
 from services.models.base import KVLayout, LanguageModel
 from services.models.head_screen import HeadScreen, build_screen
 from services.observability.compute_metrics import compute_timer
+from services.sampling import screened
 from services.sampling.sampler import RowSampling, Sampler
 
 # a prefilled KV of these dtypes widens exactly into blocks of those (prefill in bfloat16 beside a decode
@@ -175,17 +176,18 @@ class DecodeRunner:
         return self._pick(out[:count], rows, screen)
 
     def _screen_for(self, rows: Sequence[RowSampling]) -> HeadScreen | None:
-        """The screen when this step may use it: every row plain greedy."""
+        """The screen when this step may use it: every row plain greedy or plain sampled."""
         if self.screen is None:
             return None
-        return self.screen if all(row.plain_greedy for row in rows) else None
+        samples = self.screen.samples
+        return self.screen if all(row.plain_greedy or (samples and row.plain_sampled) for row in rows) else None
 
     def _pick(self, out: torch.Tensor, rows: Sequence[RowSampling], screen: HeadScreen | None) -> list[int]:
         """Tokens from the step's logits, or from its normed hidden states through `screen`; a row the
         screen cannot decide runs the full head."""
         if screen is None:
             return self.sampler.sample(out, rows, inplace=True)
-        tokens = screen.argmax(out)
+        tokens = screened.pick(screen, out, rows, self.sampler.rng)
         full = [i for i, token in enumerate(tokens) if token < 0]
         if full:
             picked = self.sampler.sample(self.lm.lm_head(out[full]), [rows[i] for i in full], inplace=True)

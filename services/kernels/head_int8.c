@@ -44,6 +44,8 @@ typedef struct {
     int32_t *len;       /* this thread's [M] */
     double *low;        /* this thread's [M] */
     int listcap, N;
+    float *out;         /* epd_i8_upper: U of every column goes here ([M, ldo]); no lists */
+    int64_t ldo;
 } Epi;
 
 /* Keep the entries of row r's list whose U reaches the row's lower now; returns the new length. */
@@ -60,7 +62,7 @@ static int compact(Epi *e, int r) {
 /* Row r's 16 int32 sums of columns n0 .. n0 + 15: their U and L - E; the columns that may still win join the
  * list.  A full list (even after compacting) sets len = listcap + 1: the row overflowed. */
 static inline void epilogue(__m512i acc, int r, int n0, Epi *e) {
-    if (e->len[r] > e->listcap) return;
+    if (!e->out && e->len[r] > e->listcap) return;
     const double *rc = e->rowc + (int64_t)r * 4;
     const __m512d t = _mm512_set1_pd(rc[0]), A = _mm512_set1_pd(rc[1]), B = _mm512_set1_pd(rc[2]);
     const __m512d C = _mm512_set1_pd(rc[3]);
@@ -79,6 +81,11 @@ static inline void epilogue(__m512i acc, int r, int n0, Epi *e) {
         const int lanes = valid - 8 * h;
         const __mmask8 mask = lanes >= 8 ? 0xff : lanes <= 0 ? 0 : (__mmask8)((1u << lanes) - 1);
         low = _mm512_mask_max_pd(low, mask, low, _mm512_sub_pd(L, E));
+    }
+    if (e->out) {
+        float *o = e->out + (int64_t)r * e->ldo + n0;
+        for (int j = 0; j < valid; j++) o[j] = u[j];
+        return;
     }
     const double lo = _mm512_reduce_max_pd(low);
     if (lo > e->low[r]) e->low[r] = lo;
@@ -170,7 +177,7 @@ int epd_i8_argmax(const int32_t *xp, int64_t ldx, int M, const int32_t *w, int N
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         Epi e = {colsum, scale, ew, nw, rowc, lists + (int64_t)t * M * listcap, uvals + (int64_t)t * M * listcap,
-                 lens + (int64_t)t * M, lows + (int64_t)t * M, listcap, N};
+                 lens + (int64_t)t * M, lows + (int64_t)t * M, listcap, N, 0, 0};
         for (int r = 0; r < M; r++) { e.len[r] = 0; e.low[r] = -INFINITY; }
         const int pairs = Q8 / 2, per = (pairs + nt - 1) / nt;
         const int q0 = 2 * t * per, q1 = 2 * (t + 1) * per > Q8 ? Q8 : 2 * (t + 1) * per;
@@ -226,6 +233,66 @@ int epd_i8_argmax(const int32_t *xp, int64_t ldx, int M, const int32_t *w, int N
             i = j;
         }
         if (ok) tokens[r] = best;
+    }
+    return 0;
+}
+
+/* Every column's upper value U = L + E (rounded up to float32) of rows x: out [M, ldo] float32, N columns a row.
+ * No column's float32 logit is above its U (the bound above); the sampled draw through the screen
+ * (services/sampling/screened.py) proposes from exp(U / T) and accepts by the column's float32 logit.
+ * A row with t NaN (not screened) gets NaN.  0, or 1 for arguments it refuses. */
+int epd_i8_upper(const int32_t *xp, int64_t ldx, int M, const int32_t *w, int N, int Q8, int K4,
+                 const int32_t *colsum, const double *scale, const double *ew, const double *nw, const double *rowc,
+                 float *out, int64_t ldo, int threads) {
+    if (M <= 0 || N <= 0 || Q8 <= 0 || Q8 % 2 || N > Q8 * NR || K4 <= 0 || ldx < K4 || ldo < N || threads <= 0 ||
+        ((uintptr_t)w % 64))
+        return 1;
+#pragma omp parallel num_threads(threads < Q8 / 2 ? threads : 1)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        Epi e = {colsum, scale, ew, nw, rowc, 0, 0, 0, 0, 0, N, out, ldo};
+        const int pairs = Q8 / 2, per = (pairs + nt - 1) / nt;
+        const int q0 = 2 * t * per, q1 = 2 * (t + 1) * per > Q8 ? Q8 : 2 * (t + 1) * per;
+        for (int q = q0; q < q1; q += 2)
+            for (int m = 0; m < M; m += 8) rows_tile(xp, ldx, m, M - m < 8 ? M - m : 8, w, K4, q, &e);
+    }
+    return 0;
+}
+
+/* For n (row, column) pairs: the column's float32 logit as the full head computes it (its panel's in-order fused
+ * multiply-add chain, as exact_panels: the same bits) and its upper value U as epd_i8_upper computes it (the same
+ * double arithmetic, rounded up to float32).  The sampled draw through the screen (services/sampling/screened.py)
+ * accepts a proposed column by these two.  0, or 1 for arguments it refuses. */
+int epd_i8_at(const int32_t *xp, int64_t ldx, const int32_t *w, int N, int Q8, int K4, const int32_t *colsum,
+              const double *scale, const double *ew, const double *nw, const double *rowc, const float *x,
+              int64_t ldxf, const float *panels, int K, const int32_t *rows, const int32_t *cols, int n, float *logit,
+              float *upper, int threads) {
+    if (n < 0 || N <= 0 || Q8 <= 0 || N > Q8 * NR || K4 <= 0 || ldx < K4 || K <= 0 || K > 4 * K4 || ldxf < K ||
+        threads <= 0)
+        return 1;
+    for (int i = 0; i < n; i++)
+        if (cols[i] < 0 || cols[i] >= N || rows[i] < 0) return 1;
+#pragma omp parallel for num_threads(threads < n ? threads : (n > 0 ? n : 1)) schedule(static)
+    for (int i = 0; i < n; i++) {
+        const int r = rows[i], j = cols[i], q = j / NR, lane = j % NR;
+        const float *p = panels + (int64_t)q * K * NR, *xr = x + (int64_t)r * ldxf;
+        __m512 c = _mm512_setzero_ps();
+        for (int k = 0; k < K; k++) c = _mm512_fmadd_ps(_mm512_loadu_ps(p + (int64_t)k * NR), _mm512_set1_ps(xr[k]), c);
+        float lanes[NR];
+        _mm512_storeu_ps(lanes, _mm512_add_ps(c, _mm512_setzero_ps()));
+        logit[i] = lanes[lane];
+        const int32_t *wq = w + (int64_t)q * K4 * NR, *xq = xp + (int64_t)r * ldx;
+        __m512i acc = _mm512_setzero_si512();
+        for (int k = 0; k < K4; k++)
+            acc = _mm512_dpbusd_epi32(acc, _mm512_set1_epi32(xq[k]), _mm512_load_si512((const void *)(wq + (int64_t)k * NR)));
+        int32_t sums[NR];
+        _mm512_storeu_si512((void *)sums, acc);
+        const double *rc = rowc + (int64_t)r * 4;
+        const double L = ((double)(sums[lane] - colsum[j]) * scale[j]) * rc[0];
+        const double v = L + fma(ew[j], rc[1], fma(nw[j], rc[2], rc[3]));
+        float u = (float)v;
+        if ((double)u < v) u = nextafterf(u, INFINITY);
+        upper[i] = u;
     }
     return 0;
 }

@@ -50,6 +50,11 @@ def library() -> object:
         lib.epd_i8_argmax.argtypes = [ptr, i64, i32, ptr, i32, i32, i32, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, i32,
                                       i32, i32, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32]
         lib.epd_i8_argmax.restype = i32
+        lib.epd_i8_upper.argtypes = [ptr, i64, i32, ptr, i32, i32, i32, ptr, ptr, ptr, ptr, ptr, ptr, i64, i32]
+        lib.epd_i8_upper.restype = i32
+        lib.epd_i8_at.argtypes = [ptr, i64, ptr, i32, i32, i32, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, i32, ptr, ptr,
+                                  i32, ptr, ptr, i32]
+        lib.epd_i8_at.restype = i32
         _LIB.append(lib)
     return _LIB[0]
 
@@ -147,5 +152,35 @@ class Int8Stage:
             raise ValueError(f"the int8 screen refused x {tuple(x.shape)}")
         return tokens, counts
 
+    def upper(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Every column's upper value U_j = L_j + E_j rounded up to float32 ([R, N]) of contiguous float32 rows x
+        [R, K] (no column's float32 logit is above it; a row with a NaN or an infinity gets NaN), each row's mean
+        E_j [R] (double: about how far U lies above the logits), and the rows' constants for `at`."""
+        rows = x.shape[0]
+        xp, rowc = self.row_constants(x)
+        out = torch.empty(rows, self.n, dtype=torch.float32)
+        if self.lib.epd_i8_upper(xp.data_ptr(), xp.stride(0), rows, self.weights.data_ptr(), self.n, self.q8,  # type: ignore[attr-defined]
+                                 self.k4, self.colsum.data_ptr(), self.scale.data_ptr(), self.ew.data_ptr(),
+                                 self.nw.data_ptr(), rowc.data_ptr(), out.data_ptr(), out.stride(0),
+                                 torch.get_num_threads()):
+            raise ValueError(f"the int8 screen refused x {tuple(x.shape)}")
+        means = torch.stack([self.ew[:self.n].mean(), self.nw[:self.n].mean(), torch.tensor(1.0, dtype=torch.float64)])
+        return out, rowc[:, 1:] @ means, (xp, rowc)
+
+    def at(self, x: torch.Tensor, consts: tuple[torch.Tensor, torch.Tensor], rows: torch.Tensor, cols: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(float32 logit as the full head computes it, U as `upper` computes it) of each (row, column) pair:
+        `rows` and `cols` int32 [n]; `consts` is what `upper` returned for the same x."""
+        xp, rowc = consts
+        n = rows.numel()
+        logit, upper = torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.float32)
+        rows, cols = rows.to(torch.int32).contiguous(), cols.to(torch.int32).contiguous()
+        if self.lib.epd_i8_at(xp.data_ptr(), xp.stride(0), self.weights.data_ptr(), self.n, self.q8, self.k4,  # type: ignore[attr-defined]
+                              self.colsum.data_ptr(), self.scale.data_ptr(), self.ew.data_ptr(), self.nw.data_ptr(),
+                              rowc.data_ptr(), x.data_ptr(), x.stride(0), self.panels.data_ptr(), self.k,
+                              rows.data_ptr(), cols.data_ptr(), n, logit.data_ptr(), upper.data_ptr(),
+                              torch.get_num_threads()):
+            raise ValueError(f"the int8 screen refused {n} (row, column) pairs")
+        return logit, upper
 
 __all__ = ["CAP", "Int8Stage", "library"]

@@ -163,6 +163,7 @@ class HeadScreen:
                     raise ValueError("screen kernel 'int8' is not available here (no AVX512-VNNI)") from None
         self.judging = self.int8 is not None and kernel == "auto"    # auto may still leave int8 (JUDGE_ROWS)
         self.judged = [0, 0, 0]      # rows, rows sent to the full head, candidates while judging
+        self.draws = [0, 0]          # sampled rows through the screen: drawn, sent to the full head
         self.switched = ""           # why auto left int8, if it did
         if self.int8 is not None:
             self.kernel, self.cap, self.bound = "int8", self.int8.cap, 0.0
@@ -222,6 +223,24 @@ class HeadScreen:
         tiny = 2.0 ** -120 * x.shape[1] * (1.0 + norms) * (1.0 + self.bounds.w_max)   # flushed denormals
         eps = norms * self.bounds.pairs + rounding * self.bounds.w_max + tiny
         return out, (eps * bound_scale).contiguous()
+
+    @property
+    def samples(self) -> bool:
+        """Whether temperature rows may be drawn through the screen (services/sampling/screened.py): int8 only,
+        until its first JUDGE_ROWS drawn rows sent more than JUDGE_FULL of them to the full head."""
+        drawn, full = self.draws
+        return self.int8 is not None and not (drawn >= JUDGE_ROWS and full > JUDGE_FULL * drawn)
+
+    def sampled(self, rows: int, decided: int) -> None:
+        """screened.draw's count: `decided` of `rows` drawn rows were decided by the screen."""
+        self.rows_screened += decided
+        self.rows_full += rows - decided
+        if self.draws[0] < JUDGE_ROWS:
+            self.draws[0] += rows
+            self.draws[1] += rows - decided
+            if not self.samples:
+                logger.info("lm head screen: temperature rows go to the full head (%d of the first %d drawn "
+                            "through the screen were not decided there)", self.draws[1], self.draws[0])
 
     @torch.inference_mode()
     def argmax(self, hidden: torch.Tensor, bound_scale: float = 1.0) -> list[int]:

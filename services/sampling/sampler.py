@@ -68,6 +68,14 @@ class RowSampling:
         """Greedy with nothing that needs every logit (logprobs, penalties, suppression): the LM head screen's."""
         return self.params.is_greedy and self.params.logprobs is None and not self.needs_adjust
 
+    @property
+    def plain_sampled(self) -> bool:
+        """A temperature draw from every logit and nothing else (no top-k, top-p, min-p, logprobs, penalties or
+        suppression): the screen's draw (services/sampling/screened.py)."""
+        p = self.params
+        return (not p.is_greedy and _layout(p) == "plain" and p.min_p == 0 and p.logprobs is None
+                and not self.needs_adjust)
+
     def adjust(self, row: torch.Tensor) -> None:
         """Penalties and min_tokens suppression on one row of logits [vocab], in place."""
         if self.penalties is not None:
@@ -91,7 +99,7 @@ class Sampler:
     """Samples one token per row of a [B, vocab] logits batch; logprobs in `logprobs_mode` (token_logprobs.py)."""
 
     def __init__(self, seed: int | None = None, logprobs_mode: str = "raw_logprobs") -> None:
-        self._rng = random.Random(seed if seed is not None else int.from_bytes(os.urandom(8), "little"))
+        self.rng = random.Random(seed if seed is not None else int.from_bytes(os.urandom(8), "little"))
         self.logprobs_mode = logprobs_mode
 
     def sample(self, logits: torch.Tensor, rows: Sequence[RowSampling], inplace: bool = False) -> list[int]:
@@ -145,7 +153,7 @@ class Sampler:
     def _draw_group(self, logits: torch.Tensor, rows: Sequence[RowSampling], layout: str) -> list[int]:
         """Tokens of rows sharing one candidate layout; `logits` is the group's own and is overwritten."""
         params = [row.params for row in rows]
-        uniforms = torch.tensor([row.uniform(self._rng) for row in rows], device=logits.device).unsqueeze(1)
+        uniforms = torch.tensor([row.uniform(self.rng) for row in rows], device=logits.device).unsqueeze(1)
         temps = [p.temperature for p in params]
         if any(t != 1.0 for t in temps):
             logits.div_(torch.tensor(temps, device=logits.device).unsqueeze(1))

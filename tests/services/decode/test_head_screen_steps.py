@@ -1,12 +1,15 @@
 """Decode steps through the LM head screen (services/decode/runner.py): greedy rows take the screen, and get
-Hugging Face generate's tokens; a step with a row that needs every logit (logprobs, a penalty) runs the full
-head; `--lm-head-screen off` gives the same tokens without it."""
+Hugging Face generate's tokens; temperature rows take its exact draw (int8) and a seed gives the same tokens
+again; a step with a row that needs every logit (logprobs, a penalty, top-p) runs the full head;
+`--lm-head-screen off` gives the same greedy tokens without it."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from services.decode.metrics import ENGINE_GAUGES
+from services.kernels import loader
 from tests.services.decode.conftest import GREEDY
 
 
@@ -51,3 +54,24 @@ def test_screen_off_gives_the_same_tokens_without_it(tiny, make_engine, prefille
         sink.wait_done()
         assert sink.token_ids == tiny.reference(pre, 12)
     assert engine.stats().screened_rows == 0
+
+
+@pytest.mark.skipif(not loader.expected("head_int8"),
+                    reason="this CPU has no AVX512-VNNI: the int8 kernel is not built")
+def test_temperature_rows_take_the_screens_draw_and_a_seed_repeats(tiny, make_engine, prefilled, submit):
+    engine = make_engine(num_slots=4, block_size=8, lm_head_screen="on")
+    runs = []
+    for _ in range(2):
+        sinks = [submit(engine, f"t{len(runs)}{i}", p, max_tokens=12, temperature=0.9, seed=40 + i, ignore_eos=True)
+                 for i, p in enumerate(prefilled)]
+        for sink in sinks:
+            sink.wait_done()
+        runs.append([sink.token_ids for sink in sinks])
+    assert runs[0] == runs[1] and all(len(ids) == 12 for ids in runs[0])
+    assert len({tuple(ids) for ids in runs[0]}) == len(prefilled)
+    stats = engine.stats()
+    assert stats.screened_rows >= 2 * len(prefilled) * 11 and stats.screen_full_rows == 0
+    # top-p needs every logit: its steps run the full head
+    top_p = submit(engine, "p", prefilled[0], max_tokens=6, temperature=0.9, top_p=0.9, seed=1)
+    top_p.wait_done()
+    assert engine.stats().screened_rows == stats.screened_rows
