@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-MODELS = {"tiny": "demo", "smollm2": "smollm2", "medium": "demo-medium"}
+MODELS = {"tiny": "demo", "smollm2": "smollm2", "medium": "demo-medium", "deep": "demo-deep"}
 
 
 def make_runner(model: str, batches: list[int], context: int, kernel: str = "prepacked") -> tuple[Any, list[Any]]:

@@ -32,7 +32,7 @@ GROUPS: list[tuple[str, tuple[str, ...]]] = [
         "prefill-packing", "render-workers", "decode-kv-memory", "decode-threads", "omp-team")),
     ("Kernels", (
         "kernel-gains", "kernels", "prefill-kernels", "fused-mlp", "bf16-gemm", "fused-step",
-        "panel-ref", "head-screen", "int8-screen", "linear-kernels")),
+        "panel-ref", "head-screen", "screened-draw", "int8-screen", "linear-kernels")),
     ("Scale-out and stores", ("redis-cluster",)),
     ("RL: rollouts and weight updates", ("rl-rollouts", "weight-update")),
     ("GPU", ("gpu-check",)),

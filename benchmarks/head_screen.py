@@ -30,7 +30,7 @@ def measure(model: str, batches: list[int], rounds: int, context: int, kernels: 
 
     from services.generation.params import DecodeParams
     from services.models.head_screen import HeadScreen
-    from services.sampling.sampler import RowSampling, _argmax
+    from services.sampling.sampler import RowSampling, greedy_argmax
 
     runner, seqs = make_runner(model, [max(batches)], context, "panel")
     screens = {kernel: HeadScreen(runner.lm.lm_head, kernel=kernel) for kernel in kernels}   # auto's size rule aside
@@ -61,7 +61,7 @@ def measure(model: str, batches: list[int], rounds: int, context: int, kernels: 
                 x = hidden[:batch].contiguous()
                 for side in order:
                     began = time.perf_counter()
-                    tokens = screens[side].argmax(x) if side in screens else _argmax(runner.lm.lm_head(x)).tolist()
+                    tokens = screens[side].argmax(x) if side in screens else greedy_argmax(runner.lm.lm_head(x)).tolist()
                     head_ms[(batch, side)].append((time.perf_counter() - began) * 1e3)
                     got[side] = tokens
                 same &= all(got[side] == got["full"] for side in sides)
