@@ -34,7 +34,6 @@ if TYPE_CHECKING:
 
 
 GRID_KEYS = ("image_grid_thw", "video_grid_thw")
-PIXEL_KEYS = ("pixel_values", "pixel_values_videos")
 
 
 def _grid(metadata: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -30,7 +30,6 @@ from services.protocol.items import FieldElem, FieldSpec, Item, Nested, flat_sli
 from services.protocol.serialization import item_to_b64
 from services.protocol.tensors import RawTensor
 
-IMAGE, VIDEO = "image", "video"
 # Keys whose rows are patches: flattened across the items of a batch (vLLM flat_from_sizes).
 _FLAT_KEYS = frozenset({"pixel_values", "pixel_values_videos"})
 # Small per-item keys the model reads on the host (vLLM keep_on_cpu=True).
