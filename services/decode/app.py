@@ -17,16 +17,12 @@ from services.runtime.server import RoleServer
 if TYPE_CHECKING:
     from services.models.device_plan import DevicePlan
     from services.models.prepack import LinearReport
-
-if TYPE_CHECKING:
     from services.weights.role import RoleWeights
 
     from .engine import DecodeEngine
     from .serving import DecodeService
 
 logger = logging.getLogger(__name__)
-
-
 SMALL_BOX_SERIAL_ROWS = 4     # measured on 2 cores (docs/benchmarks.md, "Decode threads")
 
 

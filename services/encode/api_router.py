@@ -29,13 +29,7 @@ from services.edge.openai_calls import RenderClient, openai_call
 from services.protocol.common import Usage
 from services.protocol.errors import InvalidRequest
 from services.protocol.features import FeatureItem
-from services.protocol.generate import (
-    AbortRequest,
-    GenerateChoice,
-    GenerateRequest,
-    GenerateResponse,
-    response_id,
-)
+from services.protocol.generate import AbortRequest, GenerateChoice, GenerateRequest, GenerateResponse, response_id
 from services.protocol.items import Item
 from services.protocol.serialization import item_from_b64
 

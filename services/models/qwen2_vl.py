@@ -16,14 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from services.models.base import (
-    LanguageModel,
-    ModelAdapter,
-    MultiModalInput,
-    PrefillInputs,
-    RenderSpec,
-    VisionModel,
-)
+from services.models.base import LanguageModel, ModelAdapter, MultiModalInput, PrefillInputs, RenderSpec, VisionModel
 from services.models.input_norm import NormParams, normalize_pixels
 from services.models.items import checked_items, scatter
 from services.models.loading import InvalidMultiModalInput, load_part, read_config
