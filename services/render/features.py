@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from services.models.qwen2_vl import QWEN_VL_METADATA_KEYS  # noqa: F401  (the keys prefill needs; re-exported)
 from services.protocol.features import MultiModalFeatures, PlaceholderRange
 from services.protocol.items import FieldElem, FieldSpec, Item, Nested, flat_slices, metadata_only
 from services.protocol.serialization import item_to_b64
