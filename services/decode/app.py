@@ -140,8 +140,7 @@ def load_engine(config: EpdConfig, folder: Path, tokenizer_folder: Path) -> Deco
 
 def weights_of(config: EpdConfig, service: DecodeService, base: Path) -> RoleWeights:
     """The decode instance's weights: each version an engine of its own; a replaced one finishes its requests."""
-    from services.weights.drain import retire_when_idle
-    from services.weights.role import RoleWeights
+    from services.weights.role import RoleWeights, retire_when_idle
 
     def swap(engine: DecodeEngine) -> DecodeEngine:
         old, service.engine = service.engine, engine
