@@ -9,6 +9,7 @@ from a cache, how often calls were retried or failed over.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -79,7 +80,5 @@ def _bound(registry: CollectorRegistry) -> tuple[Any, Any, Any]:
 
 
 def _remove(metric: _Counter | _Gauge, *labels: str) -> None:
-    try:
+    with contextlib.suppress(KeyError):
         metric.remove(*labels)
-    except KeyError:
-        pass

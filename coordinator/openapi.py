@@ -17,12 +17,7 @@ from starlette.responses import JSONResponse, Response
 
 from services.protocol.generate import GenerateRequest
 from services.protocol.openai import ChatCompletionRequest, CompletionRequest
-from services.protocol.openai_responses import (
-    ChatCompletionResponse,
-    CompletionResponse,
-    ErrorResponse,
-    ModelList,
-)
+from services.protocol.openai_responses import ChatCompletionResponse, CompletionResponse, ErrorResponse, ModelList
 
 REF = "#/components/schemas/{model}"
 # (method, path, summary, request model, 200 model)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import json
 import time
@@ -195,10 +196,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--spec", default="", help="behaviour of the root /v1 routes (see the module doc)")
     args = parser.parse_args(argv)
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(args.port, args.spec))
-    except KeyboardInterrupt:
-        pass
 
 
 if __name__ == "__main__":

@@ -16,17 +16,5 @@ from services.connectors.ec import ec_key
 from services.connectors.kv import kv_key
 from services.connectors.registry import create_store, supported_backends, sweep_stale_segments
 
-__all__ = [
-    "BackendUnavailable",
-    "ConnectorError",
-    "EntryCorrupt",
-    "EntryMissing",
-    "StoreConfig",
-    "StoreStats",
-    "TensorStore",
-    "create_store",
-    "ec_key",
-    "kv_key",
-    "supported_backends",
-    "sweep_stale_segments",
-]
+__all__ = ["BackendUnavailable", "ConnectorError", "EntryCorrupt", "EntryMissing", "StoreConfig", "StoreStats",
+           "TensorStore", "create_store", "ec_key", "kv_key", "supported_backends", "sweep_stale_segments"]

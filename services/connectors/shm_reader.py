@@ -128,11 +128,6 @@ class ShmReader:
 
     # ---- liveness -----------------------------------------------------------------------------
 
-    def attached(self) -> list[str]:
-        """Names of the segments this reader has mapped now."""
-        with self._lock:
-            return sorted(self._segments)
-
     def drop_dead(self) -> list[str]:
         """Unmap every idle attachment whose producer is gone; their names."""
         with self._lock:

@@ -12,6 +12,7 @@ tell that the producer of a segment they mapped is gone (`producer_gone`).
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import mmap
 import os
@@ -68,10 +69,8 @@ class Segment:
 
     def close(self) -> None:
         self.buf = np.empty(0, np.uint8)
-        try:
+        with contextlib.suppress(BufferError):   # zero-copy views still alive: the mapping goes with the last
             self.mm.close()
-        except BufferError:
-            pass  # zero-copy views still alive: the mapping goes away with the last of them
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
@@ -122,10 +121,8 @@ def attach_segment(name: str) -> Segment:
 
 
 def unlink_segment(name: str) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(segment_path(name))
-    except FileNotFoundError:
-        pass
 
 
 def _owner_of(name: str, namespace: str) -> tuple[int, int] | None:

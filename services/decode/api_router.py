@@ -27,14 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from services.edge.http_api import (
-    check_model,
-    endpoint,
-    header_request_id,
-    model_response,
-    parse_body,
-    sse_response,
-)
+from services.edge.http_api import check_model, endpoint, header_request_id, model_response, parse_body, sse_response
 from services.edge.openai_calls import RenderClient, openai_call
 from services.protocol.answers import GenerateAnswer, OpenAIAnswer, OutputDelta
 from services.protocol.errors import EpdError, InternalError, InvalidRequest

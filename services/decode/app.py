@@ -17,16 +17,12 @@ from services.runtime.server import RoleServer
 if TYPE_CHECKING:
     from services.models.device_plan import DevicePlan
     from services.models.prepack import LinearReport
-
-if TYPE_CHECKING:
     from services.weights.role import RoleWeights
 
     from .engine import DecodeEngine
     from .serving import DecodeService
 
 logger = logging.getLogger(__name__)
-
-
 SMALL_BOX_SERIAL_ROWS = 4     # measured on 2 cores (docs/benchmarks.md, "Decode threads")
 
 
@@ -144,8 +140,7 @@ def load_engine(config: EpdConfig, folder: Path, tokenizer_folder: Path) -> Deco
 
 def weights_of(config: EpdConfig, service: DecodeService, base: Path) -> RoleWeights:
     """The decode instance's weights: each version an engine of its own; a replaced one finishes its requests."""
-    from services.weights.drain import retire_when_idle
-    from services.weights.role import RoleWeights
+    from services.weights.role import RoleWeights, retire_when_idle
 
     def swap(engine: DecodeEngine) -> DecodeEngine:
         old, service.engine = service.engine, engine

@@ -11,6 +11,7 @@ sample's final event (the one with a finish_reason, for n = 1).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
@@ -69,10 +70,8 @@ class DecodeStream:
             self._open -= event.finished
             self._finished = self._open <= 0
             if self._loop is not None and self._queue is not None:
-                try:
+                with contextlib.suppress(RuntimeError):   # the consumer's loop is closed: nobody is listening any more
                     self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
-                except RuntimeError:
-                    pass  # the consumer's loop is closed: nobody is listening any more
             else:
                 self._events.append(event)
                 self._cond.notify_all()

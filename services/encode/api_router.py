@@ -29,13 +29,7 @@ from services.edge.openai_calls import RenderClient, openai_call
 from services.protocol.common import Usage
 from services.protocol.errors import InvalidRequest
 from services.protocol.features import FeatureItem
-from services.protocol.generate import (
-    AbortRequest,
-    GenerateChoice,
-    GenerateRequest,
-    GenerateResponse,
-    response_id,
-)
+from services.protocol.generate import AbortRequest, GenerateChoice, GenerateRequest, GenerateResponse, response_id
 from services.protocol.items import Item
 from services.protocol.serialization import item_from_b64
 
@@ -87,13 +81,12 @@ class EncodeApi:
         items = _unique_items(body)
         decoded = {mm_hash: _kwargs(item) for mm_hash, item in items.items()}
         results = await asyncio.gather(*(self.service.encode(h, item) for h, item in decoded.items()))
-        answer = GenerateResponse(
+        return GenerateResponse(
             request_id=response_id(body.request_id, header_request_id(request)),
             model=body.model or self.service.model_id,
             choices=[GenerateChoice(index=0, token_ids=[], finish_reason="stop")],
             usage=Usage(prompt_tokens=len(body.token_ids), completion_tokens=0),
             ec_transfer_params={r.mm_hash: r.handle for r in results})
-        return answer
 
     @endpoint
     async def abort(self, request: Request) -> Response:

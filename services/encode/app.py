@@ -43,8 +43,7 @@ def load_engine(config: EpdConfig, folder: Path) -> EncodeEngine:
 
 def weights_of(config: EpdConfig, service: EncodeService, base: Path) -> RoleWeights:
     """The encode instance's weights: each version a tower and engine of its own; its EC entries keyed by it."""
-    from services.weights.drain import retire_when_idle
-    from services.weights.role import RoleWeights
+    from services.weights.role import RoleWeights, retire_when_idle
 
     def swap(engine: EncodeEngine) -> EncodeEngine:
         old, service.engine = service.engine, engine

@@ -1,6 +1,6 @@
 """Sampling and stopping parameters of one decode request.
 
-`DecodeParams` is what the decode engine (and prefill's `sample_first`) take;
+`DecodeParams` is what the decode engine (and prefill's `sample_first_logprobs`) take;
 the servicer maps protocol SamplingParams (vLLM names) onto it.  Defaults
 follow vLLM: temperature 1.0, no top-k/top-p/min-p, no penalties, special
 tokens skipped in text.  `max_tokens=None` means "the rest of the context".

@@ -150,7 +150,6 @@ class Follower:
         self.path = path
         self._fd = os.open(path, os.O_RDWR)
         self.board = mmap.mmap(self._fd, BOARD_BYTES)   # read here; its address goes to the fused step
-        self.stale_cleared = 0
 
     def busy(self) -> bool:
         return self.board[:BOARD_BYTES] != _EMPTY
@@ -170,7 +169,6 @@ class Follower:
         finally:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
         if stale:
-            self.stale_cleared += len(stale)
             logger.warning("compute lease %s: cleared %d flag(s) a killed holder left", self.path, len(stale))
         return bool(stale)
 

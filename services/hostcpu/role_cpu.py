@@ -46,12 +46,10 @@ from services.config import EpdConfig
 
 logger = logging.getLogger(__name__)
 
-WAIT_POLICIES = ("", "passive", "active")
 SERVE_CHILD = "EPD_SERVE_CHILD"          # set by `epd serve` (services.runtime.launch) in its role processes
 MODEL_ROLES = ("encode", "prefill", "decode")   # the roles with torch engines (compute_threads.py)
 SERVE_SPIN = 10000   # --omp-spin-count auto under `epd serve` (benchmarks/omp_team.py measures it)
 SERVE_NICE = "decode=15,decode-long=5,prefill-long=19"   # role_nice "auto" there (docs/benchmarks.md says why)
-NICE_KEYS = ("render", "encode", "prefill", "decode", "prefill-long", "decode-long")
 LONG_BOARD_ENV = "EPD_LONG_PREFILL_BOARD"   # `epd serve`'s flag file: which prefill runs a chunked prompt
 LONG_SLOT_ENV = "EPD_LONG_PREFILL_SLOT"     # this prefill's byte in it
 LONG_BOARD_BYTES = 64

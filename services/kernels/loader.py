@@ -19,6 +19,7 @@ role's kernels at start-up and logs them on one line.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib.machinery
 import logging
@@ -173,8 +174,6 @@ def _unsafe(path: Path) -> str:
 
 def _open(openmp: bool, path: Path) -> ctypes.CDLL:
     if openmp:   # torch's libgomp first: the library's libgomp.so.1 then binds to it, one OpenMP runtime
-        try:
+        with contextlib.suppress(ImportError):
             import torch  # noqa: F401
-        except ImportError:
-            pass
     return ctypes.CDLL(str(path))

@@ -20,7 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 X86 = ("x86_64", "amd64")
-ARM = ("aarch64", "arm64")
 
 
 @dataclass(frozen=True)

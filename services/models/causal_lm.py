@@ -13,14 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from services.models.base import (
-    LanguageModel,
-    ModelAdapter,
-    MultiModalInput,
-    PrefillInputs,
-    RenderSpec,
-    VisionModel,
-)
+from services.models.base import LanguageModel, ModelAdapter, MultiModalInput, PrefillInputs, RenderSpec, VisionModel
 from services.models.items import checked_items, scatter
 from services.models.loading import InvalidMultiModalInput, ModelLoadError, load_part
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 DEMO_MODEL_NAME = "epd-demo-qwen2-vl"
@@ -80,13 +81,18 @@ def default_cache_dir() -> Path:
 def demo_model_path(size: str = "tiny", cache_dir: Path | None = None) -> Path:
     """The demo checkpoint folder, building it on first use (idempotent, process-safe)."""
     folder = (cache_dir or default_cache_dir()) / f"{DEMO_MODEL_NAME}-{size}-v{_BUILD_VERSION}"
+    return cached_build(folder, lambda out: build_demo_model(out, size))
+
+
+def cached_build(folder: Path, build: Callable[[Path], object]) -> Path:
+    """`build(folder)` once across processes; a DONE marker makes a half-written folder rebuild."""
     if (folder / "DONE").exists():
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
     with open(str(folder) + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (folder / "DONE").exists():
-            build_demo_model(folder, size)
+            build(folder)
             (folder / "DONE").write_text(_BUILD_VERSION)
     return folder
 

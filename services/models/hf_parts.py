@@ -20,10 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
-from transformers.conversion_mapping import (
-    get_checkpoint_conversion_mapping,
-    register_checkpoint_conversion_mapping,
-)
+from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
 
 
 @dataclass(frozen=True)

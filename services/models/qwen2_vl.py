@@ -16,14 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from services.models.base import (
-    LanguageModel,
-    ModelAdapter,
-    MultiModalInput,
-    PrefillInputs,
-    RenderSpec,
-    VisionModel,
-)
+from services.models.base import LanguageModel, ModelAdapter, MultiModalInput, PrefillInputs, RenderSpec, VisionModel
 from services.models.input_norm import NormParams, normalize_pixels
 from services.models.items import checked_items, scatter
 from services.models.loading import InvalidMultiModalInput, load_part, read_config
@@ -34,7 +27,6 @@ if TYPE_CHECKING:
 
 
 GRID_KEYS = ("image_grid_thw", "video_grid_thw")
-PIXEL_KEYS = ("pixel_values", "pixel_values_videos")
 
 
 def _grid(metadata: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -10,7 +10,6 @@ qwen2_5_vl, qwen3_vl, llava, qwen2 and llama (text-only).
 
 from __future__ import annotations
 
-import fcntl
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +21,7 @@ from services.models.demo import (
     TINY_TEXT,
     _mrope_section,
     build_qwen2_tokenizer,
+    cached_build,
     default_cache_dir,
     demo_model_path,
 )
@@ -66,19 +66,6 @@ def tiny_model_path(family: str, cache_dir: Path | None = None) -> Path:
         raise ValueError(f"no tiny checkpoint for {family!r}; known: {', '.join(sorted(FAMILIES))}")
     folder = (cache_dir or default_cache_dir()) / f"epd-tiny-{family}-v{_VERSIONS.get(family, _BUILD_VERSION)}"
     return cached_build(folder, FAMILIES[family])
-
-
-def cached_build(folder: Path, build: Callable[[Path], object]) -> Path:
-    """`build(folder)` once across processes; a DONE marker makes a half-written folder rebuild."""
-    if (folder / "DONE").exists():
-        return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with open(str(folder) + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (folder / "DONE").exists():
-            build(folder)
-            (folder / "DONE").write_text(_BUILD_VERSION)
-    return folder
 
 
 def _save(folder: Path, model_class: type, config: Any, tokenizer: Any, processor: dict[str, Any] | None,

@@ -17,6 +17,7 @@ process builds one.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
@@ -46,10 +47,8 @@ class OwnedCollector(ABC):
         """The owner's metrics now (nothing once it is gone)."""
 
     def _unregister(self) -> None:
-        try:
+        with contextlib.suppress(KeyError):
             self._registry.unregister(self)
-        except KeyError:
-            pass
 
 
 class OwnedGauges(OwnedCollector, Generic[O]):

@@ -59,8 +59,7 @@ def load_model(config: EpdConfig, folder: Path, version: str = "") -> PrefillMod
 
 def weights_of(config: EpdConfig, service: PrefillService, base: Path) -> RoleWeights:
     """The prefill instance's weights: each version its own model, engine and prefix cache (keyed by version)."""
-    from services.weights.drain import retire_when_idle
-    from services.weights.role import RoleWeights
+    from services.weights.role import RoleWeights, retire_when_idle
 
     def swap(model: PrefillModel) -> PrefillModel:
         old, service.model = service.model, model

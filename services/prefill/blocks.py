@@ -34,8 +34,6 @@ class BlockManager:
         self._index: dict[bytes, int] = {}                      # key -> block (referenced or cached)
         self._key_of: dict[int, bytes] = {}
         self._lock = threading.Lock()
-        self.num_queried_blocks = 0
-        self.num_hit_blocks = 0
         self.num_evicted_blocks = 0
 
     @property
@@ -67,8 +65,6 @@ class BlockManager:
                 self._cached.pop(block, None)
                 self._refs[block] += 1
                 hits.append(block)
-            self.num_queried_blocks += len(keys)
-            self.num_hit_blocks += len(hits)
         return hits
 
     def allocate(self, count: int) -> list[int] | None:

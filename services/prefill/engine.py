@@ -302,9 +302,7 @@ class PrefillEngine:
     def _fail(self, job: PrefillJob, exc: BaseException) -> None:
         self._scheduler.drop(job)
         if not job.future.done():
-            if job.future.running():
-                job.future.set_exception(exc)
-            elif job.future.set_running_or_notify_cancel():
+            if job.future.running() or job.future.set_running_or_notify_cancel():
                 job.future.set_exception(exc)
         self._cond.notify_all()
 

@@ -37,17 +37,12 @@ class Chunk:
         return self.end - self.start
 
 
-def forward_chunks(lm: LanguageModel, pool: KVPool, chunks: list[Chunk],
-                   last_rows: list[RowSubset] | None = None) -> torch.Tensor:
-    """[len(chunks), hidden]: the last row's final hidden state of each chunk; KV lands in the pool.
-    With `last_rows` (services/prefill/last_rows.py) the last layer's o_proj and MLP run on those rows only."""
-    return forward_rows(lm, pool, chunks, last_rows)[0]
-
-
 def forward_rows(lm: LanguageModel, pool: KVPool, chunks: list[Chunk], last_rows: list[RowSubset] | None = None,
                  whole: frozenset[int] = frozenset()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-    """`forward_chunks`, and for each chunk index in `whole` the final hidden state of every one of its rows
-    [num_tokens, hidden] (prompt logprobs: services/prefill/prompt_logprobs.py)."""
+    """[len(chunks), hidden]: the last row's final hidden state of each chunk (KV lands in the pool), and for
+    each chunk index in `whole` the final hidden state of every one of its rows [num_tokens, hidden] (prompt
+    logprobs: services/prefill/prompt_logprobs.py).  With `last_rows` (services/prefill/last_rows.py) the last
+    layer's o_proj and MLP run on those rows only."""
     import torch
 
     embeds = torch.cat([c.inputs.inputs_embeds[:, c.start:c.end] for c in chunks], dim=1)

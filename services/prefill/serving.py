@@ -286,10 +286,8 @@ class PrefillService:
         self._delete_quietly(key)
 
     def _delete_quietly(self, key: str) -> None:
-        try:
+        with contextlib.suppress(ConnectorError):   # the TTL removes it
             self.kv_store.delete(key)
-        except ConnectorError:
-            pass  # the TTL removes it
 
     @staticmethod
     def _check_ids(model: PrefillModel, token_ids: list[int]) -> None:
@@ -348,7 +346,6 @@ class PrefillService:
             raise as_epd_error(exc, "ec") from None
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidRequest(f"bad EC handle for {item.mm_hash}: {exc}", code="invalid_ec_handle") from None
-
 
     def _by_hash(self, mm_hash: str, version: str = "") -> dict[str, Any] | None:
         """The handle of the entry encode stored for `mm_hash` under this model and weight version (a Redis

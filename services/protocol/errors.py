@@ -35,21 +35,18 @@ class EpdError(Exception):
 
 
 class InvalidRequest(EpdError):
-    status, type, grpc_code, default_code = (
-        400, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT, "invalid_request"
-    )
+    status, grpc_code = 400, grpc.StatusCode.INVALID_ARGUMENT
+    type, default_code = "invalid_request_error", "invalid_request"
 
 
 class NotFound(EpdError):
-    status, type, grpc_code, default_code = (
-        404, "not_found_error", grpc.StatusCode.NOT_FOUND, "not_found"
-    )
+    status, grpc_code = 404, grpc.StatusCode.NOT_FOUND
+    type, default_code = "not_found_error", "not_found"
 
 
 class Overloaded(EpdError):
-    status, type, grpc_code, default_code = (
-        429, "rate_limit_error", grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded"
-    )
+    status, grpc_code = 429, grpc.StatusCode.RESOURCE_EXHAUSTED
+    type, default_code = "rate_limit_error", "overloaded"
 
     def __init__(self, message: str, code: str | None = None, retry_after_s: float | None = 1.0) -> None:
         # A 429 always says when to come back (Retry-After), also when rebuilt from a gRPC status.
@@ -57,43 +54,37 @@ class Overloaded(EpdError):
 
 
 class PayloadTooLarge(EpdError):
-    status, type, grpc_code, default_code = (
-        413, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT, "body_too_large"
-    )
+    status, grpc_code = 413, grpc.StatusCode.INVALID_ARGUMENT
+    type, default_code = "invalid_request_error", "body_too_large"
 
 
 class RequestTimeout(EpdError):
     """The client did not send its request in time (not a server deadline: that is DeadlineExceeded)."""
 
-    status, type, grpc_code, default_code = (
-        408, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT, "body_timeout"
-    )
+    status, grpc_code = 408, grpc.StatusCode.INVALID_ARGUMENT
+    type, default_code = "invalid_request_error", "body_timeout"
 
 
 class Conflict(EpdError):
     """The request does not fit the state the server is in (another weight version, an update running)."""
 
-    status, type, grpc_code, default_code = (
-        409, "conflict_error", grpc.StatusCode.FAILED_PRECONDITION, "conflict"
-    )
+    status, grpc_code = 409, grpc.StatusCode.FAILED_PRECONDITION
+    type, default_code = "conflict_error", "conflict"
 
 
 class Unavailable(EpdError):
-    status, type, grpc_code, default_code = (
-        503, "service_unavailable", grpc.StatusCode.UNAVAILABLE, "unavailable"
-    )
+    status, grpc_code = 503, grpc.StatusCode.UNAVAILABLE
+    type, default_code = "service_unavailable", "unavailable"
 
 
 class DeadlineExceeded(EpdError):
-    status, type, grpc_code, default_code = (
-        504, "timeout_error", grpc.StatusCode.DEADLINE_EXCEEDED, "deadline_exceeded"
-    )
+    status, grpc_code = 504, grpc.StatusCode.DEADLINE_EXCEEDED
+    type, default_code = "timeout_error", "deadline_exceeded"
 
 
 class Aborted(EpdError):
-    status, type, grpc_code, default_code = (
-        499, "aborted", grpc.StatusCode.CANCELLED, "aborted"
-    )
+    status, grpc_code = 499, grpc.StatusCode.CANCELLED
+    type, default_code = "aborted", "aborted"
 
 
 class InternalError(EpdError):

@@ -134,14 +134,6 @@ def metadata_only(item: Mapping[str, FieldElem], keys: Iterable[str]) -> Item:
     return {key: elem for key, elem in item.items() if key in wanted}
 
 
-def merge_items(kwargs_item: Mapping[str, FieldElem] | None,
-                metadata_item: Mapping[str, FieldElem] | None) -> Item:
-    """kwargs only -> kwargs; metadata only -> metadata; both -> union, metadata wins on a clash."""
-    merged: Item = dict(kwargs_item or {})
-    merged.update(metadata_item or {})
-    return merged
-
-
 def nested_nbytes(data: Nested | None) -> int:
     """Bytes of tensor data in a nested value; a scalar counts 8 (its msgpack width)."""
     if data is None:

@@ -21,16 +21,7 @@ import numpy as np
 
 from services.protocol.b64 import b64decode_strict, b64encode_text
 from services.protocol.errors import EpdError, InvalidRequest
-from services.protocol.items import (  # noqa: F401  (re-exported: the item API lives here too)
-    FIELD_KINDS,
-    FieldElem,
-    FieldSpec,
-    Item,
-    Nested,
-    item_payload_nbytes,
-    merge_items,
-    metadata_only,
-)
+from services.protocol.items import FIELD_KINDS, FieldElem, FieldSpec, Item, Nested
 from services.protocol.tensors import RawTensor, tensor_bytes, tensor_from_bytes, wire_dtype
 
 TENSOR_EXT_TYPE = 3

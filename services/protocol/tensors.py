@@ -3,8 +3,8 @@
 Render and the coordinator never import torch, yet they build and read the
 msgpack items of PROTOCOL.md, so a tensor here is a numpy array, or a
 `RawTensor` (dtype name, shape, raw little-endian bytes) for bfloat16.  Dtype
-names are torch's without the "torch." prefix.  `from_torch` / `to_torch` are
-for the roles that do hold torch; they import it only when called.
+names are torch's without the "torch." prefix.  `to_torch` is for the roles
+that do hold torch; it imports it only when called.
 """
 
 from __future__ import annotations
@@ -109,27 +109,6 @@ def to_numpy(tensor: Tensor) -> np.ndarray:
         return tensor
     little = NUMPY_DTYPES[tensor.dtype] or "<u2"
     return np.frombuffer(tensor.data, dtype=little).reshape(tensor.shape)
-
-
-def bfloat16_to_float32(tensor: RawTensor) -> np.ndarray:
-    """Exact widening of a bfloat16 RawTensor to float32 (bf16 is the top half of an fp32)."""
-    if tensor.dtype != "bfloat16":
-        raise ValueError(f"expected a bfloat16 tensor, got {tensor.dtype}")
-    bits = to_numpy(tensor).astype(np.uint32) << 16
-    return bits.view(np.float32)
-
-
-def from_torch(tensor: torch.Tensor) -> Tensor:
-    """A torch tensor (any device) as a wire tensor; copies to CPU."""
-    import torch
-
-    cpu = tensor.detach().to("cpu").contiguous()
-    if cpu.dtype == torch.bfloat16:
-        data = cpu.view(torch.int16).numpy().astype("<i2", copy=False).tobytes()
-        return RawTensor("bfloat16", tuple(cpu.shape), data)
-    array = cpu.numpy()
-    wire_dtype(array)
-    return array
 
 
 def _has_float(value: Any) -> bool:

@@ -24,13 +24,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from services.models.qwen2_vl import QWEN_VL_METADATA_KEYS  # noqa: F401  (the keys prefill needs; re-exported)
 from services.protocol.features import MultiModalFeatures, PlaceholderRange
 from services.protocol.items import FieldElem, FieldSpec, Item, Nested, flat_slices, metadata_only
 from services.protocol.serialization import item_to_b64
 from services.protocol.tensors import RawTensor
 
-IMAGE, VIDEO = "image", "video"
 # Keys whose rows are patches: flattened across the items of a batch (vLLM flat_from_sizes).
 _FLAT_KEYS = frozenset({"pixel_values", "pixel_values_videos"})
 # Small per-item keys the model reads on the host (vLLM keep_on_cpu=True).

@@ -19,7 +19,7 @@ dict): the original bytes as ("video", bytes), or, when the sampled frames take 
 file, the frames themselves as ("video", ("ndarray", {dtype, shape, data})) (`video_hash`).
 
 `model_id` is the model as vLLM is given it (the checkpoint path or hub name), not the served
-name.  An item with a client uuid is named by uuid_scope (model, cache_salt, uuid) instead (see `item_hash`).
+name.  An item with a client uuid is named by uuid_scope (model, cache_salt, uuid) instead.
 """
 
 from __future__ import annotations
@@ -131,11 +131,3 @@ def video_hash(data: bytes, frames: np.ndarray, metadata: Mapping[str, Any], mod
     for chunk in _value(dict(metadata)):
         digest.update(chunk)
     return digest.hexdigest()
-
-
-def item_hash(modality: str, media: bytes, model_id: str, uuid: str | None,
-              mm_processor_kwargs: Mapping[str, Any] | None = None) -> str:
-    """The caller's uuid when given (used unchanged), else the content hash."""
-    if uuid:
-        return uuid
-    return mm_hash(modality, media, model_id, mm_processor_kwargs)

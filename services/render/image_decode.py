@@ -7,7 +7,7 @@ truncated or corrupt file fails here, not later inside the HF processor.  PIL's 
 MAX_IMAGE_PIXELS is left untouched as a backstop (MediaPolicy keeps ours at or below it), and epd
 never sets ImageFile.LOAD_TRUNCATED_IMAGES, which would let truncated files through.
 
-Called by: `media.load_image`, and render's worker processes (services/render/workers.py: decoding is
+Called by: render's worker processes (services/render/workers.py: decoding is
 CPU-bound); `image_size` (header only) by render's main process to check limits before any decode.  Error codes:
 invalid_image (not an image, unsupported format, corrupt or truncated), image_too_large.
 """

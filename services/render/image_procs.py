@@ -30,6 +30,7 @@ its place.  The main process's per-image work is the two memcpys and a few hundr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import mmap
@@ -75,10 +76,8 @@ class _Buffer:
         return buffer
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(BufferError):   # a view still exported: the mapping goes with the last view
             self.map.close()
-        except BufferError:   # a view still exported: the mapping goes with the last view
-            pass
         os.close(self.fd)
 
 

@@ -9,7 +9,7 @@ Redirects are followed by hand, each hop re-checked.  One deadline covers the wh
 are read in chunks and cut at `max_bytes`.  Responses are never decompressed (no zip bombs), never
 sent through proxies from the environment, and no cookies are kept.
 
-Called by: `media.load_image` (render's request path).  Errors are `InvalidRequest` with codes
+Called by: render's request path (services/render/multimodal.py).  Errors are `InvalidRequest` with codes
 media_url_forbidden, invalid_media_url, invalid_data_url, media_too_large, media_fetch_failed,
 media_fetch_timeout.
 """

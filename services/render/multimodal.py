@@ -28,8 +28,8 @@ from services.render.features import RenderedItem, rendered_item
 from services.render.hashing import mm_hash
 from services.render.image_decode import image_size
 from services.render.limits import RenderLimits
-from services.render.media import MediaPolicy
 from services.render.media_fetch import fetch_media
+from services.render.media_policy import MediaPolicy
 from services.render.placeholders import Expansion, VisionTokens, fit_runs
 from services.render.processor import ImageProcessor, ProcessedImage
 from services.render.uuid_scope import scoped_uuid

@@ -41,7 +41,7 @@ from services.protocol.sampling import SamplingParams
 from services.render.chat import PART_MODALITY, MediaRef, NormalizedChat, normalize_messages
 from services.render.features import RenderedItem
 from services.render.limits import RenderLimits, check_context_length
-from services.render.media import MediaPolicy
+from services.render.media_policy import MediaPolicy
 from services.render.multimodal import ImagePipeline, run_in
 from services.render.placeholders import VisionTokens, fit_runs
 from services.render.processor import ImageProcessor

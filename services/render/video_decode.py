@@ -39,8 +39,6 @@ UNSUPPORTED = "unsupported_video"
 TOO_LARGE = "video_too_large"
 TOO_LONG = "video_too_long"
 TIMEOUT = "video_decode_timeout"
-# FFmpeg demuxer per container family, told apart by magic bytes (never by FFmpeg's own probe).
-CONTAINERS = ("mov", "matroska", "avi")
 _MOV_BOXES = (b"ftyp", b"moov", b"mdat", b"free", b"wide", b"skip")
 
 

@@ -173,10 +173,8 @@ class FastLaneServer:
         call.add_done_callback(ended)
 
     async def _call(self, call_id: int, payload: bytes, writer: asyncio.StreamWriter) -> None:
-        try:
+        with contextlib.suppress(ConnectionError, asyncio.CancelledError):   # the caller left: nobody to answer
             await self._run(call_id, payload, writer)
-        except (ConnectionError, asyncio.CancelledError):
-            pass  # the caller cancelled or went away: nobody to answer
 
     async def _run(self, call_id: int, payload: bytes, writer: asyncio.StreamWriter) -> None:
         try:

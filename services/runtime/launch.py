@@ -13,6 +13,7 @@ process dies.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -82,10 +83,8 @@ def spawn(child: Child, config: EpdConfig, extra_env: dict[str, str]) -> None:
 
 def _die_with_parent() -> None:
     """In the child: SIGTERM when `epd serve` dies, however it dies (Linux; elsewhere a no-op)."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
 
 
 def readiness(host: str, port: int, path: str = "/ready") -> tuple[bool, list[str]]:

@@ -8,6 +8,7 @@ a real directory (not a symlink), owned by this user, that nobody else can enter
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import tempfile
@@ -24,10 +25,8 @@ def private_dir(name: str, path: str | os.PathLike[str] | None = None) -> Path:
     uid = os.geteuid()
     base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
     folder = Path(path) if path else Path(base) / f"{name}-{uid}"
-    try:
+    with contextlib.suppress(FileExistsError):
         folder.mkdir(mode=0o700, parents=False)
-    except FileExistsError:
-        pass
     info = os.lstat(folder)
     if not stat.S_ISDIR(info.st_mode):
         raise PrivateDirError(f"{folder} is not a directory (a symlink or a file): refusing to use it")

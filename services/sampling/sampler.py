@@ -7,7 +7,7 @@ A draw is inverse-CDF with one uniform number.  For a seeded request the
 uniform for output index i is a pure function of (seed, i) (splitmix64), so a
 seeded request gets the same tokens whatever else shares its batch, on any
 device; an unseeded one draws from the sampler's own RNG.  The first output
-token (sampled by prefill) is index 0: prefill calls `sample_first` with the
+token (sampled by prefill) is index 0: prefill calls `sample_first_logprobs` with the
 same rules, and decode continues at index 1.
 """
 
@@ -280,18 +280,12 @@ def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return torch.where(probs.gather(1, positions) > 0, positions, fallback)
 
 
-def sample_first(logits: torch.Tensor, params: DecodeParams, index: int = 0,
-                 eos_token_ids: Sequence[int] = (), prompt_token_ids: Sequence[int] | None = None,
-                 sampler: Sampler | None = None) -> int:
-    """Sample one token from logits [vocab] with decode's rules (prefill's first output token)."""
-    return sample_first_logprobs(logits, params, index, eos_token_ids, prompt_token_ids, sampler)[0]
-
-
 def sample_first_logprobs(logits: torch.Tensor, params: DecodeParams, index: int = 0,
                           eos_token_ids: Sequence[int] = (), prompt_token_ids: Sequence[int] | None = None,
                           sampler: Sampler | None = None,
                           logprobs_mode: str = "raw_logprobs") -> tuple[int, TokenLogprob | None]:
-    """`sample_first`, and the token's logprobs when `params.logprobs` asks for them (else None)."""
+    """One token sampled from logits [vocab] with decode's rules (prefill's first output token), and its
+    logprobs when `params.logprobs` asks for them (else None)."""
     row = RowSampling(params, eos_token_ids, prompt_token_ids, index=index)
     token = (sampler or Sampler(logprobs_mode=logprobs_mode)).sample(logits.reshape(1, -1), [row])[0]
     return token, row.take_logprobs()

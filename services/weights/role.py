@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from .checkpoint import check_checkpoint
 
 log = logging.getLogger(__name__)
 BASE_VERSION = "base"
+RETIRE_POLL_S = 0.05
 
 
 @dataclass
@@ -105,3 +107,20 @@ class RoleWeights:
         return {"weight_version": self.version, "path": self.path,
                 "staged_version": self.staged.version if self.staged else "",
                 "stage_s": self.stage_s, "commit_s": self.commit_s}
+
+
+def retire_when_idle(role: str, idle: Callable[[], bool], close: Callable[[], None], limit_s: float) -> None:
+    """A `retire` for RoleWeights: on a thread of its own, wait until `idle()` (at most `limit_s`: the longest a
+    request may run), then `close()` (which ends whatever is still running)."""
+    def wait_then_close() -> None:
+        deadline = time.monotonic() + limit_s
+        while not idle() and time.monotonic() < deadline:
+            time.sleep(RETIRE_POLL_S)
+        if not idle():
+            log.warning("%s: replaced weights still busy after %g s; closing them", role, limit_s)
+        try:
+            close()
+        except Exception:  # noqa: BLE001 - a failing close must not kill the thread silently
+            log.exception("%s: closing replaced weights failed", role)
+
+    threading.Thread(target=wait_then_close, name=f"{role}-retire", daemon=True).start()

@@ -17,7 +17,8 @@ import httpx
 import pytest
 
 from services.connectors.mm import MmRef
-from services.protocol.serialization import decode_item, item_from_b64, item_payload_nbytes
+from services.protocol.items import item_payload_nbytes
+from services.protocol.serialization import decode_item, item_from_b64
 from services.rpc.v1 import epd_pb2 as pb
 from services.rpc.v1 import epd_pb2_grpc as rpc
 from tests.support.cluster import metric_value

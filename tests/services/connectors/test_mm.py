@@ -9,8 +9,8 @@ import torch
 from services.connectors import EntryMissing
 from services.connectors.mm import MmRef, mm_key, open_item, split_item, store_item
 from services.protocol.errors import InvalidRequest
-from services.protocol.items import FieldElem, FieldSpec
-from services.protocol.serialization import decode_item, encode_item, item_payload_nbytes
+from services.protocol.items import FieldElem, FieldSpec, item_payload_nbytes
+from services.protocol.serialization import decode_item, encode_item
 
 PIXELS = np.arange(16 * 1176, dtype=np.float32).reshape(16, 1176)
 ITEM = {"pixel_values": FieldElem(PIXELS, FieldSpec.flat([(0, 16, None)])),

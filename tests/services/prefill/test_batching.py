@@ -11,11 +11,16 @@ import pytest
 import torch
 
 from services.prefill.engine import PrefillEngine
-from services.prefill.packing import Chunk, forward_chunks
+from services.prefill.packing import Chunk, forward_rows
 from tests.services.models.helpers import chat, encode_items, greedy_continue, mm_inputs, picture, processor_inputs
 
 NEW_TOKENS = 6
 REL = 1e-4
+
+
+def forward_chunks(lm, pool, chunks, last_rows=None) -> torch.Tensor:
+    """[len(chunks), hidden]: the last row's final hidden state of each chunk."""
+    return forward_rows(lm, pool, chunks, last_rows)[0]
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ from services.protocol.items import (
     FieldSpec,
     flat_slices,
     item_payload_nbytes,
-    merge_items,
     metadata_only,
 )
 from services.protocol.tensors import RawTensor
@@ -25,18 +24,6 @@ def test_metadata_only_keeps_given_keys_in_item_order():
     item = _qwen_item()
     light = metadata_only(item, ["image_grid_thw", "not_there"])
     assert list(light) == ["image_grid_thw"] and light["image_grid_thw"] is item["image_grid_thw"]
-
-
-def test_merge_rules():
-    kwargs, metadata = _qwen_item(), {"image_grid_thw": FieldElem(np.array([1, 2, 2]), FieldSpec.batched())}
-    assert merge_items(kwargs, None) == kwargs
-    assert merge_items(None, metadata) == metadata
-    assert merge_items(None, None) == {}
-    merged = merge_items(kwargs, metadata)
-    assert list(merged) == ["pixel_values", "image_grid_thw"]
-    assert merged["image_grid_thw"] is metadata["image_grid_thw"]  # metadata wins on a clash
-    extra = {"second_per_grid_ts": FieldElem(1.0, FieldSpec.batched())}
-    assert list(merge_items(kwargs, extra)) == ["pixel_values", "image_grid_thw", "second_per_grid_ts"]
 
 
 def test_payload_nbytes():

@@ -8,15 +8,10 @@ import numpy as np
 import pytest
 
 from services.protocol.errors import InvalidRequest
-from services.protocol.serialization import (
-    FieldElem,
-    FieldSpec,
-    decode_item,
-    encode_item,
-    item_from_b64,
-    item_to_b64,
-)
-from services.protocol.tensors import RawTensor, bfloat16_to_float32
+from services.protocol.items import FieldElem, FieldSpec
+from services.protocol.serialization import decode_item, encode_item, item_from_b64, item_to_b64
+from services.protocol.tensors import RawTensor
+from tests.support.tensors import bfloat16_to_float32
 
 GOLDEN = ("ga5pbWFnZV9ncmlkX3Rod4KkZGF0YZOlaW50NjSRA8cYAwEAAAAAAAAABAAAAAAAAAAEAAAAAAAAAKVmaWVsZJKnYmF0Y2hl"
           "ZIGra2VlcF9vbl9jcHXD")

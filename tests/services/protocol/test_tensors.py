@@ -8,15 +8,14 @@ import pytest
 
 from services.protocol.tensors import (
     RawTensor,
-    bfloat16_to_float32,
     check_tensor_header,
-    from_torch,
     tensor_bytes,
     tensor_from_bytes,
     tensor_nbytes,
     to_numpy,
     to_torch,
 )
+from tests.support.tensors import bfloat16_to_float32, from_torch
 
 
 def test_numpy_round_trip_every_dtype():

@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from services.models.qwen2_vl import QWEN_VL_METADATA_KEYS
 from services.protocol.errors import InvalidRequest
 from services.protocol.generate import GenerateRequest
 from services.protocol.serialization import encode_item, item_from_b64, item_to_b64
-from services.render.features import QWEN_VL_METADATA_KEYS, build_item, rendered_item, to_features
+from services.render.features import build_item, rendered_item, to_features
 from services.render.placeholders import Expansion, VisionTokens, find_runs, fit_runs
 from services.render.processor import ImageProcessor
 

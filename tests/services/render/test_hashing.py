@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from services.render.hashing import item_hash, mm_hash
+from services.render.hashing import mm_hash
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 KNOWN = "1cca1fd9aa298da6abb049723ec1c62327e1046073e2dd0e7dfb10a3cd3cd645"
@@ -42,11 +42,6 @@ def test_every_input_changes_the_hash(change: dict) -> None:
 def test_field_boundaries_are_unambiguous() -> None:
     # Moving bytes between adjacent fields must not collide (length-prefixed framing).
     assert mm_hash("image", b"ab", "c") != mm_hash("image", b"a", "bc")
-
-
-def test_uuid_is_used_as_is() -> None:
-    assert item_hash("image", b"x", "m", "my-uuid-1") == "my-uuid-1"
-    assert item_hash("image", b"x", "m", None) == mm_hash("image", b"x", "m")
 
 
 def test_hash_is_identical_in_another_process() -> None:

@@ -1,4 +1,4 @@
-"""decode_image (services/render/image_decode.py) and load_image (services/render/media.py)."""
+"""decode_image (services/render/image_decode.py), also behind a fetch (services/render/media_fetch.py)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,17 @@ import pytest
 from PIL import Image
 
 from services.protocol.errors import InvalidRequest
-from services.render.media import MediaPolicy, decode_image, load_image
+from services.render.image_decode import decode_image
+from services.render.media_fetch import fetch_media
+from services.render.media_policy import MediaPolicy
 
 POLICY = MediaPolicy()
+
+
+async def load_image(url: str, policy: MediaPolicy) -> tuple[Image.Image, bytes]:
+    """The decoded RGB image and the original encoded bytes, as render's request path gets them."""
+    data = await fetch_media(url, policy)
+    return await asyncio.to_thread(decode_image, data, policy), data
 
 
 def refused(data: bytes, policy: MediaPolicy = POLICY) -> InvalidRequest:

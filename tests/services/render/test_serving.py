@@ -22,7 +22,7 @@ from services.protocol.openai import ChatCompletionRequest, CompletionRequest
 from services.protocol.sampling import SamplingParams
 from services.protocol.serialization import item_from_b64
 from services.render.limits import RenderLimits
-from services.render.media import MediaPolicy
+from services.render.media_policy import MediaPolicy
 from services.render.serving import RenderService
 from services.render.uuid_scope import scoped_uuid
 from tests.support.pixels import assert_pixels_match

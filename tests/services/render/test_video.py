@@ -226,7 +226,7 @@ def test_a_qwen3_video_placeholder_marks_its_timestamps_as_no_embedding(services
 def test_a_video_url_is_fetched_under_the_image_policy(media_server, media_images, media_net_guard):
     """http(s) videos go through the same SSRF-checked fetch as images: the local server is refused by the default
     policy, and served once private addresses are allowed."""
-    from services.render.media import MediaPolicy
+    from services.render.media_policy import MediaPolicy
 
     media_images["clip.mp4"] = GOOD   # the session's media server serves this dict by name
     part = {"type": "video_url", "video_url": {"url": media_server.url("/image/clip.mp4")}}

@@ -10,9 +10,13 @@ import torch
 
 from services.generation.params import DecodeParams
 from services.protocol.errors import InvalidRequest
-from services.sampling.sampler import RowSampling, Sampler, _draw_plain, sample_first, seeded_uniform
+from services.sampling.sampler import RowSampling, Sampler, _draw_plain, sample_first_logprobs, seeded_uniform
 
 VOCAB = 1000
+
+
+def sample_first(logits: torch.Tensor, params: DecodeParams, **kw) -> int:
+    return sample_first_logprobs(logits, params, **kw)[0]
 
 
 def _logits(rows: int, seed: int = 0) -> torch.Tensor:
