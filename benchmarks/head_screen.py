@@ -61,7 +61,8 @@ def measure(model: str, batches: list[int], rounds: int, context: int, kernels: 
                 x = hidden[:batch].contiguous()
                 for side in order:
                     began = time.perf_counter()
-                    tokens = screens[side].argmax(x) if side in screens else greedy_argmax(runner.lm.lm_head(x)).tolist()
+                    tokens = (screens[side].argmax(x) if side in screens
+                              else greedy_argmax(runner.lm.lm_head(x)).tolist())
                     head_ms[(batch, side)].append((time.perf_counter() - began) * 1e3)
                     got[side] = tokens
                 same &= all(got[side] == got["full"] for side in sides)

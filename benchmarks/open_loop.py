@@ -8,16 +8,18 @@
                                                           # epd as shipped vs epd with other flags (B only)
     python -m benchmarks.open_loop --quick                # tiny model, one rate, 6 requests, epd vs itself, temp folder
 
-The load generator is `vllm bench serve` from the vLLM peer venv (benchmarks.peers.vllm_env; FACTS.md's
-command line): `--dataset-name random-mm` (one random 224x224 image, 64 random prompt tokens, 48 output tokens,
-ignore_eos) and `--dataset-name random` (text, same lengths), `--request-rate R` with Poisson arrivals, goodput
-under TTFT <= 2 s and TPOT <= 100 ms.  Both servers are up at once; every (workload, rate) runs A then B, the
-next one B then A, so a drift of the shared machine's load falls on both sides alike.  Each (workload, rate) draws
-its requests from its own seed, the same on both sides: a server never meets an earlier run's prompts and
-images again (both cache them; one seed for every run read the later rates' TTFT off warm caches).  Baselines: `vllm`
-(`vllm serve` on the same folder, float32; its CPU attention needs head_dim >= 32, the medium demo model has
-64), a git ref (epd at that commit, started beside this tree's: the native kernels this tree built are copied
-into it, their sources being the same), or `self` (this tree twice: the quick mode's smoke run).
+The load generator is `vllm bench serve` from the vLLM peer venv (benchmarks.peers.vllm_env; FACTS.md's command
+line): `--dataset-name random-mm` (one random 224x224 image, 64 random prompt tokens, 48 output tokens, ignore_eos)
+and `--dataset-name random` (text, same lengths), `--request-rate R` with Poisson arrivals, goodput under TTFT <= 2
+s and TPOT <= 100 ms. epd is told that SLO as its admission targets (`--ttft-slo-ms 2000 --tpot-slo-ms 100`,
+coordinator/slo_gate.py: past capacity a request that would miss it is answered 429 at once), as an operator with
+that SLO runs it; vLLM has no such setting. `--no-slo` starts epd without them. Both servers are up at once; every
+(workload, rate) runs A then B, the next one B then A, so a drift of the shared machine's load falls on both sides
+alike. Each (workload, rate) draws its requests from its own seed, the same on both sides: a server never meets an
+earlier run's prompts and images again (both cache them; one seed for every run read the later rates' TTFT off warm
+caches). Baselines: `vllm` (`vllm serve` on the same folder, float32; its CPU attention needs head_dim >= 32, the
+medium demo model has 64), a git ref (epd at that commit, started beside this tree's: the native kernels this tree
+built are copied into it, their sources being the same), or `self` (this tree twice: the quick mode's smoke run).
 
 Figures, epd / baseline: TTFT p50 and p99, TPOT p50, goodput, per workload and rate.  Writes
 benchmarks/results/<name>.json (every run's `vllm bench serve` result, per-request lists dropped) and, for a
@@ -45,6 +47,7 @@ SERVED = "bench-model"
 # The checkpoint shapes whose vs-vLLM runs the docs show, and each one's results name.
 SHAPES = {"demo-medium": "open_loop", "demo-deep": "open_loop_deep", "smollm2": "open_loop_smollm2"}
 GOODPUT = ("ttft:2000", "tpot:100")
+SLO_FLAGS = ("--ttft-slo-ms", "2000", "--tpot-slo-ms", "100")   # the same SLO, as epd's admission targets
 DROP = ("input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times", "queue_times", "generated_texts",
         "errors")
 WORKLOADS: dict[str, tuple[str, ...]] = {
@@ -65,6 +68,7 @@ class Setup:
     output_len: int = 48
     baseline: str = "vllm"
     epd_flags: tuple[str, ...] = ()
+    slo: bool = True                 # epd admits against the goodput SLO (SLO_FLAGS)
     baseline_flags: tuple[str, ...] = ()   # an epd baseline's own extra flags (after epd_flags: they win)
     name: str = "open_loop"
     quick: bool = False
@@ -117,7 +121,7 @@ def start_baseline(setup: Setup, folder: Path) -> Server:
         from benchmarks.peers import vllm_env
 
         return vllm_env.start_serve(folder, "--served-model-name", SERVED, timeout_s=1800.0)
-    flags = ("--served-model-name", SERVED, "--max-inflight-requests", "1024", *setup.epd_flags,
+    flags = ("--served-model-name", SERVED, "--max-inflight-requests", "1024", *epd_flags(setup),
              *setup.baseline_flags)
     if setup.baseline == "self":
         server = start_epd(str(folder), *flags)
@@ -125,6 +129,11 @@ def start_baseline(setup: Setup, folder: Path) -> Server:
         server = start_epd(str(folder), *flags, root=_tree_with_kernels(setup.baseline))
     server.name = f"epd@{setup.baseline}"
     return server
+
+
+def epd_flags(setup: Setup) -> tuple[str, ...]:
+    """`epd serve`'s flags beyond the model's: the SLO's admission targets (unless --no-slo), then --epd-flag's."""
+    return (*(SLO_FLAGS if setup.slo else ()), *setup.epd_flags)
 
 
 def _tree_with_kernels(ref: str) -> Path:
@@ -144,7 +153,7 @@ def measure(setup: Setup) -> dict[str, Any]:
     scratch = results_dir(True) / "open_loop_runs"
     scratch.mkdir(parents=True, exist_ok=True)
     epd = start_epd(str(folder), "--served-model-name", SERVED, "--max-inflight-requests", "1024",
-                    *setup.epd_flags)
+                    *epd_flags(setup))
     with running(epd):
         baseline = start_baseline(setup, folder)
         with running(baseline):
@@ -183,6 +192,8 @@ def figures(doc: dict[str, Any]) -> list[Figure]:
                                          ("request_goodput", "goodput", "ge", "req/s")):
                 a, b = pair["A"].get(key), pair["B"].get(key)
                 note = f"{a:.1f} vs {b:.1f} {unit}" if a is not None and b is not None else "n/a"
+                if key == "request_goodput":   # what was refused (epd's 429s) or failed, beside what met the SLO
+                    note += f"; failed {pair['A'].get('failed', 0)} vs {pair['B'].get('failed', 0)}"
                 out.append(Figure(f"{label}, {workload}, {rate:g} req/s, epd / {doc['baseline']}", ratio(a, b),
                                   None, op, note=note))
     return out
@@ -202,6 +213,8 @@ def parse(argv: list[str] | None) -> tuple[Setup, bool]:
     parser.add_argument("--num-prompts", type=int, default=0, help="requests per workload, rate and side")
     parser.add_argument("--baseline", default="", help="vllm (default) | self | a git ref of epd")
     parser.add_argument("--epd-flag", action="append", default=[], help="an extra `epd serve` flag (both epd sides)")
+    parser.add_argument("--no-slo", action="store_true", help="start epd without the goodput SLO as its admission "
+                        "targets (--ttft-slo-ms / --tpot-slo-ms)")
     parser.add_argument("--baseline-flag", action="append", default=[],
                         help="an extra `epd serve` flag for an epd baseline only (self or a git ref): A/B of a setting")
     parser.add_argument("--name", default="", help="the JSON's name (default: the shape's, open_loop for "
@@ -223,6 +236,7 @@ def parse(argv: list[str] | None) -> tuple[Setup, bool]:
         if value:
             changes[key] = value
     changes["epd_flags"] = tuple(args.epd_flag)
+    changes["slo"] = not args.no_slo
     changes["baseline_flags"] = tuple(args.baseline_flag)
     setup = Setup(**{**setup.__dict__, **changes})
     return setup, not setup.quick and setup.name == SHAPES.get(setup.model) and setup.baseline == "vllm"
@@ -242,7 +256,10 @@ def main(argv: list[str] | None = None) -> int:
                         extra=f"`vllm bench serve` (Poisson arrivals), {setup.num_prompts} requests per workload, "
                               f"rate and side; image: one random 224x224 image + {setup.input_len} random tokens, "
                               f"text: {setup.input_len} random tokens; {setup.output_len} output tokens, "
-                              f"ignore_eos; {setup.model}, float32; goodput SLO TTFT <= 2 s, TPOT <= 100 ms. "
+                              f"ignore_eos; {setup.model}, float32; goodput SLO TTFT <= 2 s, TPOT <= 100 ms"
+                              + (", given to epd as its admission targets (`--ttft-slo-ms 2000 --tpot-slo-ms 100`: "
+                                 "a request that would miss it is answered 429 at once, counted failed); vLLM has "
+                                 "no such setting. " if setup.slo else ". ") +
                               f"Raw results: benchmarks/results/{setup.name}.json.")
     return 0
 

@@ -26,13 +26,16 @@ batched or alone (logits agree to float rounding: matmuls of other shapes sum in
 from __future__ import annotations
 
 import logging
+import os
+import random
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from services.generation.params import DecodeParams
 from services.hostcpu import compute_lease, compute_threads, role_cpu
 from services.models.base import LanguageModel, MultiModalInput
 from services.models.forward_cost import PrefillCost
@@ -47,7 +50,8 @@ from services.prefill.packing import Chunk, forward_rows
 from services.prefill.prefix_cache import BLOCK_SIZE
 from services.prefill.prompt_logprobs import chunk_records
 from services.prefill.scheduler import Scheduled, Scheduler
-from services.sampling.sampler import greedy_argmax
+from services.sampling import screened
+from services.sampling.sampler import RowSampling, greedy_argmax
 
 if TYPE_CHECKING:
     import torch
@@ -79,6 +83,7 @@ class PrefillEngine:
         self.screen, self.screen_report = build_screen(lm.lm_head, lm_head_screen)
         self._last_rows = last_rows.install(lm)
         self.lm, self.block_size, self.idle_exit_s = lm, block_size, idle_exit_s
+        self._rng = random.Random(int.from_bytes(os.urandom(8), "little"))   # unseeded first-token draws
         self._cost = PrefillCost(lm)  # a forward's FLOPs: a small one runs on one thread (compute_threads.use_for)
         self.max_num_batched_tokens = max_num_batched_tokens
         max_cached = int(prefix_cache_mb * 2**20) // block_bytes(lm.layout, block_size)
@@ -109,17 +114,19 @@ class PrefillEngine:
                cache_salt: str | None = None,
                on_finish: Callable[[HeldPrefill], None] | None = None, greedy: bool = False,
                inline: bool = False, prompt_logprobs: int | None = None,
-               logprobs_mode: str = "raw_logprobs") -> Future[HeldPrefill]:
+               logprobs_mode: str = "raw_logprobs", draws: Sequence[DecodeParams] = ()) -> Future[HeldPrefill]:
         """Queue one prompt; the future resolves to its HeldPrefill (release it!) or to the error
         (ValueError / InvalidMultiModalInput for items that do not fit the prompt).  `on_finish(held)`
         runs on the engine thread first (an exception from it fails the future, the blocks released).
-        `greedy`: the caller takes the first token's plain argmax, so `HeldPrefill.first_token` carries it
+        `greedy`: the caller takes the first token's plain argmax, so `HeldPrefill.first_tokens` carries it
         (decided by the LM head screen, or the full head's argmax on the engine thread) instead of
-        `first_logits`.  `inline`: an idle engine may run it on this thread (returns the future done).
+        `first_logits`.  `draws`: each sample's first-token params, all plain sampled (`can_draw`): the tokens
+        are drawn through the screen (services/sampling/screened.py), the logits kept only where it cannot.
+        `inline`: an idle engine may run it on this thread (returns the future done).
         `prompt_logprobs`: the top n per prompt token too (`HeldPrefill.prompt_records`; prompt_logprobs.py)."""
         self._check_length(token_ids)
         job = PrefillJob(list(token_ids), list(mm_items or []), cache_salt, on_finish=on_finish, greedy=greedy,
-                         prompt_logprobs=prompt_logprobs, logprobs_mode=logprobs_mode)
+                         prompt_logprobs=prompt_logprobs, logprobs_mode=logprobs_mode, draws=tuple(draws))
         with self._cond:
             if self._closed:
                 raise RuntimeError("the prefill engine is closed")
@@ -256,9 +263,8 @@ class PrefillEngine:
         self._count(batch, chunks)
         for row, index in enumerate(finishing):
             job = batch[index].job
-            token = tokens[row]
-            held = HeldPrefill(job, None if token >= 0 else logits[row], self.pool, self._release,
-                               token if token >= 0 else None)
+            picked = tokens[row]
+            held = HeldPrefill(job, None if picked is not None else logits[row], self.pool, self._release, picked)
             if job.on_finish is not None:
                 try:
                     job.on_finish(held)
@@ -268,24 +274,37 @@ class PrefillEngine:
                     continue
             job.future.set_result(held)
 
-    def _first_tokens(self, rows: torch.Tensor, jobs: list[PrefillJob]) -> tuple[list[int], list[torch.Tensor | None]]:
-        """Per finishing prompt: its greedy token (-1: none) and else its logits [vocab] from the full head.
-        A greedy prompt's token is the LM head screen's pick, or the full head's argmax taken here, right after
-        the forward (the sampler's own `greedy_argmax`, ties to the first index), so the caller's event loop
-        never handles the [vocab] row."""
-        tokens = [-1] * len(jobs)
+    def can_draw(self, params: Sequence[DecodeParams]) -> bool:
+        """Whether first tokens of these sample params are drawn through the LM head screen (all plain sampled;
+        min_tokens would suppress EOS at the first token)."""
+        return (self.screen is not None and self.screen.samples and bool(params)
+                and all(p.min_tokens == 0 and RowSampling(p).plain_sampled for p in params))
+
+    def _first_tokens(self, rows: torch.Tensor, jobs: list[PrefillJob]
+                      ) -> tuple[list[list[int] | None], list[torch.Tensor | None]]:
+        """Per finishing prompt: its picked tokens (greedy: [token]; drawn: one per sample; None: none) and else
+        its logits [vocab] from the full head.  A greedy prompt's token is the LM head screen's pick, or the full
+        head's argmax taken here, right after the forward (the sampler's own `greedy_argmax`, ties to the first
+        index), so the caller's event loop never handles the [vocab] row; a prompt with `draws` has each sample's
+        token drawn through the screen (services/sampling/screened.py), as decode draws its next ones."""
+        tokens: list[list[int] | None] = [None] * len(jobs)
         if self.screen is not None:
             pick = [row for row, job in enumerate(jobs) if job.greedy]
             if pick:
                 for row, token in zip(pick, self.screen.argmax(rows[pick]), strict=True):
-                    tokens[row] = token
+                    tokens[row] = [token] if token >= 0 else None
+            for row, job in enumerate(jobs):
+                if job.draws and self.screen.samples:
+                    x = rows[row:row + 1].expand(len(job.draws), -1).contiguous()
+                    drawn = screened.draw(self.screen, x, [RowSampling(p) for p in job.draws], self._rng)
+                    tokens[row] = drawn if min(drawn) >= 0 else None
         logits: list[torch.Tensor | None] = [None] * len(jobs)
-        full = [row for row, token in enumerate(tokens) if token < 0]
+        full = [row for row, token in enumerate(tokens) if token is None]
         if full:
             for row, values in zip(full, self.lm.lm_head(rows[full] if len(full) < len(jobs) else rows).float(),
                                    strict=True):
                 if jobs[row].greedy:
-                    tokens[row] = int(greedy_argmax(values.unsqueeze(0))[0])
+                    tokens[row] = [int(greedy_argmax(values.unsqueeze(0))[0])]
                 else:
                     logits[row] = values
         return tokens, logits

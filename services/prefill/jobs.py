@@ -47,6 +47,7 @@ class PrefillJob:
     num_done: int = 0      # leading tokens whose KV is in the pool (cached included)
     on_finish: Callable[[HeldPrefill], None] | None = None  # run on the engine thread before the future resolves
     greedy: bool = False   # its first token is a plain greedy pick, decided on the engine thread
+    draws: tuple[Any, ...] = ()   # DecodeParams of each sample's first token, drawn through the LM head screen
     prompt_logprobs: int | None = None   # top n per prompt token, when asked (services/prefill/prompt_logprobs.py)
     logprobs_mode: str = "raw_logprobs"  # logits or logprobs in those records
     prompt_records: list[Any] = field(default_factory=list)   # one per prompt token but the first, as rows run
@@ -64,10 +65,11 @@ class HeldPrefill:
     """A finished prompt: logits, positions, and its KV blocks until `release()`."""
 
     def __init__(self, job: PrefillJob, first_logits: torch.Tensor | None, pool: KVPool,
-                 release: Callable[[list[int]], None], first_token: int | None = None) -> None:
-        assert job.inputs is not None and (first_logits is None) != (first_token is None)
-        self.first_logits = first_logits            # [vocab] float32, or None when the screen picked the token
-        self.first_token = first_token              # the greedy token (screen or argmax), when job.greedy
+                 release: Callable[[list[int]], None], first_tokens: list[int] | None = None) -> None:
+        assert job.inputs is not None and (first_logits is None) != (first_tokens is None)
+        self.first_logits = first_logits            # [vocab] float32, or None when the tokens were picked here
+        # the greedy token (screen or argmax) when job.greedy; each sample's drawn token when job.draws
+        self.first_tokens = first_tokens
         self.rope_delta = job.inputs.rope_delta
         self.prompt_records = job.prompt_records if job.prompt_logprobs is not None else None
         self.num_prompt_tokens = job.num_tokens

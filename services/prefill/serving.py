@@ -160,8 +160,9 @@ class PrefillService:
                        ec_params: dict[str, Any], params: DecodeParams, cache_salt: str | None,
                        samples: int = 1, prompt_logprobs: int | None = None) -> PrefillOutcome:
         key = kv_key(request_id, model.version)
+        draws = [sample_params(params, i) for i in range(samples)] if not params.plain_greedy else []
         held = await self._forward(model, token_ids, items, ec_params, cache_salt, key, params.plain_greedy,
-                                   prompt_logprobs)
+                                   prompt_logprobs, draws if model.engine.can_draw(draws) else [])
         if not self.kv_store.local:
             await self._put_remote(key, held)
         if held.kv_error is not None:
@@ -194,17 +195,19 @@ class PrefillService:
                       samples: int) -> tuple[list[int], list[TokenLogprob | None]]:
         """Each sample's first token (sample i draws with seed + i, services/decode/samples.py) and its logprobs
         when asked; a plain greedy prompt's token is the engine's pick, the same for every sample."""
-        if held.first_token is not None:   # the LM head screen's greedy pick (params.plain_greedy)
-            return [held.first_token] * samples, [None] * samples
+        if held.first_tokens is not None:   # the greedy pick (params.plain_greedy), or each sample's draw
+            tokens = held.first_tokens if len(held.first_tokens) == samples else held.first_tokens * samples
+            return tokens, [None] * samples
         mode = self.logprobs_mode
-        assert held.first_logits is not None   # kept whenever first_token was not picked
+        assert held.first_logits is not None   # kept whenever no token was picked
         picked = [sample_first_logprobs(held.first_logits, sample_params(params, i), 0, model.lm.eos_token_ids,
                                         token_ids, logprobs_mode=mode) for i in range(samples)]
         return [token for token, _ in picked], [record for _, record in picked]
 
     async def _forward(self, model: PrefillModel, token_ids: list[int], items: list[PrefillItem],
                        ec_params: dict[str, Any], cache_salt: str | None, key: str,
-                       greedy: bool = False, prompt_logprobs: int | None = None) -> HeldPrefill:
+                       greedy: bool = False, prompt_logprobs: int | None = None,
+                       draws: list[DecodeParams] | None = None) -> HeldPrefill:
         """The prompt through the engine with each embedding read as a zero-copy view of the EC store, kept
         open until the forward is done: the scatter into the prompt's embeddings is the one copy.  An entry
         evicted meanwhile fails the prompt (ec_entry_missing) rather than use bytes that changed under it.
@@ -220,7 +223,8 @@ class PrefillService:
                 else:
                     mm_inputs = await asyncio.to_thread(self._load_embeddings, model, items, ec_params, views)
                 activity.mark("prefill.ec_views.end")
-                held = await self._run_engine(model, token_ids, mm_inputs, cache_salt, key, greedy, prompt_logprobs)
+                held = await self._run_engine(model, token_ids, mm_inputs, cache_salt, key, greedy, prompt_logprobs,
+                                              draws or [])
         except ConnectorError as exc:
             if held is not None:
                 held.release()
@@ -229,7 +233,7 @@ class PrefillService:
 
     async def _run_engine(self, model: PrefillModel, token_ids: list[int], mm_inputs: list[MultiModalInput],
                           cache_salt: str | None, key: str, greedy: bool = False,
-                          prompt_logprobs: int | None = None) -> HeldPrefill:
+                          prompt_logprobs: int | None = None, draws: list[DecodeParams] | None = None) -> HeldPrefill:
         """Wait for the engine without holding a thread (so every waiting prompt can join a batch).  With a
         local store the engine thread puts the KV into it as soon as the prompt's last forward ends
         (`_put_kv`: a memcpy), so the result comes back with its blocks already released.  A caller that gives
@@ -238,7 +242,8 @@ class PrefillService:
         on_finish = (lambda held: self._put_kv(key, held)) if self.kv_store.local else None
         # An idle engine runs a small prompt right here (the future comes back done: no thread hand-off)
         future = model.engine.submit(token_ids, mm_inputs, cache_salt, on_finish=on_finish, greedy=greedy,
-                                     inline=True, prompt_logprobs=prompt_logprobs, logprobs_mode=self.logprobs_mode)
+                                     inline=True, prompt_logprobs=prompt_logprobs, logprobs_mode=self.logprobs_mode,
+                                     draws=draws or ())
         if future.done():
             activity.mark("prefill.engine_done")
             return future.result()

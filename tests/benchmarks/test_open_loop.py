@@ -25,11 +25,12 @@ def test_the_bench_command_is_the_users_poisson_run():
 
 
 def test_figures_are_epd_over_the_baseline_per_workload_and_rate():
-    def result(ttft, p99, tpot, good):
-        return {"median_ttft_ms": ttft, "p99_ttft_ms": p99, "median_tpot_ms": tpot, "request_goodput": good}
+    def result(ttft, p99, tpot, good, failed=0):
+        return {"median_ttft_ms": ttft, "p99_ttft_ms": p99, "median_tpot_ms": tpot, "request_goodput": good,
+                "failed": failed}
 
     doc = {"setup": {"workloads": ["image"], "rates": [1.0, 2.0]}, "baseline": "vllm",
-           "runs": [{"workload": "image", "rate": 1.0, "side": "A", "result": result(300, 600, 50, 1.0)},
+           "runs": [{"workload": "image", "rate": 1.0, "side": "A", "result": result(300, 600, 50, 1.0, failed=3)},
                     {"workload": "image", "rate": 1.0, "side": "B", "result": result(200, 400, 40, 0.5)},
                     {"workload": "image", "rate": 2.0, "side": "A", "result": result(100, 100, 10, 1.0)}]}
     found = {f.name: f for f in open_loop.figures(doc)}
@@ -40,6 +41,7 @@ def test_figures_are_epd_over_the_baseline_per_workload_and_rate():
     assert found["TPOT p50, image, 1 req/s, epd / vllm"].value == 1.25
     assert found["goodput, image, 1 req/s, epd / vllm"].value == 2.0 and found["goodput, image, 1 req/s, "
                                                                               "epd / vllm"].op == "ge"
+    assert found["goodput, image, 1 req/s, epd / vllm"].note == "1.0 vs 0.5 req/s; failed 3 vs 0"   # epd's 429s
 
 
 def test_baseline_flags_go_to_an_epd_baseline_only(capsys):
@@ -65,3 +67,12 @@ def test_each_shape_runs_under_its_own_name_and_docs_block():
         model="/ckpt/Qwen2-VL-2B", name="open_loop_Qwen2_VL_2B"), False)   # not a known shape: its own JSON only
     assert {name.replace("_", "-") for name in open_loop.SHAPES.values()} <= set(
         name for _, names in docpage.GROUPS for name in names)
+
+
+def test_epd_runs_with_the_goodput_slo_as_its_admission_targets_unless_told_not_to():
+    setup, _ = open_loop.parse(["--epd-flag=--decode-slots=8"])
+    assert setup.slo and open_loop.epd_flags(setup) == ("--ttft-slo-ms", "2000", "--tpot-slo-ms", "100",
+                                                         "--decode-slots=8")
+    assert open_loop.GOODPUT == ("ttft:2000", "tpot:100")   # the SLO the flags repeat
+    bare, _ = open_loop.parse(["--no-slo"])
+    assert not bare.slo and open_loop.epd_flags(bare) == ()

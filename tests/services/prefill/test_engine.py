@@ -8,6 +8,8 @@ import threading
 import pytest
 import torch
 
+from services.generation.params import DecodeParams
+from services.kernels import loader
 from services.models.base import MultiModalInput
 from services.prefill.engine import PrefillEngine
 from tests.services.models.helpers import CHATS, encode_items, mm_inputs, processor_inputs
@@ -131,8 +133,8 @@ def _greedy_beside_plain(engine: PrefillEngine, token_ids: list[int], items: lis
     for held in (greedy_image, greedy_text, image, plain_text):
         held.release()
     assert greedy_image.first_logits is None and greedy_text.first_logits is None
-    assert greedy_image.first_token == int(image.first_logits.argmax())
-    assert greedy_text.first_token == int(plain_text.first_logits.argmax())
+    assert greedy_image.first_tokens == [int(image.first_logits.argmax())]
+    assert greedy_text.first_tokens == [int(plain_text.first_logits.argmax())]
     return image, plain_text
 
 
@@ -152,7 +154,7 @@ def test_greedy_prompts_take_the_lm_head_screen(demo_model_path, parts, image_pr
     engine = PrefillEngine(lm, lm_head_screen="on")
     assert engine.screen is not None, engine.screen_report.line()
     image, plain_text = _greedy_beside_plain(engine, token_ids, items)
-    assert image.first_token is None and engine.screen.rows_screened == 2
+    assert image.first_tokens is None and engine.screen.rows_screened == 2
 
 
 def test_without_the_screen_a_greedy_prompt_gets_its_argmax_from_the_engine_thread(parts, image_prompt):
@@ -163,7 +165,7 @@ def test_without_the_screen_a_greedy_prompt_gets_its_argmax_from_the_engine_thre
     engine = PrefillEngine(parts[1])
     assert engine.screen is None
     image, plain_text = _greedy_beside_plain(engine, token_ids, items)
-    assert image.first_token is None and plain_text.first_token is None
+    assert image.first_tokens is None and plain_text.first_tokens is None
 
 
 def test_a_chunked_prompt_runs_on_its_own_thread_count_and_idle_clears_the_board(parts, monkeypatch):
@@ -196,3 +198,30 @@ def test_a_chunked_prompt_runs_on_its_own_thread_count_and_idle_clears_the_board
         hook.remove()
         engine.close()
     assert long_chunks == [1, 1, 1, 1] and short == [2] and marked == [1] and board[2] == 0
+
+
+@pytest.mark.skipif(not loader.expected("head_int8"),
+                    reason="this CPU has no AVX512-VNNI: the int8 kernel is not built")
+def test_temperature_first_tokens_are_drawn_through_the_screen(demo_model_path, image_prompt):
+    """A prompt whose samples' params are all plain sampled gets each sample's first token drawn through the LM
+    head screen (services/sampling/screened.py) and no logits; a seed gives the same tokens again; params that
+    need the logits (top-p, min_tokens) are not drawn there."""
+    from services.models.prepack import prepack_language
+    from services.models.registry import adapter_for
+
+    _, token_ids, items = image_prompt
+    lm = adapter_for(demo_model_path).load_language(demo_model_path)
+    prepack_language(lm, "panel")
+    engine = PrefillEngine(lm, lm_head_screen="on")
+    draws = [DecodeParams(temperature=0.8, seed=21 + i) for i in range(3)]
+    assert engine.can_draw(draws)
+    assert not engine.can_draw([DecodeParams(temperature=0.8, top_p=0.9)])
+    assert not engine.can_draw([DecodeParams(temperature=0.8, min_tokens=2)])
+    assert not engine.can_draw([DecodeParams(temperature=0.8, logprobs=1)])
+    runs = [engine.submit(token_ids, items, draws=draws).result(60) for _ in range(2)]
+    for held in runs:
+        held.release()
+        assert held.first_logits is None and len(held.first_tokens) == 3
+        assert all(0 <= token < lm.vocab_size for token in held.first_tokens)
+    assert runs[0].first_tokens == runs[1].first_tokens
+    assert engine.screen.rows_screened == 6 and engine.screen.rows_full == 0
