@@ -13,7 +13,7 @@ from services.runtime.server import RoleServer
 
 from .api_router import routes
 from .limits import RenderLimits
-from .media import MediaPolicy
+from .media_policy import MediaPolicy
 from .servicer import RenderServicer
 from .serving import RenderService
 
