@@ -211,9 +211,11 @@ def _save_doc_block(name: str, body: str) -> None:
     write_page()
 
 
-def write_doc_block(name: str, command: str, figures: Sequence[Figure], extra: str = "") -> None:
-    """Refresh one script's block of docs/benchmarks.md: its command, the machine's load, its figures."""
-    where = machine()
+def write_doc_block(name: str, command: str, figures: Sequence[Figure], extra: str = "",
+                    where: dict[str, Any] | None = None) -> None:
+    """Refresh one script's block of docs/benchmarks.md: its command, the machine's load (`where`: a run's own
+    `machine()`, when the block is written again from its JSON), its figures."""
+    where = where or machine()
     body = (f"Command: `{command}` ({where['time']}, {where['cpus']} CPUs shared with other jobs, load average "
             f"{where['loadavg_at_start']}).\n\n{markdown_table(figures)}" + (f"\n\n{extra}" if extra else ""))
     replace_block(ROOT / "docs" / "benchmarks.md", name, body)

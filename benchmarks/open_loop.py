@@ -7,6 +7,7 @@
     python -m benchmarks.open_loop --rates 1,2 --baseline self --baseline-flag=--role-nice=decode=0 --name nice0
                                                           # epd as shipped vs epd with other flags (B only)
     python -m benchmarks.open_loop --quick                # tiny model, one rate, 6 requests, epd vs itself, temp folder
+    python -m benchmarks.open_loop --model demo-deep --from-json   # figures, plots, docs block again from the JSON
 
 The load generator is `vllm bench serve` from the vLLM peer venv (benchmarks.peers.vllm_env; FACTS.md's command
 line): `--dataset-name random-mm` (one random 224x224 image, 64 random prompt tokens, 48 output tokens, ignore_eos)
@@ -21,7 +22,8 @@ caches). Baselines: `vllm` (`vllm serve` on the same folder, float32; its CPU at
 medium demo model has 64), a git ref (epd at that commit, started beside this tree's: the native kernels this tree
 built are copied into it, their sources being the same), or `self` (this tree twice: the quick mode's smoke run).
 
-Figures, epd / baseline: TTFT p50 and p99, TPOT p50, goodput, per workload and rate.  Writes
+Figures, epd / baseline: TTFT p50 and p99, TPOT p50, goodput, per workload and rate, and a plot of each against the
+rate for both sides (docs/img/<name>_<workload>.png).  Writes
 benchmarks/results/<name>.json (every run's `vllm bench serve` result, per-request lists dropped) and, for a
 vs-vLLM run of one of the SHAPES under its own name, its block of docs/benchmarks.md (`open-loop`,
 `open-loop-deep`, `open-loop-smollm2`): a default is checked on more than one checkpoint shape.  --quick writes
@@ -72,6 +74,7 @@ class Setup:
     baseline_flags: tuple[str, ...] = ()   # an epd baseline's own extra flags (after epd_flags: they win)
     name: str = "open_loop"
     quick: bool = False
+    from_json: bool = False          # nothing measured: benchmarks/results/<name>.json read back
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -173,7 +176,7 @@ def measure(setup: Setup) -> dict[str, Any]:
                               f"{result.get('median_ttft_ms', 0):.0f} ms, TPOT p50 "
                               f"{result.get('median_tpot_ms', 0):.1f} ms, goodput "
                               f"{result.get('request_goodput') or 0:.2f} req/s", flush=True)
-    return {"setup": {k: v for k, v in setup.__dict__.items() if k != "extra"}, "machine": where,
+    return {"setup": {k: v for k, v in setup.__dict__.items() if k not in ("extra", "from_json")}, "machine": where,
             "model_folder": str(folder), "baseline": baseline.name, "runs": runs}
 
 
@@ -199,6 +202,27 @@ def figures(doc: dict[str, Any]) -> list[Figure]:
     return out
 
 
+def plot(doc: dict[str, Any], workload: str, path: Path) -> None:
+    """TTFT p50 and p99, TPOT p50 and goodput against the request rate, one line per side (epd, the baseline)."""
+    from services.bench.plots import Panel, Series, save_figure
+
+    setup = doc["setup"]
+    names = {"A": "epd", "B": doc["baseline"]}
+    panels = []
+    for key, heading, unit in (("median_ttft_ms", "TTFT p50", "ms"), ("p99_ttft_ms", "TTFT p99", "ms"),
+                               ("median_tpot_ms", "TPOT p50", "ms"), ("request_goodput", "goodput", "req/s")):
+        series = []
+        for side in ("A", "B"):
+            points = sorted((r["rate"], r["result"].get(key)) for r in doc["runs"]
+                            if r["workload"] == workload and r["side"] == side and r["result"].get(key) is not None)
+            series.append(Series(names[side], tuple(float(x) for x, _ in points), tuple(float(y) for _, y in points)))
+        panels.append(Panel(f"{heading} vs request rate", "request rate (req/s, Poisson)", f"{heading} ({unit})",
+                            tuple(series)))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_figure(str(path), panels, title=(f"vllm bench serve, {workload}: epd vs {doc['baseline']}",
+                                          f"{setup['model']}, {setup['num_prompts']} requests per rate and side"))
+
+
 def default_name(model: str) -> str:
     """The results name of a run on `model`: its shape's, or open_loop_<folder name> (never a shape's JSON)."""
     return SHAPES.get(model) or "open_loop_" + (re.sub(r"\W+", "_", Path(model).name).strip("_") or "model")
@@ -217,6 +241,8 @@ def parse(argv: list[str] | None) -> tuple[Setup, bool]:
                         "targets (--ttft-slo-ms / --tpot-slo-ms)")
     parser.add_argument("--baseline-flag", action="append", default=[],
                         help="an extra `epd serve` flag for an epd baseline only (self or a git ref): A/B of a setting")
+    parser.add_argument("--from-json", action="store_true", help="measure nothing: the figures, plots and docs block "
+                        "again from benchmarks/results/<name>.json (a run's own JSON)")
     parser.add_argument("--name", default="", help="the JSON's name (default: the shape's, open_loop for "
                         "demo-medium, else open_loop_<folder name>; names other than a shape's skip the docs)")
     args = parser.parse_args(argv)
@@ -238,6 +264,7 @@ def parse(argv: list[str] | None) -> tuple[Setup, bool]:
     changes["epd_flags"] = tuple(args.epd_flag)
     changes["slo"] = not args.no_slo
     changes["baseline_flags"] = tuple(args.baseline_flag)
+    changes["from_json"] = args.from_json
     setup = Setup(**{**setup.__dict__, **changes})
     return setup, not setup.quick and setup.name == SHAPES.get(setup.model) and setup.baseline == "vllm"
 
@@ -245,14 +272,29 @@ def parse(argv: list[str] | None) -> tuple[Setup, bool]:
 def main(argv: list[str] | None = None) -> int:
     exit_on_sigterm()
     setup, docs = parse(argv)
-    doc = measure(setup)
+    path = results_dir(setup.quick) / f"{setup.name}.json"
+    if setup.from_json:
+        doc = json.loads(path.read_text())
+        setup = Setup(**{**doc["setup"], "rates": tuple(doc["setup"]["rates"]),
+                         "workloads": tuple(doc["setup"]["workloads"]), "epd_flags": tuple(doc["setup"]["epd_flags"]),
+                         "baseline_flags": tuple(doc["setup"]["baseline_flags"])})
+        command = doc.get("command") or "python -m benchmarks.open_loop" + (
+            f" --model {setup.model}" if setup.model != Setup.model else "")
+    else:
+        doc = measure(setup)
+        command = ("python -m benchmarks.open_loop " + " ".join(sys.argv[1:] if argv is None else argv)).strip()
+        doc["command"] = command
     found = figures(doc)
     doc["figures"] = found
-    path = write_json(doc, results_dir(setup.quick) / f"{setup.name}.json")
+    write_json(doc, path)
     print_figures(found, f"open loop, epd / {doc['baseline']} ({path})")
     if docs:
-        command = "python -m benchmarks.open_loop " + " ".join(sys.argv[1:] if argv is None else argv)
-        write_doc_block(setup.name.replace("_", "-"), command.strip(), found,
+        images = []
+        for workload in setup.workloads:
+            png = ROOT / "docs" / "img" / f"{setup.name}_{workload}.png"
+            plot(doc, workload, png)
+            images.append(f"![{workload}](img/{png.name})")
+        write_doc_block(setup.name.replace("_", "-"), command, found,
                         extra=f"`vllm bench serve` (Poisson arrivals), {setup.num_prompts} requests per workload, "
                               f"rate and side; image: one random 224x224 image + {setup.input_len} random tokens, "
                               f"text: {setup.input_len} random tokens; {setup.output_len} output tokens, "
@@ -260,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
                               + (", given to epd as its admission targets (`--ttft-slo-ms 2000 --tpot-slo-ms 100`: "
                                  "a request that would miss it is answered 429 at once, counted failed); vLLM has "
                                  "no such setting. " if setup.slo else ". ") +
-                              f"Raw results: benchmarks/results/{setup.name}.json.")
+                              f"Raw results: benchmarks/results/{setup.name}.json.\n\n" + " ".join(images),
+                        where=doc["machine"])
     return 0
 
 

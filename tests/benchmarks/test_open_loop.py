@@ -76,3 +76,20 @@ def test_epd_runs_with_the_goodput_slo_as_its_admission_targets_unless_told_not_
     assert open_loop.GOODPUT == ("ttft:2000", "tpot:100")   # the SLO the flags repeat
     bare, _ = open_loop.parse(["--no-slo"])
     assert not bare.slo and open_loop.epd_flags(bare) == ()
+
+
+def test_the_rate_plot_draws_both_sides_from_the_json(tmp_path):
+    from PIL import Image
+
+    def result(ttft, tpot, good):
+        return {"median_ttft_ms": ttft, "p99_ttft_ms": 2 * ttft, "median_tpot_ms": tpot, "request_goodput": good}
+
+    doc = {"setup": {"model": "demo-medium", "num_prompts": 40}, "baseline": "vllm-serve",
+           "runs": [{"workload": "image", "rate": rate, "side": side, "result": result(100 * rate, 20 * rate, rate)}
+                    for rate in (0.5, 1.0, 2.0) for side in ("A", "B")]}
+    path = tmp_path / "open_loop_image.png"
+    open_loop.plot(doc, "image", path)
+    with Image.open(path) as image:
+        assert image.format == "PNG" and image.width == 2 * 560 and image.height > 2 * 400
+        colors = {color for _, color in image.getcolors(1 << 20)}
+    assert (31, 119, 180) in colors and (255, 127, 14) in colors    # a line for epd and one for the baseline
