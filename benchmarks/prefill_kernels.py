@@ -119,7 +119,8 @@ def prefill_figure(rounds: int, model: str, prompt: int) -> list[Figure]:
 
     def one(which: str) -> None:
         held = engine.submit(ids, greedy=True).result()
-        firsts[which].append(held.first_token if held.first_token is not None else int(held.first_logits.argmax()))
+        firsts[which].append(held.first_tokens[0] if held.first_tokens is not None
+                             else int(held.first_logits.argmax()))
         held.release()
 
     def without() -> None:
