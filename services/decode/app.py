@@ -110,7 +110,7 @@ def prepare(lm: Any, config: EpdConfig, plan: DevicePlan) -> LinearReport:
     serial = serial_rows(config.engines.decode_serial_rows, config.engines.decode_slots, fused=wants_fused(config))
     return prepack_language(lm, plan.linear_kernel, rows=steps, head_rows=steps, serial_rows=serial,
                             stack_mode=stack_kernel(config) if plan.cpu else None,
-                            head_mode=screen_head_mode(plan.linear_kernel, plan.lm_head_screen),
+                            head_mode=screen_head_mode(plan.linear_kernel, plan.lm_head_screen, lm.lm_head),
                             weight_dtype=torch.bfloat16 if bf16_weights(config) else None)
 
 

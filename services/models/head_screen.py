@@ -298,11 +298,26 @@ class HeadScreen:
         logger.info("lm head screen: auto moved from int8 to the bfloat16 %s kernel (%s)", self.kernel, why)
 
 
-def screen_head_mode(linear_kernel: str, lm_head_screen: str) -> str | None:
-    """The LM head's kernel where `--lm-head-screen on` decides it: the screen reads a panel head, so auto must
-    not time the head onto another kernel (on a small head oneDNN can win the timing, and the role would then
-    refuse to start); None leaves the head to `--linear-kernel`."""
-    return "panel" if lm_head_screen == "on" and linear_kernel == "auto" else None
+def screen_head_mode(linear_kernel: str, lm_head_screen: str, head: object = None) -> str | None:
+    """The LM head's kernel where the screen decides it: the screen reads a panel head, so auto must not time the
+    head onto another kernel.  `--lm-head-screen on`: always (on a small head oneDNN can win the timing, and the
+    role would then refuse to start).  auto: where the int8 screen will run (AVX512-VNNI; `head` float32, without a
+    bias, at least AUTO_MIN_HIDDEN wide), since greedy and plain temperature rows then never run the head (at 64
+    rows oneDNN times faster on the medium head and auto used to leave the screen off there); only rows that need
+    every logit do.  None leaves the head to `--linear-kernel`."""
+    if linear_kernel != "auto":
+        return None
+    if lm_head_screen == "on":
+        return "panel"
+    weight = getattr(head, "weight", None)
+    if (lm_head_screen == "auto" and isinstance(weight, torch.Tensor) and weight.dtype == torch.float32
+            and getattr(head, "bias", None) is None and getattr(head, "in_features", 0) >= AUTO_MIN_HIDDEN):
+        try:
+            head_int8.library()
+        except OSError:
+            return None
+        return "panel"
+    return None
 
 
 def build_screen(head: object, mode: str) -> tuple[HeadScreen | None, ScreenReport]:

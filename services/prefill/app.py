@@ -29,7 +29,7 @@ def prepare(lm: Any, plan: DevicePlan) -> LinearReport:
 
     # prompts, not single rows, go through prefill's layers (its LM head sees one row per prompt)
     return prepack_language(lm, plan.linear_kernel, rows=(256, 1024), head_rows=(1, 16), fuse=plan.fused_kernels,
-                            head_mode=screen_head_mode(plan.linear_kernel, plan.lm_head_screen))
+                            head_mode=screen_head_mode(plan.linear_kernel, plan.lm_head_screen, lm.lm_head))
 
 
 def load_model(config: EpdConfig, folder: Path, version: str = "") -> PrefillModel:

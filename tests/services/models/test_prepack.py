@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from services.kernels import loader
 from services.models.panel_linear import PanelLinear
 from services.models.prepack import MODES, PackedLinear, prepack_language, prepack_vision
 
@@ -110,6 +111,11 @@ def test_lm_head_screen_on_keeps_the_head_on_panels_whatever_auto_times(demo_mod
 
     assert screen_head_mode("auto", "on") == "panel"
     assert screen_head_mode("auto", "auto") is None and screen_head_mode("prepacked", "on") is None
+    # auto keeps a head the int8 screen will take on panels (greedy and temperature rows never run it)
+    wide, narrow = nn.Linear(1024, 4096, bias=False), nn.Linear(64, 4096, bias=False)
+    assert screen_head_mode("auto", "auto", wide) == ("panel" if loader.expected("head_int8") else None)
+    assert screen_head_mode("auto", "auto", narrow) is None and screen_head_mode("auto", "off", wide) is None
+    assert screen_head_mode("auto", "auto", wide.to(torch.bfloat16)) is None   # bfloat16 layers: not a panel head
     lm = _load(demo_model_path)
     report = prepack_language(lm, "auto", rows=(4, 64), head_rows=(1, 16), head_mode=screen_head_mode("auto", "on"))
     assert isinstance(lm.lm_head, PanelLinear) and report.head is not None and report.head.kernel == "panel"
