@@ -107,6 +107,9 @@ class Int8Stage:
         if not (torch.isfinite(self.ew).all() and torch.isfinite(self.nw).all()):
             raise ValueError("the head's weights are too large for the screen's bound")
         self.w_max = float(self.nw.max())
+        # the mean E_j of a row is rowc[A, B, C] @ these (`upper`): computed once, not per step
+        self.mean_bound = torch.stack([self.ew[:out_features].mean(), self.nw[:out_features].mean(),
+                                       torch.tensor(1.0, dtype=torch.float64)])
         self.gamma = in_features * _U / (1.0 - in_features * _U)
         self.panels = panels
         self.extra_bytes = sum(t.numel() * t.element_size() for t in (self.weights, self.colsum, self.scale, self.ew,
@@ -164,8 +167,7 @@ class Int8Stage:
                                  self.nw.data_ptr(), rowc.data_ptr(), out.data_ptr(), out.stride(0),
                                  torch.get_num_threads()):
             raise ValueError(f"the int8 screen refused x {tuple(x.shape)}")
-        means = torch.stack([self.ew[:self.n].mean(), self.nw[:self.n].mean(), torch.tensor(1.0, dtype=torch.float64)])
-        return out, rowc[:, 1:] @ means, (xp, rowc)
+        return out, rowc[:, 1:] @ self.mean_bound, (xp, rowc)
 
     def at(self, x: torch.Tensor, consts: tuple[torch.Tensor, torch.Tensor], rows: torch.Tensor, cols: torch.Tensor
            ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,7 +33,7 @@ from services.models.head_screen import HeadScreen
 from services.sampling.sampler import RowSampling, _splitmix64
 
 PER_ROUND = 8          # proposals per row drawn together (one binary search each, one batched column product)
-MAX_ROUNDS = 8         # then the row goes to the full head (at the medium demo head's T = 1, 1 in 10^6 rows)
+MAX_ROUNDS = 8         # then the row goes to the full head (screened_draw.json counts how many did)
 MAX_GAP_OVER_T = 3.0   # rows expecting more than e^3 ~ 20 proposals go to the full head at once
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
