@@ -12,18 +12,19 @@ The rules, in the coordinator (no role is asked):
     TTFT:  waiting   = requests admitted that have no first token yet
            predicted = alone + waiting * interval
            admit if waiting == 0 or predicted <= the target; else 429, Retry-After = ceil(predicted - target) s
-    TPOT:  admit if no stream is decoding or the running mean gap between the tokens of the streams decoding
-           (per token) is within the target; else 429, Retry-After 1 s
+    TPOT:  each stream decoding that has sent at least MIN_TOKENS tokens after its first has a TPOT so far
+           (time from its first token to its last delta / tokens since): what vLLM's benchmark would count for
+           it if it ended now; admit if their mean is within the target; else 429, Retry-After 1 s
 
-`alone` is the running mean of the TTFT of requests that found nothing waiting (what one request costs the
-render, encode, prefill path by itself); `interval` the running mean of the time between two first tokens while
-requests were waiting (how fast the prompt side drains a queue, batching included).  Until the first request
-has been measured every request is admitted, and a request that finds nothing waiting always is (even one
-that alone takes longer than the target: refusing it would serve nobody).  The TPOT mean is over the gaps the
-coordinator sees between a stream's deltas (vLLM's TPOT: the mean gap between a request's tokens), forgotten
-when no stream decodes: a new prompt's prefill is what slows the streams beside it, so while they are past the
-target the next prompt waits outside.  Both off (0) by default: a target is a deployment's choice, and a server
-without one queues as vLLM does.
+`alone` is the running mean of the TTFT of requests that found nothing waiting (what one request costs the render,
+encode, prefill path by itself); `interval` the running mean of the time between two first tokens while requests
+were waiting (how fast the prompt side drains a queue, batching included). Until the first request has been measured
+every request is admitted, and a request that finds nothing waiting always is (even one that alone takes longer than
+the target: refusing it would serve nobody). The TPOT rule reads what the SLO counts, each stream's mean gap over
+its life so far, not the latest gaps: a new prompt's prefill pauses every stream once for a few hundred ms, which a
+stream's mean absorbs (a running mean of the latest gaps refused requests at half of capacity); while the streams
+are past the target on average, the next prompt (what would slow them further) waits outside. Both off (0) by
+default: a target is a deployment's choice, and a server without one queues as vLLM does.
 """
 
 from __future__ import annotations
@@ -34,14 +35,13 @@ import time
 from services.protocol.errors import Overloaded
 
 _EMA = 0.2         # weight of the newest sample in the TTFT running means
-_GAP_EMA = 0.05    # and in the TPOT one (a sample per delta of every stream: many more, each noisier)
+MIN_TOKENS = 8     # tokens after its first before a stream's TPOT so far counts (one pause weighs less than a token)
 
 
 class SloGate:
     def __init__(self, slo_s: float = 0.0, tpot_slo_s: float = 0.0) -> None:
         self.slo_s, self.tpot_slo_s = slo_s, tpot_slo_s
-        self.tpot_s: float | None = None         # running mean gap between the decoding streams' tokens
-        self._last_token: dict[int, float] = {}  # id(record) -> when its last delta went out (streams decoding)
+        self._streams: dict[int, list[float]] = {}   # id(record) -> [first token at, last delta at, tokens since]
         self.waiting = 0
         self.alone_s: float | None = None
         self.interval_s: float | None = None
@@ -55,9 +55,10 @@ class SloGate:
 
     def refusal(self) -> Overloaded | None:
         """Why a request arriving now is refused, or None to admit it."""
-        if self.tpot_slo_s and self._last_token and self.tpot_s is not None and self.tpot_s > self.tpot_slo_s:
-            return Overloaded(f"the {len(self._last_token)} streams decoding get a token every "
-                              f"{self.tpot_s * 1000:.0f} ms, past the {self.tpot_slo_s * 1000:g} ms target "
+        tpot = self.tpot_s if self.tpot_slo_s else None
+        if tpot is not None and tpot > self.tpot_slo_s:
+            return Overloaded(f"the {len(self._streams)} streams decoding get a token every "
+                              f"{tpot * 1000:.0f} ms, past the {self.tpot_slo_s * 1000:g} ms target "
                               "(--tpot-slo-ms); retry later", code="tpot_slo", retry_after_s=1.0)
         predicted = self.predicted_s()
         if not self.slo_s or self.waiting == 0 or predicted is None or predicted <= self.slo_s:
@@ -84,23 +85,24 @@ class SloGate:
         if self._last_first is not None:
             self.interval_s = _mean(self.interval_s, now - self._last_first)
         self._last_first = now if self.waiting else None   # the next interval counts only while a queue drains
-        self._last_token[key] = now
+        self._streams[key] = [now, now, 0.0]
+
+    @property
+    def tpot_s(self) -> float | None:
+        """The mean TPOT so far of the streams decoding with at least MIN_TOKENS tokens after their first."""
+        spans = [(last - first) / count for first, last, count in self._streams.values() if count >= MIN_TOKENS]
+        return sum(spans) / len(spans) if spans else None
 
     def tokens(self, key: int, count: int) -> None:
-        """A delta of `count` tokens of a decoding stream went out: the TPOT mean learns its gap per token."""
-        last = self._last_token.get(key)
-        if last is None or count < 1:
-            return
-        now = time.monotonic()
-        self._last_token[key] = now
-        gap = (now - last) / count
-        self.tpot_s = gap if self.tpot_s is None else (1 - _GAP_EMA) * self.tpot_s + _GAP_EMA * gap
+        """A delta of `count` tokens of a decoding stream went out."""
+        stream = self._streams.get(key)
+        if stream is not None and count >= 1:
+            stream[1] = time.monotonic()
+            stream[2] += count
 
     def ended(self, key: int) -> None:
         """The request ended (answered, failed or cancelled); one without a first token no longer waits."""
-        self._last_token.pop(key, None)
-        if not self._last_token:
-            self.tpot_s = None   # nothing decodes: the next streams start from what they measure
+        self._streams.pop(key, None)
         if self._arrivals.pop(key, None) is not None:
             self.waiting -= 1
             if not self.waiting:

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
+from coordinator.slo_gate import MIN_TOKENS
 from tests.support.cluster import metric_value, start_cluster
 from tests.support.images import chat, noise_image
 
@@ -52,8 +53,9 @@ def test_past_the_target_new_requests_get_429_and_admitted_ones_complete(demo_mo
 
 
 def test_while_a_stream_decodes_past_the_tpot_target_a_new_request_gets_429_then_is_admitted(demo_model_path):
-    # a 10 us TPOT target: once a stream has sent two deltas, its gap per token is past it, so a request arriving
-    # while it decodes is refused (tpot_slo) at once; once it has ended, the same request is admitted
+    # a 10 us TPOT target: once a stream has sent MIN_TOKENS tokens after its first, its TPOT is past it, so a
+    # request arriving while it decodes is refused (tpot_slo) at once; once it has ended, the same request is
+    # admitted
     import json
 
     cluster = start_cluster("--instance-id", "tpot" + uuid.uuid4().hex[:6], "--tpot-slo-ms", "0.01",
@@ -71,7 +73,7 @@ def test_while_a_stream_decodes_past_the_tpot_target_a_new_request_gets_429_then
                 for line in lines:
                     if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
                         deltas += 1
-                        if deltas == 4:
+                        if deltas == MIN_TOKENS + 2:
                             break
                 began = time.monotonic()
                 refused = client.post("/v1/chat/completions", json=body)
