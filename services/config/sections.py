@@ -324,7 +324,8 @@ class LimitsConfig:
                             "still meet it (coordinator/slo_gate.py); 0: admit and queue", roles="coordinator")
     tpot_slo_ms: float = _f(0.0, "time-per-output-token target of admission: while the decoding streams' TPOT so far "
                             "(each one's mean gap since its first token) is past it on average, a new request is "
-                            "answered 429 with Retry-After at once (coordinator/slo_gate.py); 0: admit", roles="coordinator")
+                            "answered 429 with Retry-After at once (coordinator/slo_gate.py); 0: admit",
+                            roles="coordinator")
     ttft_timeout_s: float = _f(60.0, "time from a request's body to its first token (render, encode, prefill, the "
                                "first decode step); then 504", roles="coordinator")
     stream_idle_timeout_s: float = _f(30.0, "longest wait for the next token once an answer has started, and for a "
