@@ -22,9 +22,9 @@ were waiting (how fast the prompt side drains a queue, batching included). Until
 every request is admitted, and a request that finds nothing waiting always is (even one that alone takes longer than
 the target: refusing it would serve nobody). The TPOT rule reads what the SLO counts, each stream's mean gap over
 its life so far, not the latest gaps: a new prompt's prefill pauses every stream once for a few hundred ms, which a
-stream's mean absorbs (a running mean of the latest gaps refused requests at half of capacity); while the streams
-are past the target on average, the next prompt (what would slow them further) waits outside. Both off (0) by
-default: a target is a deployment's choice, and a server without one queues as vLLM does.
+stream's mean absorbs; while the streams are past the target on average, the next prompt (what would slow them
+further) waits outside. Both off (0) by default: a target is a deployment's choice, and a server without one queues
+as vLLM does.
 """
 
 from __future__ import annotations

@@ -81,7 +81,7 @@ def test_while_the_streams_decoding_are_past_the_tpot_target_new_requests_wait_o
 
 def test_one_long_pause_in_a_stream_is_absorbed_by_its_mean():
     # a prompt's prefill beside a stream pauses it once (~300 ms here): its TPOT over 20 tokens stays near its
-    # pace, as vLLM's benchmark counts it; a running mean of the latest gaps refused requests here
+    # pace, as vLLM's benchmark counts it
     gate = SloGate(tpot_slo_s=0.1)
     gate.admitted(1)
     gate.first_token(1)
