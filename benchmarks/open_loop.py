@@ -48,6 +48,8 @@ from benchmarks.procs import Server, exit_on_sigterm, running, start_epd, tree_a
 SERVED = "bench-model"
 # The checkpoint shapes whose vs-vLLM runs the docs show, and each one's results name.
 SHAPES = {"demo-medium": "open_loop", "demo-deep": "open_loop_deep", "smollm2": "open_loop_smollm2"}
+# named runs beside the shapes' that have a docs block too (their commands are in the blocks)
+DOC_RUNS = ("open_loop_overload", "open_loop_smollm2_tail", "open_loop_deep_tail")
 GOODPUT = ("ttft:2000", "tpot:100")
 SLO_FLAGS = ("--ttft-slo-ms", "2000", "--tpot-slo-ms", "100")   # the same SLO, as epd's admission targets
 DROP = ("input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times", "queue_times", "generated_texts",
@@ -244,7 +246,8 @@ def parse(argv: list[str] | None) -> tuple[Setup, bool]:
     parser.add_argument("--from-json", action="store_true", help="measure nothing: the figures, plots and docs block "
                         "again from benchmarks/results/<name>.json (a run's own JSON)")
     parser.add_argument("--name", default="", help="the JSON's name (default: the shape's, open_loop for "
-                        "demo-medium, else open_loop_<folder name>; names other than a shape's skip the docs)")
+                        "demo-medium, else open_loop_<folder name>; names other than a shape's or DOC_RUNS' "
+                        "skip the docs)")
     args = parser.parse_args(argv)
     if args.baseline_flag and args.baseline in ("", "vllm"):
         parser.error("--baseline-flag needs an epd baseline (--baseline self or a git ref)")
@@ -266,7 +269,8 @@ def parse(argv: list[str] | None) -> tuple[Setup, bool]:
     changes["baseline_flags"] = tuple(args.baseline_flag)
     changes["from_json"] = args.from_json
     setup = Setup(**{**setup.__dict__, **changes})
-    return setup, not setup.quick and setup.name == SHAPES.get(setup.model) and setup.baseline == "vllm"
+    return setup, (not setup.quick and setup.baseline == "vllm"
+                   and (setup.name == SHAPES.get(setup.model) or setup.name in DOC_RUNS))
 
 
 def main(argv: list[str] | None = None) -> int:

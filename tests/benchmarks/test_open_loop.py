@@ -65,8 +65,11 @@ def test_each_shape_runs_under_its_own_name_and_docs_block():
     assert open_loop.parse(["--quick"])[0].name == "open_loop_quick"
     assert open_loop.parse(["--model", "/ckpt/Qwen2-VL-2B"]) == (open_loop.Setup(
         model="/ckpt/Qwen2-VL-2B", name="open_loop_Qwen2_VL_2B"), False)   # not a known shape: its own JSON only
-    assert {name.replace("_", "-") for name in open_loop.SHAPES.values()} <= set(
+    assert {name.replace("_", "-") for name in (*open_loop.SHAPES.values(), *open_loop.DOC_RUNS)} <= set(
         name for _, names in docpage.GROUPS for name in names)
+    tail, docs = open_loop.parse(["--model", "smollm2", "--rates", "1,2,3", "--name", "open_loop_smollm2_tail"])
+    assert (tail.name, docs) == ("open_loop_smollm2_tail", True)     # a named run with a block of its own
+    assert open_loop.parse(["--name", "open_loop_overload", "--baseline", "self"])[1] is False
 
 
 def test_epd_runs_with_the_goodput_slo_as_its_admission_targets_unless_told_not_to():
