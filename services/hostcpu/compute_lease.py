@@ -12,6 +12,10 @@ nice-15 team runs in every gap a prompt forward's threads leave, and, once runni
 slice while the prompt team waits at its next barrier (at 2 req/s under `vllm bench serve`, encode and prefill
 forwards took 172 and 252 ms with decode only niced, 107 and 175 ms with it yielding: open_loop_stages.json).
 vLLM's one scheduler gets the same order by running a new prompt's prefill before the next decode step.
+A paused step sleeps 100 us, then twice as long each time up to 2 ms (PAUSE_S): with a fixed 100 us each decode
+thread woke 10,000 times a second through the forward and took a core from its team at every wake-up unless
+decode ran at nice 15, where its process also waited behind the forward to take a new request, so a first token
+whose prefill had ended reached the client 40-70 ms later (open_loop_nice.json measures the two).
 
 The lease is an exclusive flock on a small file in /dev/shm (`epd serve` makes one per cluster and gives its path
 to the encode, prefill and decode processes); the kernel drops a dead holder's lock.  The file's first bytes are a
@@ -49,6 +53,7 @@ YIELD_BUDGET_S = 0.5                       # the most a decode step pauses for p
 WAIT_S = 10.0                              # the longest wait for the lease before computing without it
 _EMPTY = bytes(BOARD_BYTES)
 _POLL_S = (5e-5, 5e-4)                     # the waiting poll's first and longest sleep
+PAUSE_S = (1e-4, 2e-3)                     # a paused decode step's first and longest sleep (fused_step.c's too)
 LEASE_WAIT = Histogram("epd_compute_lease_wait_seconds", "Time a forward waited for the compute lease (encode and "
                        "prefill take turns on the cores: services/hostcpu/compute_lease.py)", ["stage"],
                        buckets=(0.0001, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
@@ -176,8 +181,10 @@ class Follower:
         """Sleeps while the board is busy (and no long prompt prefills), until `deadline` (monotonic);
         the seconds paused (the eager step, between layers; the fused step does the same in C)."""
         began = now = time.monotonic()
+        pause = PAUSE_S[0]
         while now < deadline and self.busy() and not long_running():
-            time.sleep(1e-4)
+            time.sleep(pause)
+            pause = min(pause * 2, PAUSE_S[1])
             now = time.monotonic()
         return now - began
 

@@ -20,7 +20,7 @@
  * (`epd serve` on one machine), the compute lease's board (services/hostcpu/compute_lease.py) says when a
  * prompt-side forward holds or waits for the cores; at the start of every layer each thread then sleeps
  * until the board clears, for at most the budget per step, and the step goes on where it stopped.  A
- * nice-15 decode team otherwise runs in every gap the prompt forward's threads leave and, once running,
+ * niced decode team otherwise runs in every gap the prompt forward's threads leave and, once running,
  * holds the core for a scheduler slice while the prompt forward's team waits at its next barrier
  * (benchmarks/results/open_loop_stages.json: encode and prefill forwards at 2 req/s, 172 and 252 ms
  * with decode only niced, 107 and 175 ms with it yielding).
@@ -163,14 +163,20 @@ static int any_set(const volatile uint8_t *board, int bytes) {
     return 0;
 }
 
-/* Sleeps (100 us at a time) while a prompt-side forward holds or waits for the cores, until `deadline`. */
+/* Sleeps while a prompt-side forward holds or waits for the cores, until `deadline`: 100 us first, doubling to
+ * YIELD_SLEEP_MAX_NS.  A fixed 100 us woke each thread 10,000 times a second through the whole forward, and a
+ * woken thread takes a core from the forward's team unless its niceness is far above theirs (decode then had to
+ * run at 15, where its process also waited behind the forward to take a new request: TTFT's tail). */
+#define YIELD_SLEEP_MAX_NS 2000000L
 static void yield_to_prompt(int64_t deadline) {
     if (!deadline || !any_set(yield_board, yield_bytes)) return;
     const int64_t began = now_ns();
     int64_t at = began;
+    long sleep_ns = 100000;
     while (at < deadline && any_set(yield_board, yield_bytes) && !any_set(long_board, long_bytes)) {
-        const struct timespec pause = {0, 100000};
+        const struct timespec pause = {0, sleep_ns};
         nanosleep(&pause, NULL);
+        if (sleep_ns < YIELD_SLEEP_MAX_NS) sleep_ns *= 2;
         at = now_ns();
     }
     if (omp_get_thread_num() == 0) yielded_ns += at - began;

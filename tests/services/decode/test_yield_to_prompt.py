@@ -92,6 +92,38 @@ def test_a_step_pauses_while_a_prompt_forward_holds_the_lease_and_gives_the_same
     assert quick < 0.3 and torch.equal(again, want)
 
 
+def _sleeps() -> int:
+    """This process's voluntary context switches so far (every thread's): a paused thread's wake-ups."""
+    total = 0
+    for status in Path("/proc/self/task").glob("*/status"):
+        try:
+            text = status.read_text()
+        except OSError:   # a thread that ended meanwhile
+            continue
+        total += int(text.split("voluntary_ctxt_switches:")[1].split()[0])
+    return total
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "eager"])
+def test_a_paused_step_sleeps_longer_and_longer_not_waking_through_the_forward(tiny, prefilled, lease, monkeypatch,
+                                                                               fused):
+    """A pause sleeps 100 us, then twice as long each time up to 2 ms (compute_lease.PAUSE_S): each wake-up of a
+    decode thread takes a core from the prompt forward's team, and a fixed 100 us woke each thread 10,000 times a
+    second (this test then counts ~30,000 over the fused step's 4 threads)."""
+    monkeypatch.setattr(compute_lease, "YIELD_BUDGET_S", 10.0)
+    _run(tiny, prefilled, fused)          # warm: the first step's one-off work is not counted
+    holder = _hold(lease, 0.8)
+    try:
+        before = _sleeps()
+        _, took, _ = _run(tiny, prefilled, fused)
+        woke = _sleeps() - before
+    finally:
+        holder.wait(timeout=30)
+    threads = 4 if fused else 1
+    assert took >= 0.4, took                            # it paused through the holder's forward
+    assert woke < threads * took / 1e-3 + 200, (woke, took)   # ~1 wake-up per 2 ms a thread, not 10 per ms
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "eager"])
 def test_negative_controls_no_lease_followed_or_a_long_prompt_prefilling_do_not_wait(tiny, prefilled, lease,
                                                                                      tmp_path, fused):

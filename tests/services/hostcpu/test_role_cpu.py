@@ -80,10 +80,10 @@ def test_per_role_values_reach_torch_the_environment_and_the_scheduler():
 
 
 def test_auto_niceness_applies_only_under_epd_serve():
-    """auto under `epd serve`: decode=15,decode-long=5,prefill-long=19 (short prompts' prefill and encode ahead
-    of decode, a chunked prompt's prefill behind it: docs/benchmarks.md, "Decode TPOT while a long prompt
-    prefills")."""
-    assert _probe("", "", "auto", "decode", serve_child=True)["nice"] == _raised(15)
+    """auto under `epd serve`: decode=5,prefill-long=19 (decode's steps pause for prompt forwards through the
+    compute lease; a chunked prompt's prefill behind decode: docs/benchmarks.md, "Decode TPOT while a long
+    prompt prefills")."""
+    assert _probe("", "", "auto", "decode", serve_child=True)["nice"] == _raised(5)
     assert _probe("", "", "auto", "prefill", serve_child=True)["nice"] == 0
     assert _probe("", "", "auto", "encode", serve_child=True)["nice"] == 0
     assert _probe("", "", "auto", "decode")["nice"] == 0
@@ -164,6 +164,30 @@ def test_decode_follows_a_long_prompt_on_the_board(tmp_path):
     base, long = os.nice(0) + _raised(15), max(0, min(19, os.nice(0) + 5))
     assert got["seen"] == [base, base, long, long, base]
     assert got["summary"].endswith(f"autogroup nice={long} while a chunked prompt prefills")
+
+
+BOARD_PROBE = """
+import json, os, sys
+from services.config import EpdConfig
+from services.hostcpu import role_cpu
+role_cpu.apply(EpdConfig.of(role_nice=sys.argv[1]), "decode")
+board = open(os.environ["EPD_LONG_PREFILL_BOARD"], "r+b")
+seen = [role_cpu.long_prompt_prefilling()]
+board.seek(0); board.write(b"\\x00\\x01"); board.flush()
+seen.append(role_cpu.long_prompt_prefilling())
+print(json.dumps({"opened": role_cpu.long_board() is not None, "seen": seen}))
+"""
+
+
+@pytest.mark.parametrize("role_nice", ["auto", "decode=5", ""])
+def test_decode_reads_the_long_prompt_board_whatever_its_niceness(tmp_path, role_nice):
+    """Decode's steps go first while a chunked prompt prefills (they do not yield to it), so decode opens
+    `epd serve`'s board with or without a decode-long niceness: auto has none."""
+    board = role_cpu.create_long_board(str(tmp_path / "board"))
+    env = {**os.environ, role_cpu.LONG_BOARD_ENV: board, "EPD_SERVE_CHILD": "1"}
+    out = subprocess.run([sys.executable, "-c", BOARD_PROBE, role_nice], env=env, capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"opened": True, "seen": [False, True]}
 
 
 def test_prefill_marks_its_long_prompts_on_the_board(tmp_path, monkeypatch):
