@@ -24,9 +24,9 @@ use.  The knobs, all flags (docs/configuration.md):
   arrivals, benchmarks/results/open_loop_nice.json; while a long (chunked) prompt prefills, the prefill's
   group goes to 19 behind decode, so decode's per-token latency holds: docs/benchmarks.md, "Decode TPOT
   while a long prompt prefills") and nothing for a role started alone (its own pod or machine).  Raising
-  niceness needs no privilege; a negative value needs CAP_SYS_NICE and is skipped with a warning otherwise.  A role that leads its own session (as under `epd serve`) also sets its
-  autogroup's niceness: with session autogroups, niceness alone does not weigh between processes of
-  different sessions.  `prefill-long=N` is prefill's autogroup niceness while a forward carries a prompt
+  niceness needs no privilege; a negative value needs CAP_SYS_NICE and is skipped with a warning otherwise.
+  A role that leads its own session (as under `epd serve`) also sets its autogroup's niceness: with session
+  autogroups, niceness alone does not weigh between processes of different sessions.  `prefill-long=N` is prefill's autogroup niceness while a forward carries a prompt
   longer than `--max-num-batched-tokens` (one that is chunked); `decode-long=N` is decode's while any
   prefill of the cluster does, which decode reads before each step from a flag board `epd serve` puts in
   /dev/shm (a byte per prefill instance).  A group's niceness between 0 and 19 may move either way
