@@ -17,21 +17,21 @@ use.  The knobs, all flags (docs/configuration.md):
   regions of a forward (tens of microseconds) a thread still catches the next region spinning, but an idle
   role no longer spins through the others' time.  libgomp's own variables (GOMP_SPINCOUNT,
   OMP_WAIT_POLICY) set in the environment are left as they are: that is how to change the wait policy;
-- `--role-nice`: niceness added per role; "auto" (default) is "decode=5,prefill-long=19" for the children
-  of `epd serve` (one machine: decode's steps already pause while a prompt-side forward runs, through the
-  compute lease, so its niceness only weighs the rest of its work: at 5 a new request's first token leaves
-  decode while the next prompt's forward runs, where at 15 it waited 40-70 ms behind it under Poisson
-  arrivals, benchmarks/results/open_loop_nice.json; while a long (chunked) prompt prefills, the prefill's
-  group goes to 19 behind decode, so decode's per-token latency holds: docs/benchmarks.md, "Decode TPOT
-  while a long prompt prefills") and nothing for a role started alone (its own pod or machine).  Raising
-  niceness needs no privilege; a negative value needs CAP_SYS_NICE and is skipped with a warning otherwise.
-  A role that leads its own session (as under `epd serve`) also sets its autogroup's niceness: with session
-  autogroups, niceness alone does not weigh between processes of different sessions.  `prefill-long=N` is prefill's autogroup niceness while a forward carries a prompt
-  longer than `--max-num-batched-tokens` (one that is chunked); `decode-long=N` is decode's while any
-  prefill of the cluster does, which decode reads before each step from a flag board `epd serve` puts in
-  /dev/shm (a byte per prefill instance).  A group's niceness between 0 and 19 may move either way
-  without privilege; the kernel takes one change per 100 ms (EAGAIN otherwise: the role tries again at
-  its next forward or step).
+- `--role-nice`: niceness added per role; "auto" (default) is "decode=5,prefill-long=19" for the children of `epd
+  serve` (one machine: decode's steps already pause while a prompt-side forward runs, through the compute lease,
+  so its niceness only weighs the rest of its work: at 5 a new request's first token leaves decode while the next
+  prompt's forward runs, where at 15 it waited 40-70 ms behind it under Poisson arrivals,
+  benchmarks/results/open_loop_nice.json; while a long (chunked) prompt prefills, the prefill's group goes to 19
+  behind decode, so decode's per-token latency holds: docs/benchmarks.md, "Decode TPOT while a long prompt
+  prefills") and nothing for a role started alone (its own pod or machine).  Raising niceness needs no privilege;
+  a negative value needs CAP_SYS_NICE and is skipped with a warning otherwise.  A role that leads its own session
+  (as under `epd serve`) also sets its autogroup's niceness: with session autogroups, niceness alone does not
+  weigh between processes of different sessions.  `prefill-long=N` is prefill's autogroup niceness while a forward
+  carries a prompt longer than `--max-num-batched-tokens` (one that is chunked); `decode-long=N` is decode's while
+  any prefill of the cluster does, which decode reads before each step from a flag board `epd serve` puts in
+  /dev/shm (a byte per prefill instance).  A group's niceness between 0 and 19 may move either way without
+  privilege; the kernel takes one change per 100 ms (EAGAIN otherwise: the role tries again at its next forward or
+  step).
 """
 
 from __future__ import annotations
