@@ -48,8 +48,10 @@ from benchmarks.procs import Server, exit_on_sigterm, running, start_epd, tree_a
 SERVED = "bench-model"
 # The checkpoint shapes whose vs-vLLM runs the docs show, and each one's results name.
 SHAPES = {"demo-medium": "open_loop", "demo-deep": "open_loop_deep", "smollm2": "open_loop_smollm2"}
-# named runs beside the shapes' that have a docs block too (their commands are in the blocks)
-DOC_RUNS = ("open_loop_overload", "open_loop_smollm2_tail", "open_loop_deep_tail")
+# named runs beside the shapes' that have a docs block too (their commands are in the blocks), each with its baseline:
+# open_loop_nice is the A/B behind `epd serve`'s decode niceness (services/hostcpu/role_cpu.py)
+DOC_RUNS = {"open_loop_overload": "vllm", "open_loop_smollm2_tail": "vllm", "open_loop_deep_tail": "vllm",
+            "open_loop_nice": "self"}
 GOODPUT = ("ttft:2000", "tpot:100")
 SLO_FLAGS = ("--ttft-slo-ms", "2000", "--tpot-slo-ms", "100")   # the same SLO, as epd's admission targets
 DROP = ("input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times", "queue_times", "generated_texts",
@@ -269,8 +271,8 @@ def parse(argv: list[str] | None) -> tuple[Setup, bool]:
     changes["baseline_flags"] = tuple(args.baseline_flag)
     changes["from_json"] = args.from_json
     setup = Setup(**{**setup.__dict__, **changes})
-    return setup, (not setup.quick and setup.baseline == "vllm"
-                   and (setup.name == SHAPES.get(setup.model) or setup.name in DOC_RUNS))
+    return setup, (not setup.quick and (DOC_RUNS.get(setup.name) == setup.baseline
+                                        or (setup.baseline == "vllm" and setup.name == SHAPES.get(setup.model))))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -306,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
                               + (", given to epd as its admission targets (`--ttft-slo-ms 2000 --tpot-slo-ms 100`: "
                                  "a request that would miss it is answered 429 at once, counted failed); vLLM has "
                                  "no such setting. " if setup.slo else ". ") +
+                              (f"Baseline: epd with `{' '.join(setup.baseline_flags)}`. " if setup.baseline_flags
+                               else "") +
                               f"Raw results: benchmarks/results/{setup.name}.json.\n\n" + " ".join(images),
                         where=doc["machine"])
     return 0

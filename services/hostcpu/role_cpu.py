@@ -20,7 +20,7 @@ use.  The knobs, all flags (docs/configuration.md):
 - `--role-nice`: niceness added per role; "auto" (default) is "decode=5,prefill-long=19" for the children of `epd
   serve` (one machine: decode's steps already pause while a prompt-side forward runs, through the compute lease,
   so its niceness only weighs the rest of its work: at 5 a new request's first token leaves decode while the next
-  prompt's forward runs, where at 15 it waited 40-70 ms behind it under Poisson arrivals,
+  prompt's forward runs, where at 15 it waited for that forward to end under Poisson arrivals,
   benchmarks/results/open_loop_nice.json; while a long (chunked) prompt prefills, the prefill's group goes to 19
   behind decode, so decode's per-token latency holds: docs/benchmarks.md, "Decode TPOT while a long prompt
   prefills") and nothing for a role started alone (its own pod or machine).  Raising niceness needs no privilege;

@@ -70,6 +70,9 @@ def test_each_shape_runs_under_its_own_name_and_docs_block():
     tail, docs = open_loop.parse(["--model", "smollm2", "--rates", "1,2,3", "--name", "open_loop_smollm2_tail"])
     assert (tail.name, docs) == ("open_loop_smollm2_tail", True)     # a named run with a block of its own
     assert open_loop.parse(["--name", "open_loop_overload", "--baseline", "self"])[1] is False
+    assert open_loop.parse(["--model", "smollm2", "--name", "open_loop_nice", "--baseline", "self",
+                            "--baseline-flag=--role-nice=decode=15"])[1] is True    # an A/B run with a block
+    assert open_loop.parse(["--model", "smollm2", "--name", "open_loop_nice"])[1] is False   # not its baseline
 
 
 def test_epd_runs_with_the_goodput_slo_as_its_admission_targets_unless_told_not_to():
