@@ -24,13 +24,14 @@ BLOCKS = ROOT / "benchmarks" / "results" / "docs"
 GROUPS: list[tuple[str, tuple[str, ...]]] = [
     ("Against other servers, same checkpoint, same machine", (
         "vs-vllm", "open-loop", "open-loop-deep", "open-loop-smollm2", "open-loop-deep-tail", "open-loop-smollm2-tail",
-        "open-loop-overload", "open-loop-nice", "vs-vllm-bf16", "vs-vllm-video", "ttft-vs-vllm", "datapath-ttft",
+        "open-loop-overload", "vs-vllm-bf16", "vs-vllm-video", "ttft-vs-vllm", "datapath-ttft",
         "vs-transformers-serve", "vs-llama-cpp")),
     ("Latency of one request: where the time goes", (
         "open-loop-stages", "datapath-overhead", "datapath-overhead-demo-medium", "request-trace", "hop-latency")),
     ("Engines and throughput", (
         "engine-targets", "targets", "epd-dtype", "tpot-under-prefill", "decode-beside-hogs", "stage-overlap",
-        "prefill-packing", "render-workers", "decode-kv-memory", "decode-threads", "omp-team")),
+        "prefill-packing", "render-workers", "decode-kv-memory", "decode-threads", "omp-team", "open-loop-nice",
+        "open-loop-nice-deep")),
     ("Kernels", (
         "kernel-gains", "kernels", "prefill-kernels", "fused-mlp", "bf16-gemm", "fused-step",
         "panel-ref", "head-screen", "screened-draw", "int8-screen", "linear-kernels")),

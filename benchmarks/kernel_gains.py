@@ -41,7 +41,7 @@ from benchmarks.side_by_side import parse_levels, side_figures
 LEVELS = ((1, 6), (16, 32))   # (concurrency, requests per side)
 OUTPUT_LEN = 32
 TTFT_OUTPUT_LEN = 4   # the prompt stages' cases: TTFT is their figure, a long answer would only add time
-# Every role at nice 0 on both sides: `epd serve` nices decode to 5 by default (services/hostcpu/role_cpu.py),
+# Every role at nice 0 on both sides: `epd serve` nices decode to 15 by default (services/hostcpu/role_cpu.py),
 # which on a box shared with other jobs' processes starves decode and turns a run into hours of waiting.
 # Smaller shm stores and one render worker: two medium clusters at once beside other jobs ran this 24 GiB box
 # out of memory.

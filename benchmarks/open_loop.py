@@ -49,9 +49,9 @@ SERVED = "bench-model"
 # The checkpoint shapes whose vs-vLLM runs the docs show, and each one's results name.
 SHAPES = {"demo-medium": "open_loop", "demo-deep": "open_loop_deep", "smollm2": "open_loop_smollm2"}
 # named runs beside the shapes' that have a docs block too (their commands are in the blocks), each with its baseline:
-# open_loop_nice is the A/B behind `epd serve`'s decode niceness (services/hostcpu/role_cpu.py)
+# open_loop_nice(_deep): the A/B behind `epd serve`'s decode niceness (services/hostcpu/role_cpu.py)
 DOC_RUNS = {"open_loop_overload": "vllm", "open_loop_smollm2_tail": "vllm", "open_loop_deep_tail": "vllm",
-            "open_loop_nice": "self"}
+            "open_loop_nice": "self", "open_loop_nice_deep": "self"}
 GOODPUT = ("ttft:2000", "tpot:100")
 SLO_FLAGS = ("--ttft-slo-ms", "2000", "--tpot-slo-ms", "100")   # the same SLO, as epd's admission targets
 DROP = ("input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times", "queue_times", "generated_texts",
@@ -102,8 +102,8 @@ def bench_command(setup: Setup, url: str, folder: Path, workload: str, rate: flo
             "--random-output-len", str(setup.output_len), "--random-range-ratio", "0", "--ignore-eos",
             "--num-prompts", str(setup.num_prompts), "--request-rate", str(rate), "--seed", str(seed),
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
-            "--goodput", *GOODPUT, "--disable-tqdm", "--save-result", "--result-dir", str(out.parent),
-            "--result-filename", out.name]
+            "--goodput", *GOODPUT, "--disable-tqdm", "--save-result", "--save-detailed", "--result-dir",
+            str(out.parent), "--result-filename", out.name]
 
 
 def run_bench(setup: Setup, server: Server, folder: Path, workload: str, rate: float, scratch: Path,
@@ -119,8 +119,19 @@ def run_bench(setup: Setup, server: Server, folder: Path, workload: str, rate: f
     if proc.returncode != 0 or not out.exists():
         raise RuntimeError(f"vllm bench serve against {server.name} failed ({proc.returncode}):\n"
                            f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    result = json.loads(out.read_text())
-    return {key: value for key, value in result.items() if key not in DROP}
+    return compact(json.loads(out.read_text()))
+
+
+def compact(result: dict[str, Any]) -> dict[str, Any]:
+    """A run's result without its per-request lists, but for each request's start (s after the first) and TTFT
+    (ms; None for one that failed) in the order sent: which requests made the tail, and what arrived with them."""
+    kept = {key: value for key, value in result.items() if key not in DROP}
+    starts, ttfts, errors = result.get("start_times") or [], result.get("ttfts") or [], result.get("errors") or []
+    if starts and len(starts) == len(ttfts):
+        kept["requests"] = {"start_s": [round(t - starts[0], 3) for t in starts],
+                            "ttft_ms": [None if (index < len(errors) and errors[index]) else round(ttft * 1000, 1)
+                                        for index, ttft in enumerate(ttfts)]}
+    return kept
 
 
 def start_baseline(setup: Setup, folder: Path) -> Server:
@@ -271,8 +282,13 @@ def parse(argv: list[str] | None) -> tuple[Setup, bool]:
     changes["baseline_flags"] = tuple(args.baseline_flag)
     changes["from_json"] = args.from_json
     setup = Setup(**{**setup.__dict__, **changes})
-    return setup, (not setup.quick and (DOC_RUNS.get(setup.name) == setup.baseline
-                                        or (setup.baseline == "vllm" and setup.name == SHAPES.get(setup.model))))
+    return setup, has_docs(setup)
+
+
+def has_docs(setup: Setup) -> bool:
+    """Whether a run writes a docs block: a shape's run beside vLLM, or a named run (DOC_RUNS) beside its baseline."""
+    return not setup.quick and (DOC_RUNS.get(setup.name) == setup.baseline
+                                or (setup.baseline == "vllm" and setup.name == SHAPES.get(setup.model)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -284,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         setup = Setup(**{**doc["setup"], "rates": tuple(doc["setup"]["rates"]),
                          "workloads": tuple(doc["setup"]["workloads"]), "epd_flags": tuple(doc["setup"]["epd_flags"]),
                          "baseline_flags": tuple(doc["setup"]["baseline_flags"])})
+        docs = has_docs(setup)   # the run's own baseline, not the command line's
         command = doc.get("command") or "python -m benchmarks.open_loop" + (
             f" --model {setup.model}" if setup.model != Setup.model else "")
     else:

@@ -278,7 +278,7 @@ class CpuConfig:
                             "which need no turns, or to measure it", roles="roles")
     role_nice: str = _f("auto", "niceness per role and its autogroup ('decode=0,prefill=5'; prefill-long=N: prefill's "
                         "while it runs a chunked prompt, decode-long=N: decode's meanwhile); auto under `epd serve`: "
-                        "decode=5,prefill-long=19, none alone.  Why: to weigh the roles against other "
+                        "decode=15,decode-long=5,prefill-long=19, none alone.  Why: to weigh the roles against other "
                         "work on the machine, or each other on another core count", roles="roles")
 
     def __post_init__(self) -> None:

@@ -13,9 +13,8 @@ slice while the prompt team waits at its next barrier (at 2 req/s under `vllm be
 forwards took 172 and 252 ms with decode only niced, 107 and 175 ms with it yielding: open_loop_stages.json).
 vLLM's one scheduler gets the same order by running a new prompt's prefill before the next decode step.
 A paused step sleeps 100 us, then twice as long each time up to 2 ms (PAUSE_S): with a fixed 100 us each decode
-thread woke 10,000 times a second through the forward and took a core from its team at every wake-up unless
-decode ran at nice 15, where its process also waited behind the forward to take a new request, so a first token
-whose prefill had ended reached the client a whole forward later (open_loop_nice.json is the A/B).
+thread woke 10,000 times a second through the forward, and a woken thread takes a core from the forward's team
+unless its niceness is far above theirs (`--role-nice decode=0`, as benchmarks/kernel_gains.py runs, or 5).
 
 The lease is an exclusive flock on a small file in /dev/shm (`epd serve` makes one per cluster and gives its path
 to the encode, prefill and decode processes); the kernel drops a dead holder's lock.  The file's first bytes are a

@@ -17,21 +17,21 @@ use.  The knobs, all flags (docs/configuration.md):
   regions of a forward (tens of microseconds) a thread still catches the next region spinning, but an idle
   role no longer spins through the others' time.  libgomp's own variables (GOMP_SPINCOUNT,
   OMP_WAIT_POLICY) set in the environment are left as they are: that is how to change the wait policy;
-- `--role-nice`: niceness added per role; "auto" (default) is "decode=5,prefill-long=19" for the children of `epd
-  serve` (one machine: decode's steps already pause while a prompt-side forward runs, through the compute lease,
-  so its niceness only weighs the rest of its work: at 5 a new request's first token leaves decode while the next
-  prompt's forward runs, where at 15 it waited for that forward to end under Poisson arrivals,
-  benchmarks/results/open_loop_nice.json; while a long (chunked) prompt prefills, the prefill's group goes to 19
-  behind decode, so decode's per-token latency holds: docs/benchmarks.md, "Decode TPOT while a long prompt
-  prefills") and nothing for a role started alone (its own pod or machine).  Raising niceness needs no privilege;
-  a negative value needs CAP_SYS_NICE and is skipped with a warning otherwise.  A role that leads its own session
-  (as under `epd serve`) also sets its autogroup's niceness: with session autogroups, niceness alone does not
-  weigh between processes of different sessions.  `prefill-long=N` is prefill's autogroup niceness while a forward
-  carries a prompt longer than `--max-num-batched-tokens` (one that is chunked); `decode-long=N` is decode's while
-  any prefill of the cluster does, which decode reads before each step from a flag board `epd serve` puts in
-  /dev/shm (a byte per prefill instance).  A group's niceness between 0 and 19 may move either way without
-  privilege; the kernel takes one change per 100 ms (EAGAIN otherwise: the role tries again at its next forward or
-  step).
+- `--role-nice`: niceness added per role; "auto" (default) is "decode=15,decode-long=5,prefill-long=19" for the
+  children of `epd serve` (one machine: short prompts' encode and prefill run well ahead of decode's steps, so new
+  requests join the decode batch sooner and steps carry more rows, 1.17x output tok/s at c=16 against decode=5;
+  under Poisson arrivals its TTFT is mostly below decode=5's and its TPOT above, on two shapes: docs/benchmarks.md
+  "open-loop-nice" and "open-loop-nice-deep"; while a long (chunked) prompt prefills, decode's group goes back to
+  5 and the prefill's to 19, so decode's per-token latency holds; both measured in docs/benchmarks.md, "Decode
+  TPOT while a long prompt prefills") and nothing for a role started alone (its own pod or machine).  Raising
+  niceness needs no privilege; a negative value needs CAP_SYS_NICE and is skipped with a warning otherwise.  A
+  role that leads its own session (as under `epd serve`) also sets its autogroup's niceness: with session
+  autogroups, niceness alone does not weigh between processes of different sessions.  `prefill-long=N` is
+  prefill's autogroup niceness while a forward carries a prompt longer than `--max-num-batched-tokens` (one that
+  is chunked); `decode-long=N` is decode's while any prefill of the cluster does, which decode reads before each
+  step from a flag board `epd serve` puts in /dev/shm (a byte per prefill instance).  A group's niceness between 0
+  and 19 may move either way without privilege; the kernel takes one change per 100 ms (EAGAIN otherwise: the role
+  tries again at its next forward or step).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 SERVE_CHILD = "EPD_SERVE_CHILD"          # set by `epd serve` (services.runtime.launch) in its role processes
 MODEL_ROLES = ("encode", "prefill", "decode")   # the roles with torch engines (compute_threads.py)
 SERVE_SPIN = 10000   # --omp-spin-count auto under `epd serve` (benchmarks/omp_team.py measures it)
-SERVE_NICE = "decode=5,prefill-long=19"   # role_nice "auto" there (the module's docstring says why)
+SERVE_NICE = "decode=15,decode-long=5,prefill-long=19"   # role_nice "auto" there (docs/benchmarks.md says why)
 LONG_BOARD_ENV = "EPD_LONG_PREFILL_BOARD"   # `epd serve`'s flag file: which prefill runs a chunked prompt
 LONG_SLOT_ENV = "EPD_LONG_PREFILL_SLOT"     # this prefill's byte in it
 LONG_BOARD_BYTES = 64
@@ -131,9 +131,10 @@ def long_prompt_prefilling() -> bool:
 
 
 def follow_long_prefill() -> None:
-    """Decode's engine, before each step: its autogroup's niceness to decode-long while any prefill of the
-    cluster runs a chunked prompt (that prefill's own group is at prefill-long then), to its base after (only
-    where decode-long is set: `auto` leaves decode at 5 throughout, ahead of a long prompt's prefill at 19)."""
+    """Decode's engine, before each step: its autogroup's niceness back to decode-long while any prefill of the
+    cluster runs a chunked prompt (that prefill's own group is at prefill-long then), to its base after.  So
+    short prompts' encode and prefill run ahead of decode (base 15: new requests join the batch sooner), and a
+    long prompt's prefill behind it (decode-long 5 against prefill-long 19: its per-token latency holds)."""
     board = _LONG.get("map")
     if board is None or not _GROUP:
         return

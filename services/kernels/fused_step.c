@@ -165,8 +165,7 @@ static int any_set(const volatile uint8_t *board, int bytes) {
 
 /* Sleeps while a prompt-side forward holds or waits for the cores, until `deadline`: 100 us first, doubling to
  * YIELD_SLEEP_MAX_NS.  A fixed 100 us woke each thread 10,000 times a second through the whole forward, and a
- * woken thread takes a core from the forward's team unless its niceness is far above theirs (decode then had to
- * run at 15, where its process also waited behind the forward to take a new request: TTFT's tail). */
+ * woken thread takes a core from the forward's team unless its niceness is far above theirs. */
 #define YIELD_SLEEP_MAX_NS 2000000L
 static void yield_to_prompt(int64_t deadline) {
     if (!deadline || !any_set(yield_board, yield_bytes)) return;

@@ -18,10 +18,18 @@ def test_the_bench_command_is_the_users_poisson_run():
     for part in ("--backend openai-chat", "--dataset-name random-mm", "--random-mm-base-items-per-request 1",
                  "{(224, 224, 1): 1.0}", "--random-input-len 64", "--random-output-len 48", "--ignore-eos",
                  "--request-rate 2.0", "--goodput ttft:2000 tpot:100", "--result-dir /r", "--result-filename x.json",
-                 "--tokenizer /m", "--model bench-model", "--seed 7"):
+                 "--tokenizer /m", "--model bench-model", "--seed 7", "--save-detailed"):
         assert part in joined, part
     text = " ".join(open_loop.bench_command(setup, "u", Path("/m"), "text", 0.5, Path("/r/y.json")))
     assert "--dataset-name random " in text and "random-mm" not in text
+
+
+def test_a_result_keeps_each_requests_start_and_ttft_not_the_long_lists():
+    raw = {"median_ttft_ms": 90.0, "ttfts": [0.0912, 0.0, 0.30049], "start_times": [100.5, 100.75, 101.2504],
+           "errors": ["", "HTTP 429", ""], "itls": [[0.02]], "generated_texts": ["a", "", "b"], "completed": 2}
+    assert open_loop.compact(raw) == {"median_ttft_ms": 90.0, "completed": 2, "requests": {
+        "start_s": [0.0, 0.25, 0.75], "ttft_ms": [91.2, None, 300.5]}}
+    assert open_loop.compact({"median_ttft_ms": 1.0}) == {"median_ttft_ms": 1.0}   # a result saved without details
 
 
 def test_figures_are_epd_over_the_baseline_per_workload_and_rate():

@@ -80,10 +80,10 @@ def test_per_role_values_reach_torch_the_environment_and_the_scheduler():
 
 
 def test_auto_niceness_applies_only_under_epd_serve():
-    """auto under `epd serve`: decode=5,prefill-long=19 (decode's steps pause for prompt forwards through the
-    compute lease; a chunked prompt's prefill behind decode: docs/benchmarks.md, "Decode TPOT while a long
-    prompt prefills")."""
-    assert _probe("", "", "auto", "decode", serve_child=True)["nice"] == _raised(5)
+    """auto under `epd serve`: decode=15,decode-long=5,prefill-long=19 (short prompts' prefill and encode ahead
+    of decode, a chunked prompt's prefill behind it: docs/benchmarks.md, "Decode TPOT while a long prompt
+    prefills")."""
+    assert _probe("", "", "auto", "decode", serve_child=True)["nice"] == _raised(15)
     assert _probe("", "", "auto", "prefill", serve_child=True)["nice"] == 0
     assert _probe("", "", "auto", "encode", serve_child=True)["nice"] == 0
     assert _probe("", "", "auto", "decode")["nice"] == 0
@@ -182,7 +182,7 @@ print(json.dumps({"opened": role_cpu.long_board() is not None, "seen": seen}))
 @pytest.mark.parametrize("role_nice", ["auto", "decode=5", ""])
 def test_decode_reads_the_long_prompt_board_whatever_its_niceness(tmp_path, role_nice):
     """Decode's steps go first while a chunked prompt prefills (they do not yield to it), so decode opens
-    `epd serve`'s board with or without a decode-long niceness: auto has none."""
+    `epd serve`'s board with or without a decode-long niceness (a user's `--role-nice decode=5` has none)."""
     board = role_cpu.create_long_board(str(tmp_path / "board"))
     env = {**os.environ, role_cpu.LONG_BOARD_ENV: board, "EPD_SERVE_CHILD": "1"}
     out = subprocess.run([sys.executable, "-c", BOARD_PROBE, role_nice], env=env, capture_output=True, text=True,
