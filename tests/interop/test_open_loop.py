@@ -26,6 +26,10 @@ def test_quick_runs_vllm_bench_serve_against_two_epd_clusters(tmp_path):
         assert result["completed"] == 6 and result["failed"] == 0, result
         assert result["total_output_tokens"] == 6 * 8          # ignore_eos: every request its 8 tokens
         assert result["median_ttft_ms"] > 0 and result["request_goodput"] is not None
+        starts, ttfts = result["requests"]["start_s"], result["requests"]["ttft_ms"]   # each request, in order sent
+        assert len(starts) == len(ttfts) == 6 and starts[0] == 0.0 and starts == sorted(starts)
+        assert all(ttft is not None and ttft > 0 for ttft in ttfts)
+        assert "ttfts" not in result and "start_times" not in result
     assert len(doc["figures"]) == 4 and all(f["value"] is not None and f["value"] > 0 for f in doc["figures"])
 
 
