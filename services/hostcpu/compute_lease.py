@@ -14,7 +14,8 @@ forwards took 172 and 252 ms with decode only niced, 107 and 175 ms with it yiel
 vLLM's one scheduler gets the same order by running a new prompt's prefill before the next decode step.
 A paused step sleeps 100 us, then twice as long each time up to 2 ms (PAUSE_S): with a fixed 100 us each decode
 thread woke 10,000 times a second through the forward, and a woken thread takes a core from the forward's team
-unless its niceness is far above theirs (`--role-nice decode=0`, as benchmarks/kernel_gains.py runs, or 5).
+unless its niceness is far above theirs: the wake-ups cost most where decode is not niced far, as under
+`--role-nice decode=0` (benchmarks/kernel_gains.py runs it so).
 
 The lease is an exclusive flock on a small file in /dev/shm (`epd serve` makes one per cluster and gives its path
 to the encode, prefill and decode processes); the kernel drops a dead holder's lock.  The file's first bytes are a
