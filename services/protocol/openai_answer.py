@@ -54,11 +54,13 @@ class _Choices:
             self.pending[index] = [*self.pending.get(index, []), *delta.logprobs]
 
     def take(self, delta: OutputDelta) -> tuple[list[TokenLogprob] | None, int]:
-        """The logprobs the chunk of `delta` carries (None: not asked) and where its text starts."""
-        index = delta.index
-        offset = self.offset.get(index, 0)
-        self.offset[index] = offset + len(delta.text)
-        return self.pending.pop(index, None), offset
+        """The logprobs the chunk of `delta` carries (None: not asked) and where its first token's text starts."""
+        return self.pending.pop(delta.index, None), self.offset.get(delta.index, 0)
+
+    def advance(self, index: int, logprobs: dict[str, Any] | None) -> None:
+        """vLLM: the next chunk's offset follows the tokens just reported, not the text (held-back text lags)."""
+        if logprobs is not None and logprobs.get("tokens"):
+            self.offset[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
 
 
 class OpenAIAnswer:
@@ -96,7 +98,7 @@ class OpenAIAnswer:
     def delta_choice(self, text: str, finish_reason: str | None, logprobs: Any = None,
                      index: int = 0) -> ChatChunkChoice | CompletionChoice:
         if self.kind == "chat":
-            delta = DeltaMessage(content=text) if text else DeltaMessage()
+            delta = DeltaMessage(content=text)   # vLLM: content "" on a chunk whose text is held back
             return ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason, logprobs=logprobs)
         return CompletionChoice(index=index, text=text, finish_reason=finish_reason, logprobs=logprobs)
 
@@ -159,7 +161,9 @@ class OpenAIAnswer:
                 state.add(delta)
                 if self.timing is not None:
                     self.timing.saw(len(delta.token_ids))
-                if delta.text or delta.finish_reason:
+                # vLLM: every generated token gets its chunk, with empty text while decode holds the text back
+                # (an incomplete character, a possible stop string); clients time the first token by it
+                if delta.token_ids or delta.text or delta.finish_reason:
                     event, held = held + self._delta_event(delta, state), b""
                     yield event
             if held:   # no event came (no delta at all): the role chunks alone
@@ -177,8 +181,10 @@ class OpenAIAnswer:
 
     def _delta_event(self, delta: OutputDelta, state: _Choices) -> bytes:
         records, offset = state.take(delta)
-        choice = self.delta_choice(delta.text, delta.finish_reason or None, self.logprobs(records, offset),
-                                   delta.index)
+        logprobs = self.logprobs(records, offset)
+        if self.kind == "completion":
+            state.advance(delta.index, logprobs)
+        choice = self.delta_choice(delta.text, delta.finish_reason or None, logprobs, delta.index)
         versions = state.versions[delta.index].value() if delta.finish_reason else None
         if versions is None:
             return self._event(self.chunk([choice]))

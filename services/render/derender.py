@@ -112,7 +112,7 @@ class Derenderer:
             chunks.append(cast(ChatCompletionChunk, answer.chunk([], usage)))
         else:
             text, finish = self._feed(out, response.choices[0])
-            if text or finish:
+            if response.choices[0].token_ids or text or finish:   # vLLM: a chunk per generate chunk with tokens
                 delta = answer.delta_choice(text, finish, self._logprobs(answer, response.choices[0].logprobs))
                 chunks.append(cast(ChatCompletionChunk, answer.chunk([delta])))
         state.outputs[0] = OutputState.model_validate(out.state())
@@ -152,7 +152,7 @@ class Derenderer:
                 text, finish = self._feed(out, response.choices[0])
                 if req.stream_state is None:
                     text = self._echo(req, index) + text
-                if text or finish:
+                if response.choices[0].token_ids or text or finish:
                     logprobs = self._logprobs(answer, response.choices[0].logprobs)
                     choices.append(answer.delta_choice(text, finish, logprobs, index))
             state.outputs[index] = OutputState.model_validate(out.state())

@@ -153,3 +153,44 @@ def test_logprobs_agree_with_vllm(peers, case):
         assert (mine["token_id"], mine["rank"]) == (vllm["token_id"], vllm["rank"])
         assert set(mine) == set(vllm) and mine["logprob"] == pytest.approx(vllm["logprob"], abs=1e-3)
         _close_ids(mine["top_logprobs"], vllm["top_logprobs"], "token_id")
+
+
+
+def _streamed(peers, base: str, path: str, body: dict) -> list[dict]:
+    reply = peers.post(base, path, {**body, "stream": True})
+    assert reply.status_code == 200, reply.text[:800]
+    return [c for e in _sse(reply) for c in e["choices"]]
+
+
+def _text(choice: dict) -> str:
+    return choice["text"] if "text" in choice else (choice.get("delta") or choice["message"]).get("content") or ""
+
+
+def _logprob_tokens(choice: dict) -> list[str]:
+    logprobs = choice.get("logprobs") or {}
+    return logprobs["tokens"] if "tokens" in logprobs else [t["token"] for t in logprobs.get("content") or []]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_the_first_token_is_streamed_while_its_text_is_held_back(peers, path):
+    """vLLM streams the first token's chunk as soon as it is generated, its text empty while the text is held
+    back (here a stop string the whole output is the start of; also an incomplete character): clients such as
+    vllm bench serve time the first token by that chunk.  How many tokens later chunks carry depends on timing
+    on both servers; the joined text and logprobs do not."""
+    body = {"max_tokens": MAX_TOKENS, "temperature": 0}
+    body |= ({"prompt": "Tell me a story about a lighthouse.", "logprobs": 1} if path == "/v1/completions"
+             else {"messages": CASES["text"], "logprobs": True})
+    whole = {base: peers.ok(base, path, body)["choices"][0] for base in (peers.vllm_serve.url, peers.epd.url)}
+    text = _text(whole[peers.vllm_serve.url])
+    assert _text(whole[peers.epd.url]) == text and text
+    held = {**body, "stop": [text + "\u2603"]}   # never met: every token's text waits for the end
+    for base in whole:
+        for asked in (body, held):
+            chunks = _streamed(peers, base, path, asked)
+            assert "".join(_text(c) for c in chunks) == text, base
+            assert [t for c in chunks for t in _logprob_tokens(c)] == _logprob_tokens(whole[base]), base
+            if path == "/v1/completions":
+                offsets = [v for c in chunks for v in c["logprobs"]["text_offset"]]
+                assert offsets == whole[base]["logprobs"]["text_offset"], base
+        first = next(c for c in chunks if _logprob_tokens(c))   # a chat stream opens with its role chunk
+        assert (_text(first), len(_logprob_tokens(first)), first["finish_reason"]) == ("", 1, None), (base, chunks)

@@ -75,6 +75,24 @@ def test_stream_without_include_usage_has_no_usage_key():
     assert all("usage" not in e for e in events[:-1])
 
 
+def test_every_token_gets_a_chunk_while_its_text_is_held_back():
+    """vLLM's rule (clients time the first token by the first chunk): a token whose text decode holds back (an
+    incomplete character, a possible stop string) still gets its chunk, with empty text; logprob offsets follow
+    the tokens reported, not the text."""
+    def lp(token_id: int, token: str) -> TokenLogprob:
+        return TokenLogprob(token_id, -1.0, 1, token=token)
+
+    held = [OutputDelta([5], "", logprobs=[lp(5, "\ufffd")]), OutputDelta([6], "é", logprobs=[lp(6, "\ufffd")]),
+            OutputDelta([7], "", logprobs=[lp(7, " a")]), OutputDelta([], " a", "stop", "x")]
+    events = _frames(OpenAIAnswer("completion", "cmpl-x", "m", 7), held)
+    choices = [e["choices"][0] for e in events[:-1]]
+    assert [(c["text"], c["finish_reason"]) for c in choices] == [("", None), ("é", None), ("", None), (" a", "stop")]
+    assert [c["logprobs"]["text_offset"] if c["logprobs"] else None for c in choices] == [[0], [1], [2], None]
+    chat = _frames(OpenAIAnswer("chat", "chatcmpl-x", "m", 7), held)
+    assert [e["choices"][0]["delta"] for e in chat[:-1]] == [
+        {"role": "assistant", "content": ""}, {"content": ""}, {"content": "é"}, {"content": ""}, {"content": " a"}]
+
+
 def test_a_failure_after_the_first_byte_is_an_in_stream_error():
     events = _frames(OpenAIAnswer("chat", "chatcmpl-x", "m", 7), DELTAS[:1],
                      fail=Unavailable("decode died", code="decode_failed"))

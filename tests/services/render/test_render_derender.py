@@ -184,6 +184,25 @@ def test_completion_stream_derender_in_vllms_shape(client, service):
     assert text == "Once upon a time" and answer["chunk"]["id"] == "cmpl-p0"
 
 
+@pytest.mark.parametrize("shape", ["epd", "vllm"])
+def test_stream_derender_answers_a_chunk_for_every_token_even_while_its_text_is_held_back(client, service, shape):
+    """As vLLM's derender: a generate chunk with tokens gets its choice even while a character split across
+    tokens holds the text back (empty text), so a client sees each token when it is generated."""
+    ids = service.tokenizer.encode("🫠🫠")
+    assert len(ids) == 6   # three byte-level tokens per character on this tokenizer
+    state, texts = None, []
+    for n, token in enumerate(ids):
+        generated = {"request_id": "generate-tokens-cmpl-p0", "choices": [{
+            "index": 0, "token_ids": [token], "finish_reason": "length" if n == len(ids) - 1 else None}]}
+        asked = {"generate_responses": [generated], "prompt_tokens": [4]} if shape == "epd" else \
+            {"generate_chunk": generated, "prompt_tokens": 4}
+        answer = client.post("/v1/completions/derender", json={"stream": True, "stream_state": state, **asked}).json()
+        state = answer["stream_state"]
+        chunks = answer["chunks"] if shape == "epd" else [answer["chunk"]]
+        texts.append([c["text"] for chunk in chunks for c in chunk["choices"]])
+    assert texts == [[""], [""], ["🫠"], [""], [""], ["🫠"]]
+
+
 def test_derender_turns_generate_logprobs_into_openai_logprobs(client, service):
     """GenerateLogProbs (ids, vLLM's engine order) -> OpenAI chat / completion logprobs with the token texts."""
     ids = service.tokenizer.encode("Hello world")[:2]
