@@ -122,15 +122,30 @@ def run_bench(setup: Setup, server: Server, folder: Path, workload: str, rate: f
     return compact(json.loads(out.read_text()))
 
 
+def _why(result: dict[str, Any]) -> str:
+    """What the failed requests of a run met, counted: "2 429, 1 disconnected" ("" when none or not kept)."""
+    kinds: dict[str, int] = {}
+    for error in (result.get("requests") or {}).get("errors", {}).values():
+        kind = "429" if "Too Many Requests" in error or "429" in error else \
+            "disconnected" if "Disconnected" in error else "other"
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return ", ".join(f"{count} {kind}" for kind, count in kinds.items())
+
+
 def compact(result: dict[str, Any]) -> dict[str, Any]:
     """A run's result without its per-request lists, but for each request's start (s after the first) and TTFT
-    (ms; None for one that failed) in the order sent: which requests made the tail, and what arrived with them."""
+    (ms; None for one that failed) in the order sent: which requests made the tail, and what arrived with them;
+    and why each failed one failed (the error's last line: a 429 of the SLO gate is not a lost connection)."""
     kept = {key: value for key, value in result.items() if key not in DROP}
     starts, ttfts, errors = result.get("start_times") or [], result.get("ttfts") or [], result.get("errors") or []
     if starts and len(starts) == len(ttfts):
         kept["requests"] = {"start_s": [round(t - starts[0], 3) for t in starts],
                             "ttft_ms": [None if (index < len(errors) and errors[index]) else round(ttft * 1000, 1)
                                         for index, ttft in enumerate(ttfts)]}
+        failed = {str(index): error.strip().splitlines()[-1][:200] for index, error in enumerate(errors)
+                  if error and error.strip()}
+        if failed:
+            kept["requests"]["errors"] = failed
     return kept
 
 
@@ -212,6 +227,9 @@ def figures(doc: dict[str, Any]) -> list[Figure]:
                 note = f"{a:.1f} vs {b:.1f} {unit}" if a is not None and b is not None else "n/a"
                 if key == "request_goodput":   # what was refused (epd's 429s) or failed, beside what met the SLO
                     note += f"; failed {pair['A'].get('failed', 0)} vs {pair['B'].get('failed', 0)}"
+                    why = [_why(pair[side]) for side in ("A", "B")]
+                    if any(why):
+                        note += f" ({' / '.join(w or '-' for w in why)})"
                 out.append(Figure(f"{label}, {workload}, {rate:g} req/s, epd / {doc['baseline']}", ratio(a, b),
                                   None, op, note=note))
     return out

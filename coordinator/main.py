@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import uvicorn
 
 from services.config import EpdConfig
+from services.edge.http_api import KEEP_ALIVE_S
 from services.runtime import event_loop
 from services.runtime.heap import keep_freed_memory, startup_done
 
@@ -52,6 +53,7 @@ def run_coordinator(config: EpdConfig) -> int:
     # for a logger kept at WARNING (services/observability/__init__.py); admission.py logs each generation request once
     public = DrainingServer(uvicorn.Config(coordinator.build(), host=config.server.host, port=config.server.port,
                                            log_level="warning", access_log=False,
+                                           timeout_keep_alive=KEEP_ALIVE_S,
                                            timeout_graceful_shutdown=AFTER_DRAIN_S),
                             coordinator.drain)
     security = config.security

@@ -29,6 +29,12 @@ log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
 # A render answer with a few large images is tens of MB of base64; gRPC allows the same.
 MAX_BODY_BYTES = 256 * 1024 * 1024
+# How long an idle keep-alive connection stays open (uvicorn's default is 5 s, vLLM's too).  A client pool keeps its
+# idle connections longer (vllm bench serve 60 s, aiohttp 15 s): a request sent on one just as the server closes it
+# fails with "server disconnected" before it reaches the server (`vllm bench serve` lost requests that way).
+# Longer than those pools, the server never closes a connection a client may still pick; an idle connection costs
+# one socket.
+KEEP_ALIVE_S = 75
 Handler = Callable[..., Awaitable[Response]]
 HTTP_REQUESTS = Counter("epd_http_requests", "HTTP API calls served by route and result code (ok or the epd "
                         "error code)", ["path", "code"])

@@ -38,6 +38,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from services.edge.auth import KeySet, protect
+from services.edge.http_api import KEEP_ALIVE_S
 from services.rpc.fastlane_server import FastLaneServer
 from services.runtime.announce import probed
 from services.runtime.private_dir import private_dir
@@ -229,6 +230,7 @@ async def serve(role: RoleServer, host: str, grpc_port: int, http_port: int, log
     await _set_serving(health_servicer, readiness.ready)
     http = _QuietServer(uvicorn.Config(build_http_app(role, readiness, keys), host=host, port=http_port,
                                        log_level="warning", lifespan="off", access_log=False,   # never printed
+                                       timeout_keep_alive=KEEP_ALIVE_S,
                                        timeout_graceful_shutdown=math.ceil(grace_s)))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

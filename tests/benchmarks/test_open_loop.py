@@ -26,9 +26,11 @@ def test_the_bench_command_is_the_users_poisson_run():
 
 def test_a_result_keeps_each_requests_start_and_ttft_not_the_long_lists():
     raw = {"median_ttft_ms": 90.0, "ttfts": [0.0912, 0.0, 0.30049], "start_times": [100.5, 100.75, 101.2504],
-           "errors": ["", "HTTP 429", ""], "itls": [[0.02]], "generated_texts": ["a", "", "b"], "completed": 2}
+           "errors": ["", "Traceback ...\n  ...\naiohttp.ServerDisconnectedError: Server disconnected\n", ""],
+           "itls": [[0.02]], "generated_texts": ["a", "", "b"], "completed": 2}
     assert open_loop.compact(raw) == {"median_ttft_ms": 90.0, "completed": 2, "requests": {
-        "start_s": [0.0, 0.25, 0.75], "ttft_ms": [91.2, None, 300.5]}}
+        "start_s": [0.0, 0.25, 0.75], "ttft_ms": [91.2, None, 300.5],
+        "errors": {"1": "aiohttp.ServerDisconnectedError: Server disconnected"}}}
     assert open_loop.compact({"median_ttft_ms": 1.0}) == {"median_ttft_ms": 1.0}   # a result saved without details
 
 
@@ -50,6 +52,11 @@ def test_figures_are_epd_over_the_baseline_per_workload_and_rate():
     assert found["goodput, image, 1 req/s, epd / vllm"].value == 2.0 and found["goodput, image, 1 req/s, "
                                                                               "epd / vllm"].op == "ge"
     assert found["goodput, image, 1 req/s, epd / vllm"].note == "1.0 vs 0.5 req/s; failed 3 vs 0"   # epd's 429s
+    doc["runs"][0]["result"]["requests"] = {"errors": {"4": "Too Many Requests", "9": "Too Many Requests",
+                                                       "12": "aiohttp.ServerDisconnectedError: Server disconnected"}}
+    found = {f.name: f for f in open_loop.figures(doc)}
+    assert found["goodput, image, 1 req/s, epd / vllm"].note == \
+        "1.0 vs 0.5 req/s; failed 3 vs 0 (2 429, 1 disconnected / -)"   # why, where the run kept it
 
 
 def test_baseline_flags_go_to_an_epd_baseline_only(capsys):
