@@ -24,6 +24,7 @@ BLOCKS = ROOT / "benchmarks" / "results" / "docs"
 GROUPS: list[tuple[str, tuple[str, ...]]] = [
     ("Against other servers, same checkpoint, same machine", (
         "vs-vllm", "open-loop", "open-loop-deep", "open-loop-smollm2", "open-loop-deep-tail", "open-loop-smollm2-tail",
+        "open-loop-smollm2-4rps",
         "open-loop-overload", "vs-vllm-bf16", "vs-vllm-video", "ttft-vs-vllm", "datapath-ttft",
         "vs-transformers-serve", "vs-llama-cpp")),
     ("Latency of one request: where the time goes", (

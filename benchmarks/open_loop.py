@@ -51,6 +51,7 @@ SHAPES = {"demo-medium": "open_loop", "demo-deep": "open_loop_deep", "smollm2": 
 # named runs beside the shapes' that have a docs block too (their commands are in the blocks), each with its baseline:
 # open_loop_nice(_deep): the A/B behind `epd serve`'s decode niceness (services/hostcpu/role_cpu.py)
 DOC_RUNS = {"open_loop_overload": "vllm", "open_loop_smollm2_tail": "vllm", "open_loop_deep_tail": "vllm",
+            "open_loop_smollm2_4rps": "vllm",   # SmolLM2 text at 4 req/s: vLLM still keeps up (its capacity is above)
             "open_loop_nice": "self", "open_loop_nice_deep": "self",
             "open_loop_turn": "2d056b2", "open_loop_turn_deep": "2d056b2"}   # decode's turn: before / after
 GOODPUT = ("ttft:2000", "tpot:100")
