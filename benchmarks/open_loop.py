@@ -52,8 +52,7 @@ SHAPES = {"demo-medium": "open_loop", "demo-deep": "open_loop_deep", "smollm2": 
 # open_loop_nice(_deep): the A/B behind `epd serve`'s decode niceness (services/hostcpu/role_cpu.py)
 DOC_RUNS = {"open_loop_overload": "vllm", "open_loop_smollm2_tail": "vllm", "open_loop_deep_tail": "vllm",
             "open_loop_smollm2_4rps": "vllm",   # SmolLM2 text at 4 req/s: vLLM still keeps up (its capacity is above)
-            "open_loop_nice": "self", "open_loop_nice_deep": "self",
-            "open_loop_turn": "2d056b2", "open_loop_turn_deep": "2d056b2"}   # decode's turn: before / after
+            "open_loop_nice": "self", "open_loop_nice_deep": "self"}
 GOODPUT = ("ttft:2000", "tpot:100")
 SLO_FLAGS = ("--ttft-slo-ms", "2000", "--tpot-slo-ms", "100")   # the same SLO, as epd's admission targets
 DROP = ("input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times", "queue_times", "generated_texts",
