@@ -164,6 +164,12 @@ def tree_at(ref: str) -> Path:
         archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", ref], check=True,
                                  capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", str(out)], input=archive, check=True)
+        # git archive's folders are group-writable (0775) and root's tar keeps that: the kernel loader then refuses
+        # every native kernel in the tree (services/kernels/loader.py `_unsafe`) and the baseline runs torch's
+        # paths (decode's TPOT about twice its own): nothing in the tree is writable but by its owner.
+        for path in (out, *out.rglob("*")):
+            if not path.is_symlink():
+                path.chmod(path.stat().st_mode & ~0o022)
     return out
 
 

@@ -60,6 +60,11 @@ def test_tree_at_exports_the_version_at_a_git_ref():
                                capture_output=True).stdout
     assert (tree / "services" / "runtime" / "cli.py").read_bytes() == committed
     assert (tree / "services" / "rpc" / "v1" / "epd_pb2.py").is_file() and not (tree / ".git").exists()
+    # the baseline loads its native kernels: the loader refuses a folder others may write (it refused them all)
+    from services.kernels.loader import _unsafe
+
+    kernels = tree / "services" / "kernels"
+    assert _unsafe(kernels / "loader.py") == "" and not kernels.stat().st_mode & 0o022
 
 
 def test_hop_latency_measures_each_transport_of_one_hop_hot_and_after_idle():
