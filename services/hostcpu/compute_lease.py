@@ -10,7 +10,8 @@ forward holds or waits for the lease, for at most YIELD_BUDGET_S a step (`follow
 epd_fused_yield_to, the eager step through `Follower.pause`).  Niceness alone did not keep decode off the cores: a
 nice-15 team runs in every gap a prompt forward's threads leave, and, once running, keeps the core for a scheduler
 slice while the prompt team waits at its next barrier (at 2 req/s under `vllm bench serve`, encode and prefill
-forwards took 172 and 252 ms with decode only niced, 107 and 175 ms with it yielding: open_loop_stages.json).
+forwards took 110 and 128 ms at epd@311e186, decode only niced, and 69 and 103 ms with it yielding among the
+changes since: open_loop_stages.json).
 vLLM's one scheduler gets the same order by running a new prompt's prefill before the next decode step.
 A paused step sleeps 100 us, then twice as long each time up to 2 ms (PAUSE_S): with a fixed 100 us each decode
 thread woke 10,000 times a second through the forward, and a woken thread takes a core from the forward's team

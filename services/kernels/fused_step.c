@@ -22,8 +22,8 @@
  * until the board clears, for at most the budget per step, and the step goes on where it stopped.  A
  * niced decode team otherwise runs in every gap the prompt forward's threads leave and, once running,
  * holds the core for a scheduler slice while the prompt forward's team waits at its next barrier
- * (benchmarks/results/open_loop_stages.json: encode and prefill forwards at 2 req/s, 172 and 252 ms
- * with decode only niced, 107 and 175 ms with it yielding).
+ * (benchmarks/results/open_loop_stages.json: encode and prefill forwards at 2 req/s, 110 and 128 ms
+ * at epd@311e186 with decode only niced, 69 and 103 ms with it yielding among the changes since).
  *
  * Numerics: float32 throughout (built with -DEPD_PANEL_BF16 the weights are bfloat16 panels, widened
  * exactly in registers; activations, KV and sums stay float32).  Norms sum squares in double; each matmul output is the panel
