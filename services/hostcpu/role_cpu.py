@@ -20,17 +20,17 @@ use.  The knobs, all flags (docs/configuration.md):
 - `--role-nice`: niceness added per role; "auto" (default) is "decode=15,decode-long=5,prefill-long=19" for the
   children of `epd serve` (one machine: short prompts' encode and prefill run well ahead of decode's steps, so new
   requests join the decode batch sooner; under Poisson arrivals its TTFT is mostly below decode=5's and its TPOT
-  above, on two shapes: docs/benchmarks.md "open-loop-nice" and "open-loop-nice-deep"; while a long (chunked)
-  prompt prefills, decode's group goes back to 5 and the prefill's to 19, so decode's per-token latency holds;
-  both measured in docs/benchmarks.md, "Decode TPOT while a long prompt prefills") and nothing for a role started alone (its own pod or machine).  Raising
-  niceness needs no privilege; a negative value needs CAP_SYS_NICE and is skipped with a warning otherwise.  A
-  role that leads its own session (as under `epd serve`) also sets its autogroup's niceness: with session
-  autogroups, niceness alone does not weigh between processes of different sessions.  `prefill-long=N` is
-  prefill's autogroup niceness while a forward carries a prompt longer than `--max-num-batched-tokens` (one that
-  is chunked); `decode-long=N` is decode's while any prefill of the cluster does, which decode reads before each
-  step from a flag board `epd serve` puts in /dev/shm (a byte per prefill instance).  A group's niceness between 0
-  and 19 may move either way without privilege; the kernel takes one change per 100 ms (EAGAIN otherwise: the role
-  tries again at its next forward or step).
+  above, on two shapes: docs/benchmarks.md "open-loop-nice" and "open-loop-nice-deep"; while a long (chunked) prompt
+  prefills, decode's group goes back to 5 and the prefill's to 19, so decode's per-token latency holds; both
+  measured in docs/benchmarks.md, "Decode TPOT while a long prompt prefills") and nothing for a role started alone
+  (its own pod or machine). Raising niceness needs no privilege; a negative value needs CAP_SYS_NICE and is skipped
+  with a warning otherwise. A role that leads its own session (as under `epd serve`) also sets its autogroup's
+  niceness: with session autogroups, niceness alone does not weigh between processes of different sessions.
+  `prefill-long=N` is prefill's autogroup niceness while a forward carries a prompt longer than
+  `--max-num-batched-tokens` (one that is chunked); `decode-long=N` is decode's while any prefill of the cluster
+  does, which decode reads before each step from a flag board `epd serve` puts in /dev/shm (a byte per prefill
+  instance). A group's niceness between 0 and 19 may move either way without privilege; the kernel takes one change
+  per 100 ms (EAGAIN otherwise: the role tries again at its next forward or step).
 """
 
 from __future__ import annotations
