@@ -6,6 +6,8 @@
     python -m benchmarks.open_loop --rates 1,2 --baseline 6fd4072 --name open_loop_arbiter   # epd vs an older epd
     python -m benchmarks.open_loop --rates 1,2 --baseline self --baseline-flag=--role-nice=decode=0 --name nice0
                                                           # epd as shipped vs epd with other flags (B only)
+    python -m benchmarks.open_loop --model demo-deep --workloads text --rates 2 --seed 1 --baseline main
+                                                          # replay one rate of a wider run (its seed: its place)
     python -m benchmarks.open_loop --quick                # tiny model, one rate, 6 requests, epd vs itself, temp folder
     python -m benchmarks.open_loop --model demo-deep --from-json   # figures, plots, docs block again from the JSON
 
@@ -270,6 +272,8 @@ def parse(argv: list[str] | None) -> tuple[Setup, bool]:
     parser.add_argument("--workloads", default="", help="image,text (default both)")
     parser.add_argument("--num-prompts", type=int, default=0, help="requests per workload, rate and side")
     parser.add_argument("--baseline", default="", help="vllm (default) | self | a git ref of epd")
+    parser.add_argument("--seed", type=int, default=0, help="the first (workload, rate)'s seed, each next one's +1 "
+                        "(default 0): --rates R --seed S replays the arrivals and prompts of a wider run's rate R")
     parser.add_argument("--epd-flag", action="append", default=[], help="an extra `epd serve` flag (both epd sides)")
     parser.add_argument("--no-slo", action="store_true", help="start epd without the goodput SLO as its admission "
                         "targets (--ttft-slo-ms / --tpot-slo-ms)")
@@ -296,6 +300,7 @@ def parse(argv: list[str] | None) -> tuple[Setup, bool]:
                        ("name", args.name or ("" if args.quick else default_name(changes["model"])))):
         if value:
             changes[key] = value
+    changes["seed"] = args.seed
     changes["epd_flags"] = tuple(args.epd_flag)
     changes["slo"] = not args.no_slo
     changes["baseline_flags"] = tuple(args.baseline_flag)

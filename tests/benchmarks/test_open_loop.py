@@ -63,7 +63,8 @@ def test_baseline_flags_go_to_an_epd_baseline_only(capsys):
     setup, docs = open_loop.parse(["--baseline", "self", "--baseline-flag=--role-nice=decode=0", "--rates", "1,2",
                                    "--name", "nice0"])
     assert setup.baseline_flags == ("--role-nice=decode=0",) and setup.epd_flags == () and not docs
-    assert setup.rates == (1.0, 2.0)
+    assert setup.rates == (1.0, 2.0) and setup.seed == 0
+    assert open_loop.parse(["--rates", "2", "--seed", "1"])[0].seed == 1   # a wider run's 2nd rate, replayed
     with pytest.raises(SystemExit):
         open_loop.parse(["--baseline-flag=--role-nice=decode=0"])   # the vLLM baseline takes no epd flag
     assert "--baseline-flag needs an epd baseline" in capsys.readouterr().err
