@@ -116,13 +116,35 @@ def run_bench(setup: Setup, server: Server, folder: Path, workload: str, rate: f
     out = scratch / f"{server.name}_{workload}_{rate:g}.json"
     out.unlink(missing_ok=True)
     env = {**vllm_env.SERVE_ENV}
+    before = refusals(server)
     timeout = 300 + setup.num_prompts * 60 / max(rate, 0.1)
     proc = subprocess.run(bench_command(setup, server.url, folder, workload, rate, out, seed), env=env,
                           capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0 or not out.exists():
         raise RuntimeError(f"vllm bench serve against {server.name} failed ({proc.returncode}):\n"
                            f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return compact(json.loads(out.read_text()))
+    result = compact(json.loads(out.read_text()))
+    after = refusals(server)
+    if after is not None and before is not None:
+        refused = {reason: count - before.get(reason, 0) for reason, count in after.items()
+                   if count > before.get(reason, 0)}
+        if refused:
+            result["refused"] = refused
+    return result
+
+
+REFUSED = re.compile(r'^epd_coordinator_rejected_requests_total\{reason="([^"]+)"\} ([0-9.e+]+)$', re.M)
+
+
+def refusals(server: Server) -> dict[str, int] | None:
+    """epd's 429s so far, by the rule that refused (its coordinator's /metrics); None for a server without them."""
+    import urllib.request
+
+    if not server.name.startswith("epd"):
+        return None
+    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    return {reason: int(float(count)) for reason, count in REFUSED.findall(text)}
 
 
 def _why(result: dict[str, Any]) -> str:
@@ -132,7 +154,9 @@ def _why(result: dict[str, Any]) -> str:
         kind = "429" if "Too Many Requests" in error or "429" in error else \
             "disconnected" if "Disconnected" in error else "other"
         kinds[kind] = kinds.get(kind, 0) + 1
-    return ", ".join(f"{count} {kind}" for kind, count in kinds.items())
+    refused = result.get("refused") or {}
+    rules = " (" + ", ".join(f"{count} {rule}" for rule, count in sorted(refused.items())) + ")" if refused else ""
+    return ", ".join(f"{count} {kind}" + (rules if kind == "429" else "") for kind, count in kinds.items())
 
 
 def compact(result: dict[str, Any]) -> dict[str, Any]:

@@ -164,7 +164,7 @@ class AdmissionMiddleware:
         self.metrics.inflight.set(len(self.registry))
         if self.gate is not None:
             self.gate.admitted(id(record))
-            record.on_first_token = lambda gate=self.gate: gate.first_token(id(record))
+            record.on_first_token = lambda expected, gate=self.gate: gate.first_token(id(record), expected)
             record.on_tokens = lambda count, gate=self.gate: gate.tokens(id(record), count)
         token = current_request.set(record)  # the endpoint task copies this context
         try:

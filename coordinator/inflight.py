@@ -36,7 +36,7 @@ class InflightRequest:
         self.task: asyncio.Task | None = None
         self.started = time.monotonic()
         self.cancel_reason: str | None = None   # "disconnect" | "abort" once cancelled
-        self.on_first_token: Callable[[], None] | None = None   # admission's SLO gate (slo_gate.py)
+        self.on_first_token: Callable[[int | None], None] | None = None   # admission's SLO gate (slo_gate.py)
         self.on_tokens: Callable[[int], None] | None = None     # the same, per later delta (its token count)
         self._cleanups: list[Cleanup] = []
 
@@ -111,12 +111,13 @@ def bind(request_id: str, label: str, principal: str = "") -> None:
         record.registry.bind(record, request_id, label, principal)
 
 
-def first_token() -> None:
-    """The current request's first token went out (the pipeline, once per request; no-op outside the middleware)."""
+def first_token(expected: int | None = None) -> None:
+    """The current request's first token went out (the pipeline, once per request; no-op outside the middleware);
+    `expected`: the tokens its answer may still send (max_tokens less one), when known."""
     record = current_request.get()
     if record is not None and record.on_first_token is not None:
         hook, record.on_first_token = record.on_first_token, None
-        hook()
+        hook(expected)
 
 
 def tokens(count: int) -> None:

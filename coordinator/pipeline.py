@@ -84,6 +84,12 @@ STORE_OUTAGES: dict[str, str] = {"mm_store_unavailable": MM_MISSING_CODE, "ec_st
                                  "kv_store_unavailable": KV_MISSING_CODE}
 
 
+def expected_after_first(ctx: RequestContext) -> int | None:
+    """The tokens a request's answer may send after its first (its max_tokens less one), when it set max_tokens."""
+    sampling = ctx.sampling
+    return sampling.max_tokens - 1 if sampling.HasField("max_tokens") and sampling.max_tokens > 0 else None
+
+
 class Pipeline:
     def __init__(self, cluster: Cluster, steps: list[type[Step]] | None = None) -> None:
         self.cluster = cluster
@@ -167,7 +173,7 @@ class Pipeline:
                         if first:
                             activity.mark("coordinator.first_delta")
                             self.cluster.metrics.ttft_seconds.observe(time.monotonic() - ctx.started)
-                            inflight.first_token()   # admission's SLO gate learns from it
+                            inflight.first_token(expected_after_first(ctx))   # admission's SLO gate learns from it
                             first = False
                         elif delta.index == 0:   # one sample's gaps (n > 1 samples' deltas interleave)
                             inflight.tokens(len(delta.token_ids))   # and from the gaps between tokens

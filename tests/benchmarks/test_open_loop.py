@@ -57,6 +57,18 @@ def test_figures_are_epd_over_the_baseline_per_workload_and_rate():
     found = {f.name: f for f in open_loop.figures(doc)}
     assert found["goodput, image, 1 req/s, epd / vllm"].note == \
         "1.0 vs 0.5 req/s; failed 3 vs 0 (2 429, 1 disconnected / -)"   # why, where the run kept it
+    doc["runs"][0]["result"]["refused"] = {"tpot_slo": 1, "ttft_slo": 1}   # epd's /metrics: which rule refused
+    found = {f.name: f for f in open_loop.figures(doc)}
+    assert found["goodput, image, 1 req/s, epd / vllm"].note == \
+        "1.0 vs 0.5 req/s; failed 3 vs 0 (2 429 (1 tpot_slo, 1 ttft_slo), 1 disconnected / -)"
+
+
+def test_refusals_are_read_off_the_coordinators_metrics():
+    text = ('# HELP epd_coordinator_rejected_requests_total Requests refused\n'
+            'epd_coordinator_rejected_requests_total{reason="ttft_slo"} 3.0\n'
+            'epd_coordinator_rejected_requests_total{reason="tpot_slo"} 1.0\n'
+            'epd_coordinator_rejected_requests_created{reason="ttft_slo"} 1.7e+09\n')
+    assert dict(open_loop.REFUSED.findall(text)) == {"ttft_slo": "3.0", "tpot_slo": "1.0"}
 
 
 def test_baseline_flags_go_to_an_epd_baseline_only(capsys):

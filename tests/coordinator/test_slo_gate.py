@@ -97,3 +97,51 @@ def test_without_a_tpot_target_slow_streams_are_no_reason():
     gate.tokens(1, MIN_TOKENS)
     gate._streams[1][1] = gate._streams[1][0] + MIN_TOKENS * 5.0   # 5 s a token
     assert gate.tpot_s == pytest.approx(5.0) and gate.refusal() is None
+
+
+def test_a_young_streams_pauses_are_projected_to_its_end_at_the_pace_of_all_streams():
+    # A stream 8 tokens old that met two prefill pauses reads 100 ms a token so far; what it has still to send (39
+    # of its 47 after the first) comes at the pace of all the streams (2.0 s over 48 tokens), so it ends near 52 ms:
+    # the SLO it will be counted against is met, and the request arriving now is admitted.
+    gate = SloGate(tpot_slo_s=0.05)
+    for key, tokens, span in ((1, 40, 1.2), (2, 8, 0.8)):
+        gate.admitted(key)
+        gate.first_token(key, 47)
+        gate.tokens(key, tokens)
+        gate._streams[key][1] = gate._streams[key][0] + span
+    pace = 2.0 / 48
+    old = (1.2 + 7 * pace) / 47
+    young = (0.8 + 39 * pace) / 47
+    assert gate.tpot_s == pytest.approx((old + young) / 2) and gate.refusal() is None
+    assert young == pytest.approx(0.0516, abs=1e-4)
+    gate.ended(1)                                  # alone, the young one's pace is its own: 100 ms, refused
+    assert gate.tpot_s == pytest.approx(0.1) and gate.refusal() is not None
+    gate.admitted(3)
+    gate.first_token(3)                            # max_tokens not told: no further than its tokens so far
+    gate.tokens(3, MIN_TOKENS)
+    gate._streams[3][1] = gate._streams[3][0] + MIN_TOKENS * 0.02
+    pace = (0.8 + MIN_TOKENS * 0.02) / (8 + MIN_TOKENS)   # the young one's rest at both streams' pace now
+    assert gate.tpot_s == pytest.approx(((0.8 + 39 * pace) / 47 + 0.02) / 2)
+
+
+def test_streams_past_the_target_at_their_pace_are_refused_whatever_is_left():
+    gate = SloGate(tpot_slo_s=0.1)
+    for key in (1, 2):
+        gate.admitted(key)
+        gate.first_token(key, 47)
+        gate.tokens(key, 10)
+        gate._streams[key][1] = gate._streams[key][0] + 10 * 0.12   # 120 ms a token, all along
+    assert gate.tpot_s == pytest.approx(0.12)
+    refused = gate.refusal()
+    assert refused is not None and refused.code == "tpot_slo" and "every 120 ms" in refused.message
+
+
+def test_the_pipeline_tells_the_gate_the_tokens_an_answer_may_send_after_its_first():
+    from coordinator.context import RequestContext
+    from coordinator.pipeline import expected_after_first
+    from services.rpc.v1 import epd_pb2 as pb
+
+    ctx = RequestContext(request_id="r", deadline=time.monotonic() + 10)
+    assert expected_after_first(ctx) is None                  # max_tokens not set
+    ctx.sampling = pb.SamplingParams(max_tokens=48)
+    assert expected_after_first(ctx) == 47
