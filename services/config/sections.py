@@ -322,10 +322,9 @@ class LimitsConfig:
     ttft_slo_ms: float = _f(0.0, "time-to-first-token target of admission: past capacity a request that would get "
                             "its first token later is answered 429 with Retry-After at once, so those admitted "
                             "still meet it (coordinator/slo_gate.py); 0: admit and queue", roles="coordinator")
-    tpot_slo_ms: float = _f(0.0, "time-per-output-token target of admission: while the decoding streams' TPOT "
-                            "projected to their end (each one's time since its first token, plus what its max_tokens "
-                            "leaves at the pace of all the streams) is past it on average, a new request is "
-                            "answered 429 with Retry-After at once (coordinator/slo_gate.py); 0: admit",
+    tpot_slo_ms: float = _f(0.0, "time-per-output-token target of admission: while the decoding streams' TPOT, "
+                            "projected to their max_tokens at the pace of all streams, is past it on average, a new "
+                            "request is answered 429 with Retry-After at once (coordinator/slo_gate.py); 0: admit",
                             roles="coordinator")
     ttft_timeout_s: float = _f(60.0, "time from a request's body to its first token (render, encode, prefill, the "
                                "first decode step); then 504", roles="coordinator")
