@@ -161,21 +161,25 @@ class Follower:
         return self.board[:BOARD_BYTES] != _EMPTY
 
     def clear_stale(self) -> bool:
-        """HOLDING flags no lock stands behind (a holder killed mid-forward) cleared; True if there were any.
-        A flag is set after its lock is taken and cleared before it is dropped, so with a shared lock of our
-        own (no holder can exist) a HOLDING flag left is stale."""
+        """Flags a killed process left cleared (decode calls it once a step paused its whole budget on the board);
+        True if there were any.  A HOLDING flag is set after its lock is taken and cleared before it is dropped,
+        so with a shared lock of our own (no holder can exist) one left is stale.  A WAITING flag met then is
+        stale too: a live waiter polls the free lock every `_POLL_S[1]` at most and would have taken it during the
+        budget; a waiter killed while another held the lease left its flag, and every step after paused its
+        budget on it, and the last holder's next forwards deferred to it (FAIR_S).  Were a live waiter's flag
+        cleared in that instant, it only goes unseen until it holds the lease (its HOLDING flag is its own)."""
         try:
             fcntl.flock(self._fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
             return False
         try:
-            stale = [index for index, flag in enumerate(self.board[:BOARD_BYTES]) if flag == HOLDING]
+            stale = [index for index, flag in enumerate(self.board[:BOARD_BYTES]) if flag in (WAITING, HOLDING)]
             for index in stale:
                 self.board[index] = 0
         finally:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
         if stale:
-            logger.warning("compute lease %s: cleared %d flag(s) a killed holder left", self.path, len(stale))
+            logger.warning("compute lease %s: cleared %d flag(s) a killed process left", self.path, len(stale))
         return bool(stale)
 
     def pause(self, deadline: float, long_running: Callable[[], bool] = lambda: False) -> float:

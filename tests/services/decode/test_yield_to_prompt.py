@@ -34,6 +34,13 @@ _HOLDER = textwrap.dedent("""
         time.sleep(hold_s)             # the forward (sleeping, so the step under test has the cores)
     print("released", flush=True)
 """)
+_WAITER = textwrap.dedent("""
+    import sys
+    from services.hostcpu import compute_lease
+    compute_lease.configure(sys.argv[1], 1)
+    with compute_lease.held("encode"):   # waits behind the holder: killed meanwhile
+        pass
+""")
 
 
 def _hold(path: str, hold_s: float) -> subprocess.Popen:
@@ -168,3 +175,30 @@ def test_a_killed_holders_flag_costs_a_step_its_budget_and_is_cleared(tiny, pref
     follower.board[0] = compute_lease.HOLDING
     compute_lease.ComputeLease(lease, 0).close()
     assert follower.board[0] == 0
+
+
+def test_a_waiter_killed_while_another_held_leaves_a_flag_that_is_cleared(tiny, prefilled, lease, monkeypatch):
+    # An encode killed while it waited behind prefill's forward (as in the pool's fault tests) left WAITING on the
+    # board for good: every decode step after paused its whole budget (0.5 s a token) and the lease's last holder
+    # deferred to it at each forward. Once the lease is free, decode clears it like a dead holder's flag.
+    monkeypatch.setattr(compute_lease, "YIELD_BUDGET_S", 0.25)
+    holder = _hold(lease, 1.0)
+    waiter = subprocess.Popen([sys.executable, "-c", _WAITER, lease], cwd=ROOT)
+    follower = compute_lease.follower()
+    try:
+        deadline = time.monotonic() + 20
+        while follower.board[1] != compute_lease.WAITING:
+            assert time.monotonic() < deadline, "the waiter never waited"
+            time.sleep(0.01)
+        assert follower.clear_stale() is False                 # the holder's lock: nothing is judged
+        waiter.kill()
+        waiter.wait(timeout=30)
+    finally:
+        waiter.kill()
+        holder.wait(timeout=30)
+    assert follower.board[:2] == bytes([0, compute_lease.WAITING])   # the holder let go; the dead waiter's flag stays
+    _, took, _ = _run(tiny, prefilled, fused=True)
+    assert 0.25 <= took < 2.0, took                            # a step pauses its budget on it
+    assert follower.clear_stale() is True and not follower.busy()
+    _, took, _ = _run(tiny, prefilled, fused=True)
+    assert took < 0.2, took
