@@ -39,6 +39,7 @@ GROUPS: list[tuple[str, tuple[str, ...]]] = [
     ("Scale-out and stores", ("redis-cluster",)),
     ("RL: rollouts and weight updates", ("rl-rollouts", "weight-update")),
     ("GPU", ("gpu-check",)),
+    ("Start and stop", ("startup",)),
     ("Other", ()),
 ]
 

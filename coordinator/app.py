@@ -94,7 +94,8 @@ class CoordinatorApp:
                 problems.append(f"no ready {role} instance ({known} known; GET /ready on each says why)"
                                 if known else f"no {role} instance is configured or registered")
         return JSONResponse({"status": "not_ready" if problems else "ready", "ready_instances": ready,
-                             "problems": problems}, status_code=503 if problems else 200)
+                             "problems": problems, "instance_id": self.config.server.instance_id},
+                            status_code=503 if problems else 200)
 
     async def metrics(self, _: Request) -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)

@@ -16,8 +16,10 @@ threads allocate per op and would contend for one arena).
 Python's own heap at start-up (every role and the coordinator): `gc.disable()` first, `startup_done()` once built.
 Importing torch and transformers and building the model make millions of objects that live as long as the
 process; the cyclic GC's automatic collections rescan them again and again on the way (about a quarter of a
-role's start-up CPU), to find next to no garbage.  So start-up runs without them, then collects once, freezes
-what is left out of later collections, and turns the GC back on.
+role's start-up CPU), to find next to no garbage.  So start-up runs without them, then freezes what it made out
+of later collections, and turns the GC back on.  Without collecting first: one collection there found ~14,000
+unreachable objects among 620,000-920,000 in each model role, freed no resident memory, and took 0.4-0.6 s,
+the last of them on the cluster's start-up path (decode is ready last).
 """
 
 from __future__ import annotations
@@ -39,8 +41,7 @@ def keep_freed_memory() -> bool:
 
 
 def startup_done() -> None:
-    """Start-up is over: collect its garbage once, keep what lives on out of every later collection (and out of
-    the one at exit), and turn the automatic collections that start-up ran without back on."""
-    gc.collect()
+    """Start-up is over: keep what it made out of every later collection (and out of the one at exit), and turn
+    the automatic collections that start-up ran without back on."""
     gc.freeze()
     gc.enable()

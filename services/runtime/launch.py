@@ -87,10 +87,18 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def readiness(host: str, port: int, path: str = "/ready") -> tuple[bool, list[str]]:
-    """(ready, problems) from a process's readiness endpoint; not answering is not ready."""
+def readiness(host: str, port: int, path: str = "/ready", instance_id: str = "") -> tuple[bool, list[str]]:
+    """(ready, problems) from a process's readiness endpoint; not answering is not ready, nor is a 200 that
+    names another instance than `instance_id` (when given): another server holds that port."""
     try:
         with urllib.request.urlopen(f"http://{host}:{port}{path}", timeout=2.0) as reply:
+            if instance_id:
+                try:
+                    said = json.loads(reply.read() or b"{}").get("instance_id")
+                except (ValueError, AttributeError):
+                    said = None
+                if said != instance_id:
+                    return False, [f"port {port} answered for another instance ({said!r}), not {instance_id}"]
             return reply.status == 200, []
     except urllib.error.HTTPError as exc:
         try:
@@ -110,7 +118,8 @@ def wait_ready(children: list[Child], host: str, deadline: float) -> None:
             assert child.process is not None
             if child.process.poll() is not None:
                 raise RuntimeError(f"{child.role} ({child.instance_id}) exited with {child.process.returncode}")
-            ready, problems = readiness(host, child.http_port, child.ready_path)
+            ready, problems = readiness(host, child.http_port, child.ready_path,
+                                        child.instance_id if child.role == "coordinator" else "")
             if ready:
                 pending.remove(child)
             elif time.monotonic() - started > SHOW_PROBLEMS_AFTER_S and shown.get(child.instance_id) != problems:
@@ -256,11 +265,8 @@ def serve(config: EpdConfig) -> int:
                                        for r in ("render", "encode", "prefill", "decode")},
                                     **{f"EPD_{r.upper()}_HTTP_URLS": _http_urls(roles, r, config.server.host)
                                        for r in ("render", "encode", "prefill", "decode")}})
+        # ready only when /ready names this coordinator: another server on the port would answer otherwise
         wait_ready([coordinator], config.server.host, time.monotonic() + COORDINATOR_READY_TIMEOUT_S)
-        time.sleep(0.5)  # a coordinator that lost its port to another server exits at once; don't trust that answer
-        if coordinator.process is not None and coordinator.process.poll() is not None:
-            raise RuntimeError(f"coordinator exited with {coordinator.process.returncode} "
-                               f"(port {config.server.port} taken?)")
         print_ready(config, children, has_vision)
         while not stopping["now"]:
             time.sleep(0.2)

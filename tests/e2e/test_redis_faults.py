@@ -108,6 +108,8 @@ def test_readiness_follows_redis_while_liveness_stays(redis_faults):
         server.start()
     for url in [*roles.values(), cluster.url]:
         assert _wait_status(url + "/ready", 200).status_code == 200
+    # the coordinator's 200 names it (`epd serve` trusts no other server's answer on its port)
+    assert httpx.get(cluster.url + "/ready", timeout=5).json()["instance_id"].endswith("_coordinator")
     with cluster.client() as client:
         reply = client.post("/v1/chat/completions", json=chat("Back?", [noise_image(56, 56, 990)], max_tokens=2))
         assert reply.status_code == 200, reply.text

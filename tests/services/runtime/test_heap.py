@@ -46,3 +46,18 @@ def test_later_requests_reuse_the_pages_of_earlier_ones():
     pages = 12 * 60 * (1 << 20) // 4096   # 12 requests x ~60 MB of buffers, in 4 KiB pages
     assert default > pages // 2, (default, pages)    # glibc's defaults: most buffers on fresh pages
     assert kept < default // 3, (kept, default)
+
+
+def test_startup_done_freezes_what_start_up_made_and_turns_the_collector_back_on():
+    code = """
+import gc
+from services.runtime.heap import startup_done
+gc.disable()
+kept = [[i] for i in range(50000)]
+startup_done()
+print(gc.isenabled(), gc.get_freeze_count() >= len(kept))
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "True"]

@@ -1,0 +1,21 @@
+"""benchmarks/startup.py --quick: one real `epd serve` start of the tiny model, timed to its ready line."""
+
+from __future__ import annotations
+
+import json
+
+
+def test_quick_start_writes_every_figure_of_one_timed_start(tmp_path, monkeypatch):
+    from benchmarks import common, startup
+
+    monkeypatch.setenv(common.RESULTS_ENV, str(tmp_path))
+    assert startup.main(["--quick"]) == 0
+    doc = json.loads((tmp_path / "startup.json").read_text())
+    (run,) = doc["runs"]["demo"]["A"]
+    assert set(run) == {"ready_s", "cpu_s", "first_ms", "stop_s"}
+    assert 0 < run["ready_s"] < startup.READY_TIMEOUT_S and 0 < run["stop_s"] < startup.STOP_TIMEOUT_S
+    assert run["cpu_s"] > run["ready_s"] / 4      # five processes loading: CPU, not waiting
+    assert 0 < run["first_ms"] < 120_000
+    assert [f["name"] for f in doc["figures"]] == [
+        "time to ready p50, demo", "CPU to ready p50, demo", "first answer p50, demo", "stop p50, demo"]
+    assert [f["value"] for f in doc["figures"]] == [run["ready_s"], run["cpu_s"], run["first_ms"], run["stop_s"]]
