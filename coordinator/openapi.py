@@ -29,7 +29,8 @@ OPERATIONS: list[tuple[str, str, str, type[BaseModel] | None, type[BaseModel] | 
     ("get", "/v1/models", "The served model", None, ModelList),
     ("get", "/cluster", "Role instances with a fresh health probe", None, None),
     ("get", "/health", "Liveness, with the instances taking work per role", None, None),
-    ("get", "/ready", "Readiness: 503 while a role has no ready instance or while draining", None, None),
+    ("get", "/ready", "Readiness: 503 while a role has no ready instance or while draining; names this instance",
+     None, None),
 ]
 
 
