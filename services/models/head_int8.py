@@ -38,7 +38,11 @@ from services.models.panel_linear import NR
 CAP = 1024            # candidates per row before the row falls back to the full head
 LIST_CAP = 4096       # columns a kernel thread may keep per row while its lower bound rises
 _U = 2.0 ** -24
-_CHUNK = 512          # panels per chunk when the copy is built (bounds the float64 temporaries)
+# The copy is built a chunk of panels at a time in float64 buffers of about this size, reused by every chunk:
+# new temporaries per op, 64 MB each (512 panels of the medium model's 151936x1024 head), were blocks glibc maps
+# fresh from the kernel every time: 1.9 million minor page faults and 5.0 s at start-up, against 0.04 million (the
+# copy's own pages) and 0.9 s with the buffers, the same bytes (tests/services/models/test_head_int8.py)
+_CHUNK_BYTES = 1 << 20
 _LIB: list[object] = []
 
 
@@ -87,20 +91,24 @@ class Int8Stage:
         self.scale = torch.zeros(width, dtype=torch.float64)
         self.ew = torch.zeros(width, dtype=torch.float64)
         self.nw = torch.zeros(width, dtype=torch.float64)
-        for start in range(0, groups, _CHUNK):
-            w = panels[start:start + _CHUNK].double().transpose(1, 2)         # [c, 16, K]
-            count = w.shape[0]
-            scale = (w.abs().amax(2) / 127).clamp_min(1e-300)                  # [c, 16]
-            q = torch.round(w / scale[:, :, None])
+        chunk = max(1, _CHUNK_BYTES // (NR * in_features * 8))
+        # three float64 buffers [chunk, K, 16] reused by every chunk, read as [c, 16, K] (the panels' layout)
+        w_buf, t_buf, q_buf = (torch.empty(chunk, in_features, NR, dtype=torch.float64) for _ in range(3))
+        q8 = torch.zeros(chunk, NR, 4 * self.k4, dtype=torch.int8)               # its padding stays 0
+        for start in range(0, groups, chunk):
+            count = min(chunk, groups - start)
+            w_buf[:count].copy_(panels[start:start + count])
+            w, t, q = (b[:count].transpose(1, 2) for b in (w_buf, t_buf, q_buf))   # [c, 16, K]
+            scale = (torch.abs(w, out=t).amax(2) / 127).clamp_min(1e-300)      # [c, 16]
+            torch.div(w, scale[:, :, None], out=q).round_()
             cols = slice(start * NR, (start + count) * NR)
             self.scale[cols] = scale.reshape(-1)
-            self.ew[cols] = (q * scale[:, :, None] - w).norm(dim=2).reshape(-1)
+            self.ew[cols] = torch.mul(q, scale[:, :, None], out=t).sub_(w).norm(dim=2).reshape(-1)
             self.nw[cols] = w.norm(dim=2).reshape(-1)
             self.colsum[cols] = (128 * q.sum(2)).to(torch.int32).reshape(-1)
-            q8 = torch.zeros(count, NR, 4 * self.k4, dtype=torch.int8)
-            q8[:, :, :in_features] = q.to(torch.int8)
+            q8[:count, :, :in_features] = q                                    # whole numbers in [-127, 127]
             # [c, 16, K4, 4] -> [c, K4, 16, 4]: lane j of k-group g holds q[j, 4g .. 4g + 3]
-            view[start:start + count] = q8.view(count, NR, self.k4, 4).transpose(1, 2).contiguous().view(
+            view[start:start + count] = q8[:count].view(count, NR, self.k4, 4).transpose(1, 2).contiguous().view(
                 torch.int32).view(count, self.k4, NR)
         self.ew *= 1.001
         self.nw *= 1.001

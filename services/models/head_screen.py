@@ -57,7 +57,7 @@ AUTO_MIN_HIDDEN = 256
 # JUDGE_FULL of them to the full head or left more than JUDGE_CANDIDATES float32 logits per screened row
 JUDGE_ROWS, JUDGE_FULL, JUDGE_CANDIDATES = 64, 0.1, 256
 _U = 2.0 ** -24       # float32 unit roundoff
-_CHUNK = 8192         # vocab rows per chunk when the bound is computed (bounds the temporaries)
+_CHUNK_BYTES = 1 << 20   # the bound's float32 temporaries per chunk of panels (head_int8._CHUNK_BYTES says why)
 
 
 @dataclass
@@ -103,7 +103,7 @@ def weight_bounds(panels: torch.Tensor, screen: torch.Tensor) -> Bounds:
     gamma = in_features * _U / (1.0 - in_features * _U)
     grow = 1.0 + 2.0 ** -8
     widened = pairs = w_max = 0.0
-    step = max(1, _CHUNK // NR)
+    step = max(1, _CHUNK_BYTES // (NR * in_features * 4))
     for start in range(0, panels.shape[0], step):
         exact = panels[start:start + step]
         diff = (exact - screen[start:start + step].float()).norm(dim=1)
