@@ -42,7 +42,7 @@ from typing import Any
 import aiohttp
 
 from benchmarks.common import Figure, machine, percentile, print_figures, results_dir, write_doc_block, write_json
-from benchmarks.procs import Server, attach_epd, metric_sum, running, start_epd
+from benchmarks.procs import Server, attach_epd, metric_sum, running, start_epd, tree_pids
 
 # (role, metric, label filter) of every counter the script follows.
 COUNTERS = {
@@ -133,20 +133,7 @@ async def measure(server: Server, model: str, count: int, warmup: int = 2,
 def _tree_cpu_s(root: int) -> float:
     """CPU seconds every thread of `root` and its descendant processes has run (/proc/<pid>/task/*/schedstat:
     nanoseconds, where `process_cpu_seconds_total` counts 10 ms ticks)."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-    tree, grew = {root}, True
-    while grew:
-        grew = False
-        for pid, parent in parents.items():
-            if parent in tree and pid not in tree:
-                tree.add(pid)
-                grew = True
+    tree = tree_pids(root)
     total = 0
     for pid in tree:
         for task in Path(f"/proc/{pid}/task").glob("*/schedstat"):

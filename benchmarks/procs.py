@@ -153,6 +153,25 @@ def start_epd(model: str, *flags: str, threads: int | None = None, timeout_s: fl
     raise ServerError(f"epd serve did not become ready:\n{server.log_tail()}")
 
 
+def tree_pids(root: int) -> set[int]:
+    """`root` and every descendant process alive now (from /proc)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):   # ended meanwhile
+                continue
+    tree, grew = {root}, True
+    while grew:
+        grew = False
+        for pid, parent in parents.items():
+            if parent in tree and pid not in tree:
+                tree.add(pid)
+                grew = True
+    return tree
+
+
 def tree_at(ref: str) -> Path:
     """The repository's files at git `ref` (a commit, a tag, HEAD~1), exported into a fresh folder: a baseline
     version of epd to start beside this one (`start_epd(..., root=tree_at(ref))`)."""

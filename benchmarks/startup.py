@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 
 from benchmarks.common import Figure, machine, median, print_figures, ratio, results_dir, write_doc_block, write_json
-from benchmarks.procs import ROOT, free_port
+from benchmarks.procs import ROOT, free_port, tree_pids
 
 READY_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 60.0
@@ -34,24 +34,16 @@ _TICK = os.sysconf("SC_CLK_TCK")
 
 
 def _tree_cpu_s(root: int) -> float:
-    """utime + stime of `root` and every descendant alive now (every thread's), in seconds."""
-    parents: dict[int, list[int]] = {}
-    times: dict[int, float] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    """utime + stime of `root` and its descendants (/proc/<pid>/stat, 10 ms ticks): it counts the threads that
+    ended too, as start-up's timing threads have (the per-thread schedstat benchmarks/overhead.py reads does not)."""
+    total = 0.0
+    for pid in tree_pids(root):
         try:
-            with open(f"/proc/{entry}/stat") as stat:
+            with open(f"/proc/{pid}/stat") as stat:
                 fields = stat.read().rsplit(")", 1)[1].split()
         except OSError:   # ended meanwhile
             continue
-        parents.setdefault(int(fields[1]), []).append(int(entry))
-        times[int(entry)] = (int(fields[11]) + int(fields[12])) / _TICK
-    total, todo = 0.0, [root]
-    while todo:
-        pid = todo.pop()
-        total += times.get(pid, 0.0)
-        todo += parents.get(pid, [])
+        total += (int(fields[11]) + int(fields[12])) / _TICK
     return total
 
 
