@@ -131,8 +131,7 @@ def fuse_mlps(root: nn.Module, mode: str = "prepacked", rows: tuple[int, ...] = 
     """Swap the MLPs under `root` for fused ones.  fc1/act/fc2 MLPs (any kernel) unless mode is "default";
     gated SiLU MLPs of plain linears when mode is "prepacked", or "auto" and timing them at `rows` (up to
     four layers in turn) finds the fused one at least 1.05x faster with outputs within 1e-4 relative."""
-    from services.models import packed_linear
-    from services.models.timing_lock import timing_lock
+    from services.models import kernel_choices, packed_linear
 
     report = FuseReport()
     if mode == "default":
@@ -164,8 +163,18 @@ def fuse_mlps(root: nn.Module, mode: str = "prepacked", rows: tuple[int, ...] = 
                     worst = max(worst, diffs["fused"])
             return ratios, worst
 
-        with timing_lock():
+        gate, down = sample[0].gate_proj, sample[0].down_proj
+        what = {"rows": list(rows), "gate": list(gate.weight.shape), "down": list(down.weight.shape),
+                "bias": gate.bias is not None, "layers": len(sample), "dtype": str(gate.weight.dtype)}
+
+        def measure() -> dict[str, Any]:
             ratios, worst = compute_threads.run_in_fresh_thread(timed)
+            return {"ratios": ratios, "worst": worst}
+
+        decision, _ = kernel_choices.decided(
+            "fused_mlp", what, measure,
+            valid=lambda kept: set(kept) == {"ratios", "worst"} and len(kept["ratios"]) == len(rows))
+        ratios, worst = decision["ratios"], float(decision["worst"])
         report.speedup, report.max_rel_diff = packed_linear._geomean(ratios), worst
         too_far = worst > packed_linear.tolerance(sample[0].gate_proj.weight.dtype)
         if too_far or report.speedup < packed_linear.MIN_SPEEDUP:

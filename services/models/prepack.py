@@ -35,6 +35,7 @@ custom op (services/models/swapped.py).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -44,7 +45,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from services.models import panel_linear
+from services.models import kernel_choices, panel_linear
 from services.models.packed_linear import (
     MIN_SPEEDUP,
     PackedLinear,
@@ -55,7 +56,6 @@ from services.models.packed_linear import (
     tolerance,
 )
 from services.models.swapped import SwappedLinear
-from services.models.timing_lock import timing_lock
 
 if TYPE_CHECKING:
     from services.models.base import LanguageModel, VisionModel
@@ -261,7 +261,21 @@ def _decide(mode: str, timed: list[tuple[str, list[nn.Linear], tuple[int, ...]]]
     kernels = [k for k in KERNELS if _kernel_applies(k, _dtype(timed), weight_dtype)]
     if weight_dtype is not None and not kernels:
         raise ValueError(f"no linear kernel keeps {weight_dtype} weights here")
-    return _measure(timed, kernels, serial_rows, weight_dtype)
+    what = {"shapes": [[name, list(linears[0].weight.shape), list(rows), len(linears), linears[0].bias is not None]
+                       for name, linears, rows in timed],
+            "dtype": str(_dtype(timed)), "kernels": kernels, "serial_rows": serial_rows, "weights": str(weight_dtype)}
+    fields = {f.name for f in dataclasses.fields(LinearReport)} - {"head"}
+    decision, timed_at = kernel_choices.decided(
+        "linear", what, lambda: _fields(_measure(timed, kernels, serial_rows, weight_dtype), fields),
+        valid=lambda kept: set(kept) == fields and kept["kernel"] in ("default", *kernels))
+    report = LinearReport(**decision)
+    if timed_at:
+        report.reason += f" at {timed_at}, kept (services/models/kernel_choices.py)"
+    return report
+
+
+def _fields(report: LinearReport, names: set[str]) -> dict[str, Any]:
+    return {name: getattr(report, name) for name in names}
 
 
 def _dtype(timed: list[tuple[str, list[nn.Linear], tuple[int, ...]]]) -> torch.dtype:
@@ -272,9 +286,8 @@ def _measure(timed: list[tuple[str, list[nn.Linear], tuple[int, ...]]], kernels:
              serial_rows: int = 0, weight_dtype: torch.dtype | None = None) -> LinearReport:
     from services.hostcpu import compute_threads
 
-    with timing_lock():   # on the threads the engine will run them with, in a thread that then ends
-        return compute_threads.run_in_fresh_thread(lambda: _measure_alone(timed, kernels, serial_rows,
-                                                                                 weight_dtype))
+    # on the threads the engine will run them with, in a thread that then ends (under kernel_choices' timing lock)
+    return compute_threads.run_in_fresh_thread(lambda: _measure_alone(timed, kernels, serial_rows, weight_dtype))
 
 
 @contextlib.contextmanager

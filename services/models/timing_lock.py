@@ -1,4 +1,5 @@
-"""One start-up kernel timing at a time on this machine (services/models/prepack.py, fused_mlp.py)."""
+"""One start-up kernel timing at a time on this machine (services/models/kernel_choices.py, for prepack.py and
+fused_mlp.py)."""
 
 from __future__ import annotations
 

@@ -159,12 +159,12 @@ def test_start_up_timings_take_turns_across_processes(tmp_path):
     import sys
     import time
 
-    from services.models.prepack import timing_lock
+    from services.models.timing_lock import timing_lock
 
     ready = tmp_path / "held"
     holder = subprocess.Popen([sys.executable, "-c", (
         "import pathlib, time\n"
-        "from services.models.prepack import timing_lock\n"
+        "from services.models.timing_lock import timing_lock\n"
         "with timing_lock() as taken:\n"
         f"    pathlib.Path({str(ready)!r}).write_text(str(taken))\n"
         "    time.sleep(60)\n")])
