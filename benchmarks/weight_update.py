@@ -2,6 +2,7 @@
 
     python -m benchmarks.weight_update            # medium demo, c=8, one 224x224 image per request, 64 tokens
     python -m benchmarks.weight_update --quick    # tiny demo, c=4, 16 tokens
+    python -m benchmarks.weight_update --baseline REF   # the same scenario on epd at REF first; ratios per role
 
 One `epd serve` on the demo checkpoint.  A greedy n=1 request (with an image) is answered before anything else;
 then 8 clients post chat requests back to back (an image each, 64 greedy tokens, ignore_eos) and, once the
@@ -24,12 +25,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
+from pathlib import Path
 from typing import Any, cast
 
 import aiohttp
 import httpx
 
-from benchmarks.common import Figure, machine, print_figures, results_dir, write_doc_block, write_json
+from benchmarks.common import ROOT, Figure, machine, print_figures, results_dir, write_doc_block, write_json
 from benchmarks.procs import exit_on_sigterm, metric_sum, start_epd
 
 
@@ -105,6 +107,8 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=None)
     parser.add_argument("--warm-s", type=float, default=20.0)
     parser.add_argument("--after-s", type=float, default=20.0)
+    parser.add_argument("--baseline", default="", help="a git ref of epd to run the same scenario on first: each "
+                                                       "role's seconds to the new version, this tree / that one")
     args = parser.parse_args()
     exit_on_sigterm()
     from services.models.demo import demo_model_path
@@ -114,19 +118,16 @@ def main() -> None:
     tokens = 16 if args.quick else 64
     folder = str(demo_model_path(model))
     where = machine()
-    server = start_epd(folder, "--decode-slots", "16", timeout_s=1800)
-    try:
-        admin = _admin_url(server.log_tail(400))
-        before = httpx.post(server.url + "/v1/chat/completions", json=body(-1, 32), timeout=1800).json()
-        run = asyncio.run(scenario(server.url, admin, folder, tokens, clients, args.warm_s, args.after_s))
-        after = httpx.post(server.url + "/v1/chat/completions", json=body(-1, 32), timeout=1800).json()
-        mixed_metric = metric_sum(server.metrics(), "epd_coordinator_weight_version_mixed_total")
-    finally:
-        server.stop()
-    verdict = judge(run)
-    report = run["report"]
-    before_ids, after_ids = greedy_ids(before), greedy_ids(after)
+    other = None
+    if args.baseline:
+        from benchmarks.open_loop import _tree_with_kernels
+
+        other = side(folder, tokens, clients, args.warm_s, args.after_s, _tree_with_kernels(args.baseline))
+    run = side(folder, tokens, clients, args.warm_s, args.after_s)
+    verdict, report = run["verdict"], run["report"]
+    before_ids, after_ids = greedy_ids(run["before"]), greedy_ids(run["after"])
     same = before_ids is not None and before_ids == after_ids
+    mixed_metric = run["mixed_metric"]
     figures = [
         Figure(f"requests failed, weight update on the {model} model under c={clients} load", verdict["failed"], 0,
                "eq", "count", note=f"{verdict['requests']} requests, {verdict['during_update']} in flight during "
@@ -139,18 +140,44 @@ def main() -> None:
                  unit="s", note=f"stage {report['stage_s'][role]:.1f} s; drain {report['drain_s']:.2f} s")
           for role, seconds in sorted(report["serving_after_s"].items())],
         Figure("greedy n=1 answer after an update to the same weights: identical", 1.0 if same else 0.0, 1.0, "eq",
-               "count", note=f"{len(before_ids or [])} tokens" if after_ids is not None else f"after: {after}"),
+               "count", note=f"{len(before_ids or [])} tokens" if after_ids is not None else f"after: {run['after']}"),
     ]
+    if other is not None:
+        base = other["report"]
+        figures += [Figure(f"{role} stage, this tree / epd@{args.baseline}", seconds / base["stage_s"][role],
+                           unit="x", note=f"{seconds:.1f} vs {base['stage_s'][role]:.1f} s")
+                    for role, seconds in sorted(report["stage_s"].items()) if base["stage_s"].get(role)]
+        figures.append(Figure(f"seconds to every instance on the new version, this tree / epd@{args.baseline}",
+                              max(report["serving_after_s"].values()) / max(base["serving_after_s"].values()),
+                              unit="x", note=f"{max(report['serving_after_s'].values()):.1f} vs "
+                                             f"{max(base['serving_after_s'].values()):.1f} s; baseline failed "
+                                             f"{other['verdict']['failed']} of {other['verdict']['requests']}"))
     for figure in figures:
         figure.detail["measured"] = {"time": where["time"], "loadavg": where["loadavg_at_start"]}
     print_figures(figures, "weight update under load")
     slim = {k: v for k, v in run.items() if k != "results"}
+    baseline = {"ref": args.baseline, **{k: v for k, v in other.items() if k != "results"}} if other else None
     path = write_json({"machine": where, "model": model, "clients": clients, "tokens": tokens, "figures": figures,
-                       "verdict": verdict, **slim}, results_dir(args.quick) / "weight_update.json")
+                       **slim, "baseline": baseline}, results_dir(args.quick) / "weight_update.json")
     print(f"wrote {path}")
     if not args.quick:
-        write_doc_block("weight-update", "python -m benchmarks.weight_update", figures,
+        command = "python -m benchmarks.weight_update" + (f" --baseline {args.baseline}" if args.baseline else "")
+        write_doc_block("weight-update", command, figures,
                         "Machine shared with other agents' jobs (load average above).")
+
+
+def side(folder: str, tokens: int, clients: int, warm_s: float, after_s: float, root: Path = ROOT) -> dict[str, Any]:
+    """One `epd serve` from the tree at `root`: the greedy answer, the update under load, the greedy answer again."""
+    server = start_epd(folder, "--decode-slots", "16", timeout_s=1800, root=root)
+    try:
+        admin = _admin_url(server.log_tail(400))
+        before = httpx.post(server.url + "/v1/chat/completions", json=body(-1, 32), timeout=1800).json()
+        run = asyncio.run(scenario(server.url, admin, folder, tokens, clients, warm_s, after_s))
+        after = httpx.post(server.url + "/v1/chat/completions", json=body(-1, 32), timeout=1800).json()
+        mixed_metric = metric_sum(server.metrics(), "epd_coordinator_weight_version_mixed_total")
+    finally:
+        server.stop()
+    return {**run, "verdict": judge(run), "before": before, "after": after, "mixed_metric": mixed_metric}
 
 
 def greedy_ids(answer: dict[str, Any]) -> list[int] | None:

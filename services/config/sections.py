@@ -221,8 +221,8 @@ class EnginesConfig:
     kv_block_size: int = _f(16, "tokens per KV block of the decode pool")
     decode_kv_wait_s: float = _f(10.0, "seconds a request waits for room in the decode KV pool before 429")
     linear_kernel: str = _f("auto", "matmuls of model roles: auto (time F.linear, the panel C kernel and oneDNN "
-                            "prepacked weights at start-up on the role's batch sizes, the LM head apart, keep the "
-                            "fastest) | panel | prepacked | default (also transformers' own RoPE ops)")
+                            "prepacked weights on the role's batch sizes, the LM head apart, keep the fastest; kept "
+                            "in $EPD_CACHE_DIR/kernel-choices) | panel | prepacked | default (also transformers' RoPE)")
     decode_fused: str = _f("auto", "decode step as one C call over the whole decoder stack (float32 CPU, panel "
                            "linears, Llama/Qwen-shaped layers): auto (wherever it applies; with --linear-kernel auto "
                            "the decoder stack then uses the panel kernel) | on (refuse to start where it does not "

@@ -7,9 +7,15 @@ import json
 
 def test_quick_start_writes_every_figure_of_one_timed_start(tmp_path, monkeypatch):
     from benchmarks import common, startup
+    from services.models import kernel_choices
 
     monkeypatch.setenv(common.RESULTS_ENV, str(tmp_path))
+    stale = kernel_choices.folder() / "linear-stale.json"
+    stale.parent.mkdir(parents=True, exist_ok=True)
+    stale.write_text("{}")
     assert startup.main(["--quick"]) == 0
+    # the start began with no kept kernel choices and kept the ones its roles timed
+    assert not stale.exists() and any(kernel_choices.folder().glob("linear-*.json"))
     doc = json.loads((tmp_path / "startup.json").read_text())
     (run,) = doc["runs"]["demo"]["A"]
     assert set(run) == {"ready_s", "cpu_s", "first_ms", "stop_s"}
