@@ -52,18 +52,20 @@ def folder() -> Path:
 def decided(kind: str, what: dict[str, Any], measure: Callable[[], dict[str, Any]],
             valid: Callable[[dict[str, Any]], bool] = lambda _: True) -> tuple[dict[str, Any], str]:
     """The decision for `what`: kept from an earlier timing (second item: when it was timed), else `measure()`
-    run now under the timing lock and kept (second item ""); `valid` vets a kept one."""
+    run now under the timing lock and kept (second item ""; not kept when the lock's wait ran out and it timed
+    beside another process's timing); `valid` vets a kept one."""
     path = folder() / f"{kind}-{_key(kind, what)}.json"
     kept = _read(path, valid)
     if kept is not None:
         return kept
-    with timing_lock():
+    with timing_lock() as alone:
         kept = _read(path, valid)   # another process of this model timed it while this one waited
         if kept is not None:
             return kept
         decision = measure()
-    _write(path, {"kind": kind, "what": what, "timed_at": time.strftime("%Y-%m-%d %H:%M:%S"),
-                  "decision": decision})
+    if alone:   # timed beside another role's timing (the lock's wait ran out): not a decision to keep
+        _write(path, {"kind": kind, "what": what, "timed_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+                      "decision": decision})
     return decision, ""
 
 

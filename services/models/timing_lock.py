@@ -18,14 +18,15 @@ _LOCK_WAIT_S = 120.0          # how long a role waits for another's start-up tim
 
 
 @contextlib.contextmanager
-def timing_lock(wait_s: float = _LOCK_WAIT_S) -> Iterator[bool]:
+def timing_lock(wait_s: float | None = None) -> Iterator[bool]:
     """One start-up timing at a time on this machine (all users' epd processes of this uid).
 
     `epd serve` starts encode, prefill and decode together; timed side by side, each one's OpenMP
     threads wait at barriers for threads the others preempted, while single-threaded F.linear does
     not, and auto picked F.linear for decode at 0.23x-0.81x where alone it measures the panel kernel
-    2.4x faster.  Yields True when the lock was taken, False when `wait_s` passed first (then it
-    times anyway, and says so); the lock goes when the process does, even killed."""
+    2.4x faster.  Yields True when the lock was taken, False when `wait_s` (default 120 s) passed first
+    (then it times anyway, and says so); the lock goes when the process does, even killed."""
+    wait_s = _LOCK_WAIT_S if wait_s is None else wait_s
     path = os.path.join(tempfile.gettempdir(), f"epd-linear-timing-{os.getuid()}.lock")
     with open(path, "a") as handle:
         deadline = time.monotonic() + wait_s
