@@ -15,6 +15,7 @@ from services.config import ConfigError, EpdConfig, from_args, schema
 from .manifests import (
     REF,
     ROLES,
+    ROOT,
     Doc,
     containers,
     effective_env,
@@ -378,7 +379,22 @@ def network_policies(docs: list[Doc]) -> list[str]:
     return problems
 
 
+def kernel_choices_kept(docs: list[Doc]) -> list[str]:
+    """A model role on a read-only root filesystem mounts a volume where it keeps its kernel choices
+    (EPD_CACHE_DIR/kernel-choices, services/models/kernel_choices.py): else every start times them again."""
+    image_cache = next(line.split("=", 1)[1] for line in (ROOT / "deploy/docker/Dockerfile").read_text().splitlines()
+                       if line.startswith("ENV EPD_CACHE_DIR="))
+    problems = []
+    for deployment, c, command in epd_containers(docs):
+        want = effective_env(docs, c).get("EPD_CACHE_DIR", image_cache).rstrip("/") + "/kernel-choices"
+        read_only = (c.get("securityContext") or {}).get("readOnlyRootFilesystem")
+        if command in ("encode", "prefill", "decode") and read_only and want not in {
+                m["mountPath"] for m in c.get("volumeMounts") or []}:
+            problems.append(f"{name_of(deployment)}/{c['name']}: no volume at {want} (read-only root filesystem)")
+    return problems
+
+
 def run_all(docs: list[Doc], autoscaled: bool = True) -> list[str]:
-    problems = [p for check in (*ALL, probes_and_drain, secrets_wiring, network_policies, autoscaler_signals)
-                for p in check(docs)]
+    problems = [p for check in (*ALL, probes_and_drain, secrets_wiring, network_policies, autoscaler_signals,
+                                kernel_choices_kept) for p in check(docs)]
     return problems + budgets_and_autoscalers(docs, autoscaled)

@@ -180,3 +180,13 @@ def test_the_placeholder_credentials_of_the_base_are_refused():
         placeholder = (K8S / "base" / "common" / "secrets" / name).read_text()
         with pytest.raises(ConfigError, match="still the placeholder"):
             EpdConfig.of(**{field: placeholder})
+
+
+def test_a_model_role_without_its_kernel_choices_volume_is_caught():
+    def unmounted(docs):
+        c = container(docs, "epd-prefill", "prefill")
+        c["volumeMounts"] = [m for m in c["volumeMounts"] if not m["mountPath"].endswith("/kernel-choices")]
+
+    assert checks.kernel_choices_kept(overlay("multi-node")) == []
+    assert checks.kernel_choices_kept(broken("multi-node", unmounted)) == [
+        "Deployment/epd-prefill/prefill: no volume at /opt/epd/models/kernel-choices (read-only root filesystem)"]

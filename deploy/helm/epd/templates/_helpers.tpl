@@ -185,6 +185,11 @@ several roles share a pod).
       mountPath: /tmp
     - name: cache
       mountPath: /cache
+    {{- if has .role (list "encode" "prefill" "decode") }}
+    {{- /* --linear-kernel auto's timed choices in the image's read-only EPD_CACHE_DIR (kernel_choices.py) */}}
+    - name: kernel-choices
+      mountPath: /opt/epd/models/kernel-choices
+    {{- end }}
     {{- if and .prefix (has .role (list "encode" "prefill" "decode")) }}
     - name: shm
       mountPath: /dev/shm
@@ -304,6 +309,9 @@ several roles share a pod).
 - name: tmp
   emptyDir:
     sizeLimit: 1Gi
+- name: kernel-choices
+  emptyDir:
+    sizeLimit: 16Mi
 {{- end -}}
 
 {{/* PodDisruptionBudget + HorizontalPodAutoscaler for one Deployment. dict: root, name, component, cfg */}}
