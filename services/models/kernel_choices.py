@@ -3,9 +3,9 @@ fused_mlp.py), so a restart, a second instance or a weight update of the same sh
 once instead of timing again.
 
 Why: auto times F.linear against the swapped kernels on the model's own layer shapes, one role at a time on the
-machine (timing_lock.py).  On the medium demo model that is ~5 s of prefill's start and ~3.5 s of encode's, most
-of a cluster's time to ready beyond its imports; and each weight version a running role stages was timed again,
-under the load that role serves, which makes the timing both slower and less true.
+machine (timing_lock.py): seconds of a role's start on the medium demo model (benchmarks/startup.py measures a
+start with and without them), and each weight version a running role stages was timed again, under the load that
+role serves, which makes the timing both slower and less true (benchmarks/weight_update.py --baseline).
 
 A decision is a small JSON file under `$EPD_CACHE_DIR/kernel-choices/` (beside the model cache; ~/.cache/epd by
 default), named by a digest of everything the timing depended on:
@@ -50,7 +50,7 @@ def folder() -> Path:
 
 
 def decided(kind: str, what: dict[str, Any], measure: Callable[[], dict[str, Any]],
-            valid: Callable[[dict[str, Any]], bool] = lambda _: True) -> tuple[dict[str, Any], str]:
+            valid: Callable[[dict[str, Any]], bool]) -> tuple[dict[str, Any], str]:
     """The decision for `what`: kept from an earlier timing (second item: when it was timed), else `measure()`
     run now under the timing lock and kept (second item ""; not kept when the lock's wait ran out and it timed
     beside another process's timing); `valid` vets a kept one."""

@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
@@ -151,8 +150,8 @@ def test_two_processes_starting_together_time_once(demo_model_path, cache):
     outs = [proc.communicate(timeout=300)[0].strip() for proc in procs]
     assert all(proc.returncode == 0 for proc in procs), outs
     reasons = sorted(out.split(" ", 1)[1] for out in outs)
-    assert reasons[0] == "measured" and reasons[1].startswith("measured at ") and reasons[1].endswith("kept "
-                                                                                                     "(services/models/kernel_choices.py)")
+    kept = "kept (services/models/kernel_choices.py)"
+    assert reasons[0] == "measured" and reasons[1].startswith("measured at ") and reasons[1].endswith(kept)
     assert len({out.split(" ", 1)[0] for out in outs}) == 1
 
 
@@ -160,25 +159,11 @@ def test_a_timing_beside_another_is_not_kept(demo_model_path, cache, timings, mo
     """The timing lock's wait ran out (another process held it): auto times anyway, beside that process, and a
     decision measured so is used but not kept."""
     from services.models import timing_lock
+    from tests.support.timing_holder import lock_held
 
-    held = tmp_path / "held"
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import pathlib, time\n"
-        "from services.models.timing_lock import timing_lock\n"
-        "with timing_lock():\n"
-        f"    pathlib.Path({str(held)!r}).write_text('1')\n"
-        "    time.sleep(120)\n")])
-    try:
-        for _ in range(1200):
-            if held.exists() or holder.poll() is not None:
-                break
-            time.sleep(0.05)
-        assert held.exists(), "the holder did not take the lock"
+    with lock_held(tmp_path):
         monkeypatch.setattr(timing_lock, "_LOCK_WAIT_S", 0.2)
         report = prepack_language(_load(demo_model_path), "auto", rows=(4,), head_rows=(1,))
         assert report.reason == "measured" and timings["linear"] == 2 and not list(cache.glob("*.json"))
-    finally:
-        holder.kill()
-        holder.wait(30)
     prepack_language(_load(demo_model_path), "auto", rows=(4,), head_rows=(1,))     # the lock free again: kept
     assert timings["linear"] == 4 and len(list(cache.glob("linear-*.json"))) == 2

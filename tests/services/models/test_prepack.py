@@ -155,32 +155,16 @@ def test_prepacked_vision_tower_embeddings_agree(demo_model_path):
 def test_start_up_timings_take_turns_across_processes(tmp_path):
     """Roles of one machine time their kernels one at a time (timed side by side, their threads' barriers
     made every OpenMP kernel look slow); a holder that never lets go delays the next by `wait_s` at most."""
-    import subprocess
-    import sys
     import time
 
     from services.models.timing_lock import timing_lock
+    from tests.support.timing_holder import lock_held
 
-    ready = tmp_path / "held"
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import pathlib, time\n"
-        "from services.models.timing_lock import timing_lock\n"
-        "with timing_lock() as taken:\n"
-        f"    pathlib.Path({str(ready)!r}).write_text(str(taken))\n"
-        "    time.sleep(60)\n")])
-    try:
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            assert time.monotonic() < deadline and holder.poll() is None, "the holder did not take the lock"
-            time.sleep(0.05)
-        assert ready.read_text() == "True"
+    with lock_held(tmp_path):
         started = time.monotonic()
         with timing_lock(wait_s=0.5) as taken:
             waited = time.monotonic() - started
         assert taken is False and 0.5 <= waited < 5
-    finally:
-        holder.kill()
-        holder.wait(30)
     with timing_lock(wait_s=120) as taken:   # the lock went with the killed holder
         assert taken is True
 
