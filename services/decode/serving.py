@@ -27,6 +27,7 @@ from services.connectors.wiring import as_epd_error, runs_inline
 from services.generation.detokenizer import decode_function
 from services.generation.params import DecodeParams
 from services.generation.params_from import decode_params
+from services.hostcpu import compute_lease
 from services.hostcpu.compute_threads import helper_executor
 from services.observability import activity
 from services.observability.owned_metrics import OwnedGauges
@@ -170,6 +171,7 @@ class DecodeService:
         texts = _LogprobTexts(engine.tokenizer, kv_params, firsts, bool(resumed)) \
             if params.logprobs is not None else None
         left = samples   # samples whose final event has not been read yet
+        first = True
         try:
             async for event in request.stream.events():
                 if texts is not None:
@@ -179,6 +181,9 @@ class DecodeService:
                     left -= 1
                     FINISHED.labels(event.finish_reason or "unknown").inc()
                 yield event
+                if first:   # written: the prompt forwards waiting for decode's turn may start (compute_lease.py)
+                    compute_lease.sent_first_token()
+                    first = False
         finally:
             if left:
                 engine.abort(request_id)  # one still loading ends when its copy is done (engine.start)

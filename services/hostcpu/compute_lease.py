@@ -23,6 +23,13 @@ to the encode, prefill and decode processes); the kernel drops a dead holder's l
 board of flags, one per prompt-side process (its slot): WAITING while it waits, HOLDING while it holds.  A
 process that held the lease last lets another that is waiting go first (for at most FAIR_S), so a role whose
 forwards follow each other closely cannot keep it.
+Decode's turn: a prompt forward that ends hands its prompts' first tokens to decode (through the coordinator), and
+decode, niced, sends each on only when it gets a core; a next prompt forward that starts at once takes both cores
+for its whole length, so those first tokens waited for it (up to a batched forward's 300 ms, the slowest TTFTs
+under `vllm bench serve` bursts).  So prefill counts the first tokens it hands off (HANDED, after the flags),
+decode counts those it has sent (TAKEN), and a prompt-side forward starts only when decode has caught up, or
+TURN_S after the last hand-off (a first token that never reaches decode, e.g. its client went away, is then
+forgotten).  vLLM's one loop gets the same order: a step's new tokens go out before the next step.
 A wait longer than `wait_s` computes without the lease (and says so in the log); the wait itself is observed
 in `epd_compute_lease_wait_seconds{stage}`, outside the stage's compute time.  `taken_now` never waits: an
 engine about to run a small forward on its event loop (compute_threads.INLINE_FORWARD_FLOPS) takes the lease
@@ -36,6 +43,7 @@ import fcntl
 import logging
 import mmap
 import os
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -47,6 +55,10 @@ logger = logging.getLogger(__name__)
 LEASE_ENV = "EPD_COMPUTE_LEASE_PATH"       # the lease file's path (set by `epd serve`)
 SLOT_ENV = "EPD_COMPUTE_LEASE_SLOT"        # this process's waiting flag on the board
 BOARD_BYTES = 64
+HANDED, TAKEN, HANDED_AT = 64, 72, 80      # int64s after the flags: first tokens handed to decode, sent on by it, when
+FOLLOWED = 88                              # nonzero once a decode follows the board (else nothing is counted)
+FILE_BYTES = 96
+TURN_S = 0.05                              # the longest a prompt-side forward waits for decode to send them on
 STAGES = ("encode", "prefill")             # the compute stages that hold the lease (decode's steps do not)
 FAIR_S = 0.05                              # how long the last holder defers to a waiter
 WAITING, HOLDING = 1, 2                    # a slot's flag on the board
@@ -63,7 +75,7 @@ LEASE_WAIT = Histogram("epd_compute_lease_wait_seconds", "Time a forward waited 
 def create(path: str) -> str:
     """The lease file with an empty board (`epd serve`, before it starts the roles)."""
     with open(path, "wb") as file:
-        file.write(bytes(BOARD_BYTES))
+        file.write(bytes(FILE_BYTES))
     return path
 
 
@@ -75,7 +87,7 @@ class ComputeLease:
             raise ValueError(f"compute lease slot {slot} is outside 0..{BOARD_BYTES - 1}")
         self.path, self.slot, self.wait_s = path, slot, wait_s
         self._fd = os.open(path, os.O_RDWR)
-        self._board = mmap.mmap(self._fd, BOARD_BYTES)
+        self._board = mmap.mmap(self._fd, FILE_BYTES)
         self._board[slot] = 0   # a flag an earlier process in this slot left when it was killed
         self._mutex = threading.Lock()       # one holder per process (flock is per open file, not per thread)
         self._held_last = False
@@ -92,11 +104,34 @@ class ComputeLease:
             return False
         return True
 
+    def handed_off(self, count: int) -> None:
+        """A forward just ended with `count` prompts whose first tokens go on to decode (on these cores, if a decode
+        follows the board: decode on another host sends them on without taking these cores)."""
+        if not self._board[FOLLOWED]:
+            return
+        handed, taken, at = struct.unpack_from("<qqq", self._board, HANDED)
+        now = time.monotonic_ns()
+        base = taken if taken >= handed or now - at >= TURN_S * 1e9 else handed   # older ones not taken: forgotten
+        struct.pack_into("<q", self._board, HANDED, base + count)   # TAKEN is decode's to write
+        struct.pack_into("<q", self._board, HANDED_AT, now)
+
+    def turn_pending(self) -> bool:
+        """Decode has not yet sent on the first tokens handed to it less than TURN_S ago."""
+        handed, taken, at = struct.unpack_from("<qqq", self._board, HANDED)
+        return taken < handed and time.monotonic_ns() - at < TURN_S * 1e9
+
+    def await_turn(self) -> None:
+        pause = _POLL_S[0]
+        while self.turn_pending():
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL_S[1])
+
     @contextlib.contextmanager
     def hold(self, stage: str) -> Iterator[bool]:
         """Holds the lease for the block; yields False when it computed without it (`wait_s` passed)."""
         with self._mutex:
             began = time.monotonic()
+            self.await_turn()
             got = self._acquire(began)
             LEASE_WAIT.labels(stage).observe(time.monotonic() - began)
             self._board[self.slot] = HOLDING   # decode pauses meanwhile (also when computing without the lease)
@@ -110,7 +145,7 @@ class ComputeLease:
 
     def try_hold(self) -> bool:
         """The lease if it is free now and fairness does not make this process wait (then `release()` it)."""
-        if not self._mutex.acquire(blocking=False):
+        if self.turn_pending() or not self._mutex.acquire(blocking=False):
             return False
         if (self._held_last and self._others_waiting()) or not self._try():
             self._mutex.release()
@@ -155,10 +190,17 @@ class Follower:
     def __init__(self, path: str) -> None:
         self.path = path
         self._fd = os.open(path, os.O_RDWR)
-        self.board = mmap.mmap(self._fd, BOARD_BYTES)   # read here; its address goes to the fused step
+        self.board = mmap.mmap(self._fd, FILE_BYTES)   # read here; its address goes to the fused step (the flags)
+        self.board[FOLLOWED] = 1
 
     def busy(self) -> bool:
         return self.board[:BOARD_BYTES] != _EMPTY
+
+    def sent_first_token(self) -> None:
+        """A request's first token went out (decode's turn: prompt forwards wait for it).  Two decode instances on
+        one board may lose a count to each other: a forward then waits TURN_S at most."""
+        taken = struct.unpack_from("<q", self.board, TAKEN)[0]
+        struct.pack_into("<q", self.board, TAKEN, taken + 1)
 
     def clear_stale(self) -> bool:
         """Flags a killed process left cleared (decode calls it once a step paused its whole budget on the board);
@@ -231,6 +273,23 @@ def configure_from_env() -> str:
     return f"compute lease {path} (slot {slot})"
 
 
+def handed_off(count: int) -> None:
+    """Prefill: a forward ended with `count` prompts whose first tokens go on to decode (decode's turn)."""
+    if _LEASE and count:
+        _LEASE[0].handed_off(count)
+
+
+def turn_pending() -> bool:
+    """Whether a prompt-side forward should let decode send on first tokens first (ComputeLease.turn_pending)."""
+    return bool(_LEASE) and _LEASE[0].turn_pending()
+
+
+def sent_first_token() -> None:
+    """Decode: a request's first token went out to the coordinator."""
+    if _FOLLOWER:
+        _FOLLOWER[0].sent_first_token()
+
+
 @contextlib.contextmanager
 def held(stage: str) -> Iterator[None]:
     """The process's lease around a forward (nothing where none is configured)."""
@@ -260,5 +319,6 @@ def taken_now(stage: str) -> Iterator[bool]:
         lease.release()
 
 
-__all__ = ["BOARD_BYTES", "HOLDING", "LEASE_ENV", "SLOT_ENV", "STAGES", "WAITING", "YIELD_BUDGET_S", "ComputeLease",
-           "Follower", "configure", "configure_from_env", "create", "follow_from_env", "follower", "held", "taken_now"]
+__all__ = ["BOARD_BYTES", "FILE_BYTES", "HOLDING", "LEASE_ENV", "SLOT_ENV", "STAGES", "TURN_S", "WAITING",
+           "YIELD_BUDGET_S", "ComputeLease", "Follower", "configure", "configure_from_env", "create",
+           "follow_from_env", "follower", "handed_off", "held", "sent_first_token", "taken_now", "turn_pending"]

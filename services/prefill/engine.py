@@ -59,6 +59,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_PREFIX_CACHE_MB = 256
+TURN_POLL_S = 0.0005   # how often a ready forward looks whether decode's turn is over (compute_lease.turn_pending)
 
 
 @dataclass
@@ -114,7 +115,8 @@ class PrefillEngine:
                cache_salt: str | None = None,
                on_finish: Callable[[HeldPrefill], None] | None = None, greedy: bool = False,
                inline: bool = False, prompt_logprobs: int | None = None,
-               logprobs_mode: str = "raw_logprobs", draws: Sequence[DecodeParams] = ()) -> Future[HeldPrefill]:
+               logprobs_mode: str = "raw_logprobs", draws: Sequence[DecodeParams] = (),
+               hands_off: bool = False) -> Future[HeldPrefill]:
         """Queue one prompt; the future resolves to its HeldPrefill (release it!) or to the error
         (ValueError / InvalidMultiModalInput for items that do not fit the prompt).  `on_finish(held)`
         runs on the engine thread first (an exception from it fails the future, the blocks released).
@@ -123,10 +125,13 @@ class PrefillEngine:
         `first_logits`.  `draws`: each sample's first-token params, all plain sampled (`can_draw`): the tokens
         are drawn through the screen (services/sampling/screened.py), the logits kept only where it cannot.
         `inline`: an idle engine may run it on this thread (returns the future done).
-        `prompt_logprobs`: the top n per prompt token too (`HeldPrefill.prompt_records`; prompt_logprobs.py)."""
+        `prompt_logprobs`: the top n per prompt token too (`HeldPrefill.prompt_records`; prompt_logprobs.py).
+        `hands_off`: its first token goes on to a decode on these cores, which sends it before the next prompt
+        forward starts (decode's turn, services/hostcpu/compute_lease.py)."""
         self._check_length(token_ids)
         job = PrefillJob(list(token_ids), list(mm_items or []), cache_salt, on_finish=on_finish, greedy=greedy,
-                         prompt_logprobs=prompt_logprobs, logprobs_mode=logprobs_mode, draws=tuple(draws))
+                         prompt_logprobs=prompt_logprobs, logprobs_mode=logprobs_mode, draws=tuple(draws),
+                         hands_off=hands_off)
         with self._cond:
             if self._closed:
                 raise RuntimeError("the prefill engine is closed")
@@ -221,6 +226,9 @@ class PrefillEngine:
         """The next forward's rows; None when closed or idle for idle_exit_s (the thread then ends)."""
         with self._cond:
             while not self._closed:
+                if not self._busy and len(self._scheduler) and compute_lease.turn_pending():
+                    self._cond.wait(TURN_POLL_S)   # decode's turn first (compute_lease.py); prompts may join meanwhile
+                    continue
                 batch = [] if self._busy else self._scheduler.next_batch()
                 if batch:
                     self._busy = True   # cleared by _run after the forward
@@ -261,6 +269,7 @@ class PrefillEngine:
         with self._cond:
             self._scheduler.advance(batch)
         self._count(batch, chunks)
+        compute_lease.handed_off(sum(batch[index].job.hands_off for index in finishing))
         for row, index in enumerate(finishing):
             job = batch[index].job
             picked = tokens[row]

@@ -51,6 +51,7 @@ class PrefillJob:
     prompt_logprobs: int | None = None   # top n per prompt token, when asked (services/prefill/prompt_logprobs.py)
     logprobs_mode: str = "raw_logprobs"  # logits or logprobs in those records
     prompt_records: list[Any] = field(default_factory=list)   # one per prompt token but the first, as rows run
+    hands_off: bool = False   # its first token goes on to decode (compute_lease.py: decode's turn)
 
     @property
     def num_tokens(self) -> int:

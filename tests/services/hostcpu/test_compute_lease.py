@@ -2,14 +2,17 @@
 
 Real processes share a real lease file: their held intervals never overlap, the one that just held it lets a
 waiting one go first, a dead holder's lease is free at once, and a wait past its deadline computes without it.
-The negative control runs the same processes without the lease and sees their intervals overlap."""
+The negative control runs the same processes without the lease and sees their intervals overlap.  Decode's turn:
+a forward waits for decode to send on the first tokens prefill just handed it (TURN_S at most)."""
 
 from __future__ import annotations
 
 import os
+import struct
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -120,7 +123,7 @@ def test_epd_serve_gives_encode_and_prefill_one_lease_and_their_own_slots_and_de
         assert sorted(e[compute_lease.SLOT_ENV] for e in env.values() if compute_lease.SLOT_ENV in e) == \
             ["0", "1", "2"]
         assert compute_lease.SLOT_ENV not in env["i_decode0"]   # decode follows the lease, never takes it
-        assert os.path.getsize("/dev/shm/epd-lease-leasetest") == compute_lease.BOARD_BYTES
+        assert os.path.getsize("/dev/shm/epd-lease-leasetest") == compute_lease.FILE_BYTES
     finally:
         os.unlink("/dev/shm/epd-lease-leasetest")
     assert compute_lease_env(config.with_(compute_lease="off"), children) == {}
@@ -133,3 +136,44 @@ def test_epd_serve_gives_encode_and_prefill_one_lease_and_their_own_slots_and_de
     assert compute_lease_env(config, alone) == {}
     with pytest.raises(ConfigError, match="compute_lease must be one of auto, off"):
         EpdConfig.of(compute_lease="on")
+
+
+def _counts(path: str) -> tuple[int, int]:
+    with open(path, "rb") as file:
+        board = file.read()
+    return struct.unpack_from("<q", board, compute_lease.HANDED)[0], struct.unpack_from("<q", board,
+                                                                                          compute_lease.TAKEN)[0]
+
+
+def test_a_prompt_forward_waits_for_decode_to_send_the_first_tokens_handed_to_it(tmp_path, monkeypatch):
+    """Decode's turn: after a hand-off of two first tokens, the lease is not taken (try_hold) or waited for
+    (hold) until decode has sent both on; one decode never sends (its client left) is forgotten after TURN_S."""
+    path = compute_lease.create(str(tmp_path / "lease"))
+    lease = compute_lease.ComputeLease(path, 0)
+    lease.handed_off(2)
+    assert _counts(path) == (0, 0) and not lease.turn_pending()   # no decode follows: none to wait for
+    decode = compute_lease.Follower(path)
+    try:
+        monkeypatch.setattr(compute_lease, "TURN_S", 5.0)
+        lease.handed_off(2)
+        assert _counts(path) == (2, 0) and lease.turn_pending() and not lease.try_hold()
+        sender = threading.Timer(0.3, lambda: (decode.sent_first_token(), decode.sent_first_token()))
+        began = time.monotonic()
+        sender.start()
+        with lease.hold("prefill") as got:
+            waited = time.monotonic() - began
+        sender.join()
+        assert got and 0.29 <= waited < 3 and _counts(path) == (2, 2) and not lease.turn_pending()
+        monkeypatch.setattr(compute_lease, "TURN_S", 0.2)
+        lease.handed_off(1)                       # never sent on
+        began = time.monotonic()
+        with lease.hold("prefill"):
+            waited = time.monotonic() - began
+        assert 0.19 <= waited < 2                 # TURN_S at most
+        lease.handed_off(1)                       # the lost one is forgotten: one send ends this turn
+        assert _counts(path) == (3, 2) and lease.turn_pending()
+        decode.sent_first_token()
+        assert not lease.turn_pending() and lease.try_hold()
+        lease.release()
+    finally:
+        lease.close()

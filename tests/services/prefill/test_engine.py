@@ -225,3 +225,38 @@ def test_temperature_first_tokens_are_drawn_through_the_screen(demo_model_path, 
         assert all(0 <= token < lm.vocab_size for token in held.first_tokens)
     assert runs[0].first_tokens == runs[1].first_tokens
     assert engine.screen.rows_screened == 6 and engine.screen.rows_full == 0
+
+
+def test_a_forward_waits_for_decode_to_send_the_first_tokens_handed_off_before_it(parts, tmp_path, monkeypatch):
+    """Decode's turn (services/hostcpu/compute_lease.py): a prompt's first token handed to decode is counted, and
+    the next forward starts only once decode has sent it on; a prompt that hands nothing off counts nothing."""
+    import struct
+    import time
+
+    from services.hostcpu import compute_lease
+
+    path = compute_lease.create(str(tmp_path / "lease"))
+    monkeypatch.setattr(compute_lease, "_LEASE", [compute_lease.ComputeLease(path, 0)])
+    monkeypatch.setattr(compute_lease, "TURN_S", 5.0)
+    decode = compute_lease.Follower(path)
+
+    def counts() -> tuple[int, int]:
+        return struct.unpack_from("<qq", decode.board, compute_lease.HANDED)
+
+    engine = PrefillEngine(parts[1])
+    ids = list(range(10, 40))
+    try:
+        engine.submit(ids, hands_off=True).result(timeout=60).release()
+        assert counts() == (1, 0)
+        sender = threading.Timer(0.3, decode.sent_first_token)
+        began = time.monotonic()
+        sender.start()
+        engine.submit(ids, hands_off=False).result(timeout=60).release()   # waited for decode's turn
+        assert time.monotonic() - began >= 0.29 and counts() == (1, 1)
+        sender.join()
+        began = time.monotonic()
+        engine.submit(ids).result(timeout=60).release()   # nothing handed off: no turn to wait for
+        assert time.monotonic() - began < 0.29 and counts() == (1, 1)
+    finally:
+        engine.close()
+        compute_lease._LEASE[0].close()
