@@ -32,7 +32,7 @@ GROUPS: list[tuple[str, tuple[str, ...]]] = [
     ("Engines and throughput", (
         "engine-targets", "targets", "epd-dtype", "tpot-under-prefill", "decode-beside-hogs", "stage-overlap",
         "prefill-packing", "render-workers", "decode-kv-memory", "decode-threads", "omp-team", "open-loop-nice",
-        "open-loop-nice-deep")),
+        "open-loop-nice-deep", "open-loop-turn-deep", "open-loop-turn-smollm2")),
     ("Kernels", (
         "kernel-gains", "kernels", "prefill-kernels", "fused-mlp", "bf16-gemm", "fused-step",
         "panel-ref", "head-screen", "screened-draw", "int8-screen", "linear-kernels")),

@@ -54,7 +54,9 @@ SHAPES = {"demo-medium": "open_loop", "demo-deep": "open_loop_deep", "smollm2": 
 # open_loop_nice(_deep): the A/B behind `epd serve`'s decode niceness (services/hostcpu/role_cpu.py)
 DOC_RUNS = {"open_loop_overload": "vllm", "open_loop_smollm2_tail": "vllm", "open_loop_deep_tail": "vllm",
             "open_loop_smollm2_4rps": "vllm",   # SmolLM2 text at 4 req/s: vLLM still keeps up (its capacity is above)
-            "open_loop_nice": "self", "open_loop_nice_deep": "self"}
+            "open_loop_nice": "self", "open_loop_nice_deep": "self",
+            # decode's turn (services/hostcpu/compute_lease.py): after it / main before it, two shapes
+            "open_loop_turn_deep": "4e4b98e", "open_loop_turn_smollm2": "4e4b98e"}
 GOODPUT = ("ttft:2000", "tpot:100")
 SLO_FLAGS = ("--ttft-slo-ms", "2000", "--tpot-slo-ms", "100")   # the same SLO, as epd's admission targets
 DROP = ("input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times", "queue_times", "generated_texts",
@@ -324,6 +326,8 @@ def parse(argv: list[str] | None) -> tuple[Setup, bool]:
                        ("name", args.name or ("" if args.quick else default_name(changes["model"])))):
         if value:
             changes[key] = value
+    if changes.get("baseline") not in (None, "vllm", "self"):   # a git ref: named by its commit, which stays
+        changes["baseline"] = commit_of(changes["baseline"])
     changes["seed"] = args.seed
     changes["epd_flags"] = tuple(args.epd_flag)
     changes["slo"] = not args.no_slo
@@ -331,6 +335,15 @@ def parse(argv: list[str] | None) -> tuple[Setup, bool]:
     changes["from_json"] = args.from_json
     setup = Setup(**{**setup.__dict__, **changes})
     return setup, has_docs(setup)
+
+
+def commit_of(ref: str) -> str:
+    """`ref`'s commit, abbreviated (a branch such as main moves on; the run's JSON names what it measured)."""
+    found = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=7", f"{ref}^{{commit}}"],
+                           capture_output=True, text=True)
+    if found.returncode != 0:
+        raise SystemExit(f"--baseline {ref}: not a git ref of this repository ({found.stderr.strip()})")
+    return found.stdout.strip()
 
 
 def has_docs(setup: Setup) -> bool:

@@ -273,9 +273,9 @@ class CpuConfig:
                               "keeps spinning between regions (services/hostcpu/compute_threads.py) | off.  Why: "
                               "only to measure what it gains (benchmarks/omp_team.py)", roles="roles")
     compute_lease: str = _f("auto", "auto: under `epd serve` encode's and prefill's forwards take turns on the cores "
-                            "and decode steps pause (at most 0.5 s a step) while one runs "
-                            "(services/hostcpu/compute_lease.py) | off.  Why: roles pinned to cores of their own, "
-                            "which need no turns, or to measure it", roles="roles")
+                            "and decode steps pause (<= 0.5 s a step) while one runs; the next waits (<= 50 ms) for "
+                            "decode to send the last's first tokens (services/hostcpu/compute_lease.py) | off.  Why: "
+                            "roles pinned to cores of their own, which need no turns, or to measure it", roles="roles")
     role_nice: str = _f("auto", "niceness per role and its autogroup ('decode=0,prefill=5'; prefill-long=N: prefill's "
                         "while it runs a chunked prompt, decode-long=N: decode's meanwhile); auto under `epd serve`: "
                         "decode=15,decode-long=5,prefill-long=19, none alone.  Why: to weigh the roles against other "

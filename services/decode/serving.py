@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter
@@ -125,6 +125,24 @@ class DecodeService:
     async def decode(self, request_id: str, kv_params: Any, sampling: dict[str, Any],
                      prompt_token_ids: list[int] | None = None,
                      resumed: list[int] | None = None, weight_version: str = "") -> AsyncIterator[DecodeEvent]:
+        """`_decode`'s events; once the first is written, or the call ended without one, decode's turn is over:
+        the prompt forwards waiting for it may start (services/hostcpu/compute_lease.py)."""
+        sent = False
+        try:   # closed with this generator: its own cleanup (the engine's abort) runs now, not when collected
+            async with contextlib.aclosing(self._decode(request_id, kv_params, sampling, prompt_token_ids, resumed,
+                                                        weight_version)) as events:
+                async for event in events:
+                    yield event
+                    if not sent:
+                        sent = True
+                        compute_lease.sent_first_token()
+        finally:
+            if not sent:
+                compute_lease.sent_first_token()
+
+    async def _decode(self, request_id: str, kv_params: Any, sampling: dict[str, Any],
+                      prompt_token_ids: list[int] | None = None,
+                      resumed: list[int] | None = None, weight_version: str = "") -> AsyncGenerator[DecodeEvent, None]:
         """The request's events, the first token's first.  `resumed`: the output tokens the client already has
         (its decode instance died): the KV holds the prompt and all but the last of them, which is the first
         token; they are judged again without being sent, and the stream starts with the next token.  The request
@@ -171,7 +189,6 @@ class DecodeService:
         texts = _LogprobTexts(engine.tokenizer, kv_params, firsts, bool(resumed)) \
             if params.logprobs is not None else None
         left = samples   # samples whose final event has not been read yet
-        first = True
         try:
             async for event in request.stream.events():
                 if texts is not None:
@@ -181,9 +198,6 @@ class DecodeService:
                     left -= 1
                     FINISHED.labels(event.finish_reason or "unknown").inc()
                 yield event
-                if first:   # written: the prompt forwards waiting for decode's turn may start (compute_lease.py)
-                    compute_lease.sent_first_token()
-                    first = False
         finally:
             if left:
                 engine.abort(request_id)  # one still loading ends when its copy is done (engine.start)

@@ -163,7 +163,7 @@ class PrefillService:
         draws = [sample_params(params, i) for i in range(samples)] if not params.plain_greedy else []
         held = await self._forward(model, token_ids, items, ec_params, cache_salt, key, params.plain_greedy,
                                    prompt_logprobs, draws if model.engine.can_draw(draws) else [],
-                                   hands_off=params.max_tokens != 1)
+                                   hands_off=True)   # every answer's first token goes on to a decode
         if not self.kv_store.local:
             await self._put_remote(key, held)
         if held.kv_error is not None:

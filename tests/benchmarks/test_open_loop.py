@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -82,7 +83,7 @@ def test_baseline_flags_go_to_an_epd_baseline_only(capsys):
     assert "--baseline-flag needs an epd baseline" in capsys.readouterr().err
 
 
-def test_each_shape_runs_under_its_own_name_and_docs_block():
+def test_each_shape_runs_under_its_own_name_and_docs_block(monkeypatch):
     assert open_loop.parse([]) == (open_loop.Setup(), True)                  # demo-medium: open_loop, `open-loop`
     deep, docs = open_loop.parse(["--model", "demo-deep"])
     assert (deep.name, docs) == ("open_loop_deep", True)
@@ -101,6 +102,15 @@ def test_each_shape_runs_under_its_own_name_and_docs_block():
     assert open_loop.parse(["--model", "smollm2", "--name", "open_loop_nice", "--baseline", "self",
                             "--baseline-flag=--role-nice=decode=15"])[1] is True    # an A/B run with a block
     assert open_loop.parse(["--model", "smollm2", "--name", "open_loop_nice"])[1] is False   # not its baseline
+    # a git ref is named by its commit (a branch moves on), and a named A/B's block is beside that commit only
+    head = subprocess.run(["git", "-C", str(open_loop.ROOT), "rev-parse", "--short=7", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    monkeypatch.setitem(open_loop.DOC_RUNS, "open_loop_ab_trial", head)
+    trial, docs = open_loop.parse(["--name", "open_loop_ab_trial", "--baseline", "HEAD"])
+    assert (trial.baseline, docs) == (head, True)
+    assert open_loop.parse(["--name", "open_loop_ab_trial", "--baseline", "self"])[1] is False
+    with pytest.raises(SystemExit, match="--baseline no-such-ref: not a git ref"):
+        open_loop.parse(["--baseline", "no-such-ref"])
 
 
 def test_epd_runs_with_the_goodput_slo_as_its_admission_targets_unless_told_not_to():

@@ -216,3 +216,37 @@ def test_resumed_tokens_that_do_not_fit_the_kv_are_refused(make_engine, story, s
     with pytest.raises(InvalidRequest) as refused:
         asyncio.run(main())
     assert refused.value.code == "invalid_kv_transfer_params"
+
+
+def test_each_call_ends_decodes_turn_once_when_its_first_token_is_written_or_it_fails(make_engine, story, store,
+                                                                                     tmp_path, monkeypatch):
+    """Decode's turn (services/hostcpu/compute_lease.py): prefill's next forward waits until decode has sent on
+    the first tokens handed to it.  A call counts once, right after its first event is taken (not at its end),
+    and a call that fails before any token counts too, so a re-prefill does not wait for a turn never coming."""
+    from services.hostcpu import compute_lease
+
+    path = compute_lease.create(str(tmp_path / "lease"))
+    follower = compute_lease.Follower(path)
+    monkeypatch.setattr(compute_lease, "_FOLLOWER", [follower])
+
+    def taken() -> int:
+        return int.from_bytes(follower.board[compute_lease.TAKEN:compute_lease.TAKEN + 8], "little", signed=True)
+
+    engine = make_engine(num_slots=2)
+    service = DecodeService(engine, store)
+    seen: list[int] = []
+
+    async def note(_event) -> None:
+        seen.append(taken())
+
+    async def main():
+        await collect(service.decode("d1", transfer(store, story), {**GREEDY, "max_tokens": 4}), note)
+        params = transfer(store, story, key="req|d2|x")
+        store.delete(params["handle"]["key"])
+        with pytest.raises(NotFound):
+            await collect(service.decode("d2", params, {**GREEDY, "max_tokens": 4}))
+
+    asyncio.run(main())
+    # while the first event is read it is not yet counted; from the second on it is; the failed call adds one
+    assert seen[0] == 0 and set(seen[1:]) == {1} and taken() == 2
+    assert all_back(engine)
