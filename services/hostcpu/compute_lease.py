@@ -25,8 +25,8 @@ process that held the lease last lets another that is waiting go first (for at m
 forwards follow each other closely cannot keep it.
 Decode's turn: a prompt forward that ends hands its prompts' first tokens to decode (through the coordinator), and
 decode, niced, sends each on only when it gets a core; a next prompt forward that starts at once takes both cores
-for its whole length, so those first tokens waited for it (up to a batched forward's 300 ms, the slowest TTFTs
-under `vllm bench serve` bursts).  So prefill counts the first tokens it hands off (HANDED, after the flags),
+for its whole length, so those first tokens waited for it (a batched forward's whole length: the slowest
+TTFTs under `vllm bench serve` bursts).  So prefill counts the first tokens it hands off (HANDED, after the flags),
 decode counts those it has sent (TAKEN), and a prompt-side forward starts only when decode has caught up, or
 TURN_S after the last hand-off (a first token that never reaches decode, e.g. its client went away, is then
 forgotten).  vLLM's one loop gets the same order: a step's new tokens go out before the next step.

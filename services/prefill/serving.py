@@ -162,8 +162,7 @@ class PrefillService:
         key = kv_key(request_id, model.version)
         draws = [sample_params(params, i) for i in range(samples)] if not params.plain_greedy else []
         held = await self._forward(model, token_ids, items, ec_params, cache_salt, key, params.plain_greedy,
-                                   prompt_logprobs, draws if model.engine.can_draw(draws) else [],
-                                   hands_off=True)   # every answer's first token goes on to a decode
+                                   prompt_logprobs, draws if model.engine.can_draw(draws) else [])
         if not self.kv_store.local:
             await self._put_remote(key, held)
         if held.kv_error is not None:
@@ -208,7 +207,7 @@ class PrefillService:
     async def _forward(self, model: PrefillModel, token_ids: list[int], items: list[PrefillItem],
                        ec_params: dict[str, Any], cache_salt: str | None, key: str,
                        greedy: bool = False, prompt_logprobs: int | None = None,
-                       draws: list[DecodeParams] | None = None, hands_off: bool = False) -> HeldPrefill:
+                       draws: list[DecodeParams] | None = None) -> HeldPrefill:
         """The prompt through the engine with each embedding read as a zero-copy view of the EC store, kept
         open until the forward is done: the scatter into the prompt's embeddings is the one copy.  An entry
         evicted meanwhile fails the prompt (ec_entry_missing) rather than use bytes that changed under it.
@@ -225,7 +224,7 @@ class PrefillService:
                     mm_inputs = await asyncio.to_thread(self._load_embeddings, model, items, ec_params, views)
                 activity.mark("prefill.ec_views.end")
                 held = await self._run_engine(model, token_ids, mm_inputs, cache_salt, key, greedy, prompt_logprobs,
-                                              draws or [], hands_off)
+                                              draws or [])
         except ConnectorError as exc:
             if held is not None:
                 held.release()
@@ -234,8 +233,7 @@ class PrefillService:
 
     async def _run_engine(self, model: PrefillModel, token_ids: list[int], mm_inputs: list[MultiModalInput],
                           cache_salt: str | None, key: str, greedy: bool = False,
-                          prompt_logprobs: int | None = None, draws: list[DecodeParams] | None = None,
-                          hands_off: bool = False) -> HeldPrefill:
+                          prompt_logprobs: int | None = None, draws: list[DecodeParams] | None = None) -> HeldPrefill:
         """Wait for the engine without holding a thread (so every waiting prompt can join a batch).  With a
         local store the engine thread puts the KV into it as soon as the prompt's last forward ends
         (`_put_kv`: a memcpy), so the result comes back with its blocks already released.  A caller that gives
@@ -245,7 +243,7 @@ class PrefillService:
         # An idle engine runs a small prompt right here (the future comes back done: no thread hand-off)
         future = model.engine.submit(token_ids, mm_inputs, cache_salt, on_finish=on_finish, greedy=greedy,
                                      inline=True, prompt_logprobs=prompt_logprobs, logprobs_mode=self.logprobs_mode,
-                                     draws=draws or (), hands_off=hands_off)
+                                     draws=draws or (), hands_off=True)   # every answer goes on to a decode
         if future.done():
             activity.mark("prefill.engine_done")
             return future.result()
